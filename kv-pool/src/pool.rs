@@ -10,13 +10,19 @@
 //! +----------------+--------+-------+-------+---------------+
 //! ```
 //!
-//! * `QUEUED`: the index sits in a free queue. Set when the count drops to 0
+//! * `QUEUED`: the index sits in a free list. Set when the count drops to 0
 //!   (and the index is pushed), cleared when a popper takes or discards it.
-//!   At most one queue entry per block, so queues never exceed capacity.
+//!   At most one entry per block, so free lists never exceed capacity.
 //! * `CACHED`: the content is registered in a prefix index; at count 0 the
-//!   block waits in the *evictable* queue instead of the *fresh* one.
+//!   block waits in the *evictable* FIFO (crossbeam `SegQueue`, least
+//!   recently released first) instead of a *fresh* stack.
 //! * `TOUCHED`: a cached block was revived while queued; the popper gives it
 //!   a second chance at the tail (CLOCK) instead of reclaiming it.
+//!
+//! Fresh (never cached) blocks live on intrusive Treiber stacks, one per
+//! shard, linked through each slot's `next` field and tagged against ABA;
+//! a thread pushes to its home shard and pops from it first, so a single
+//! thread's allocate + release pair costs a handful of uncontended CAS.
 //!
 //! `available` counts free blocks not yet promised to an allocation; a thread
 //! *reserves* units there before it pops, so a pop after a successful
@@ -25,7 +31,7 @@
 
 use std::sync::{Mutex, OnceLock};
 
-use crate::sync::{AtomicU64, AtomicUsize, FreeQueue, Ordering, spin_wait};
+use crate::sync::{AtomicU32, AtomicU64, AtomicUsize, FreeQueue, Ordering, spin_wait};
 use crate::{
     Allocation, BlockAllocator, BlockId, KvLayout, PoolError, PoolStats, Result, Retained,
 };
@@ -135,15 +141,46 @@ impl PoolConfig {
     }
 }
 
-/// One block's packed state (see the module docs).
+/// One block's packed state (see the module docs) and its link in the
+/// fresh stack.
 struct Slot {
     state: AtomicU64,
+    /// Next index in the fresh stack while this block is on it.
+    next: AtomicU32,
+}
+
+/// End of a fresh stack.
+const NIL: u32 = u32::MAX;
+
+/// Fresh-stack shards; threads are spread over them round-robin.
+const SHARDS: usize = 4;
+
+/// Keeps each shard head on its own cache lines.
+#[repr(align(128))]
+struct Padded<T>(T);
+
+/// The shard this thread pushes to and pops from first.
+#[cfg(not(loom))]
+fn home_shard() -> usize {
+    use std::sync::atomic::AtomicUsize as StdAtomicUsize;
+    static NEXT: StdAtomicUsize = StdAtomicUsize::new(0);
+    thread_local! {
+        static HOME: usize = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % SHARDS;
+    }
+    HOME.with(|h| *h)
+}
+
+/// Under loom every thread starts at shard 0, so all of them contend.
+#[cfg(loom)]
+fn home_shard() -> usize {
+    0
 }
 
 /// A thread-safe pool of fixed-size KV blocks.
 ///
-/// Allocation and release are lock-free (crossbeam queues plus one CAS per
-/// block); only growth takes a lock, once per batch.
+/// Allocation and release are lock-free (sharded Treiber stacks for fresh
+/// blocks, a crossbeam queue for cached ones, one CAS on the block's state);
+/// only growth takes a lock, once per batch.
 pub struct BlockPool {
     layout: KvLayout,
     config: PoolConfig,
@@ -151,9 +188,14 @@ pub struct BlockPool {
     segments: Box<[OnceLock<Box<[Slot]>>]>,
     shift: u32,
     capacity: AtomicUsize,
-    available: AtomicUsize,
     cached_free: AtomicUsize,
-    fresh: FreeQueue,
+    /// The hottest counter: on its own cache lines.
+    available: Padded<AtomicUsize>,
+    /// Never-cached free blocks: intrusive Treiber stacks (LIFO keeps
+    /// recently used blocks hot), sharded so threads mostly touch their own
+    /// head. Each head packs `tag << 32 | index`; the tag defeats ABA.
+    fresh: [Padded<AtomicU64>; SHARDS],
+    /// Cached free blocks, least recently released first (FIFO).
     evictable: FreeQueue,
     grow_lock: Mutex<()>,
 }
@@ -180,9 +222,9 @@ impl BlockPool {
             segments: (0..segments).map(|_| OnceLock::new()).collect(),
             shift: batch.trailing_zeros(),
             capacity: AtomicUsize::new(0),
-            available: AtomicUsize::new(0),
+            available: Padded(AtomicUsize::new(0)),
             cached_free: AtomicUsize::new(0),
-            fresh: FreeQueue::new(),
+            fresh: std::array::from_fn(|_| Padded(AtomicU64::new(u64::from(NIL)))),
             evictable: FreeQueue::new(),
             grow_lock: Mutex::new(()),
         };
@@ -219,19 +261,21 @@ impl BlockPool {
             let slots: Box<[Slot]> = (0..len)
                 .map(|_| Slot {
                     state: AtomicU64::new(QUEUED),
+                    next: AtomicU32::new(NIL),
                 })
                 .collect();
             if self.segments[seg].set(slots).is_err() {
                 unreachable!("segments are filled in order under the growth lock");
             }
             let first = cap as u32;
-            for i in 0..len as u32 {
-                self.fresh.push(first + i);
-            }
             cap += len;
-            // Publish the slots before their units become reservable.
+            // Publish the slots before they are linked or reservable.
             self.capacity.store(cap, Ordering::Release);
-            self.available.fetch_add(len, Ordering::AcqRel);
+            for i in (0..len as u32).rev() {
+                let index = first + i;
+                self.push_fresh(index, index as usize % SHARDS);
+            }
+            self.available.0.fetch_add(len, Ordering::AcqRel);
         }
         cap != before
     }
@@ -255,11 +299,50 @@ impl BlockPool {
         }
     }
 
+    fn push_fresh(&self, index: u32, shard: usize) {
+        let slot = self.slot_at(index as usize);
+        let head_ref = &self.fresh[shard].0;
+        let mut head = head_ref.load(Ordering::Acquire);
+        loop {
+            slot.next.store(head as u32, Ordering::Relaxed);
+            let new = ((head >> 32).wrapping_add(1) << 32) | u64::from(index);
+            match head_ref.compare_exchange_weak(head, new, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return,
+                Err(now) => head = now,
+            }
+        }
+    }
+
+    /// Pops from this thread's shard, then steals from the others.
+    fn pop_fresh(&self) -> Option<u32> {
+        let home = home_shard();
+        (0..SHARDS).find_map(|k| self.pop_shard((home + k) % SHARDS))
+    }
+
+    fn pop_shard(&self, shard: usize) -> Option<u32> {
+        let head_ref = &self.fresh[shard].0;
+        let mut head = head_ref.load(Ordering::Acquire);
+        loop {
+            let index = head as u32;
+            if index == NIL {
+                return None;
+            }
+            // If `index` was popped and pushed again meanwhile, the tag moved
+            // on and the exchange below fails: `next` may be stale but unused.
+            let next = self.slot_at(index as usize).next.load(Ordering::Relaxed);
+            let new = ((head >> 32).wrapping_add(1) << 32) | u64::from(next);
+            match head_ref.compare_exchange_weak(head, new, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return Some(index),
+                Err(now) => head = now,
+            }
+        }
+    }
+
     /// Reserves `n` units of `available`, growing first when fresh blocks
     /// are short (cached blocks are only reclaimed once the cap is reached).
     fn reserve(&self, n: usize) -> bool {
         loop {
-            let avail = self.available.load(Ordering::Acquire);
+            let avail = self.available.0.load(Ordering::Acquire);
             let fresh = avail.saturating_sub(self.cached_free.load(Ordering::Acquire));
             let headroom = self.config.max_blocks - self.capacity.load(Ordering::Acquire);
             if avail.saturating_add(headroom) < n {
@@ -274,6 +357,7 @@ impl BlockPool {
             }
             if self
                 .available
+                .0
                 .compare_exchange_weak(avail, avail - n, Ordering::AcqRel, Ordering::Acquire)
                 .is_ok()
             {
@@ -283,9 +367,9 @@ impl BlockPool {
     }
 
     fn try_reserve_one(&self) -> bool {
-        let mut avail = self.available.load(Ordering::Acquire);
+        let mut avail = self.available.0.load(Ordering::Acquire);
         while avail > 0 {
-            match self.available.compare_exchange_weak(
+            match self.available.0.compare_exchange_weak(
                 avail,
                 avail - 1,
                 Ordering::AcqRel,
@@ -301,7 +385,7 @@ impl BlockPool {
     /// Pops until it owns one free block; the caller holds a reservation.
     fn take_one(&self, out: &mut Allocation) {
         loop {
-            let Some(index) = self.fresh.pop().or_else(|| self.evictable.pop()) else {
+            let Some(index) = self.pop_fresh().or_else(|| self.evictable.pop()) else {
                 // The entry we are owed is being re-queued by another thread.
                 spin_wait();
                 continue;
@@ -407,7 +491,7 @@ impl BlockAllocator for BlockPool {
                     return Ok(Retained::Held(1));
                 }
                 Err(now) => {
-                    self.available.fetch_add(1, Ordering::AcqRel);
+                    self.available.0.fetch_add(1, Ordering::AcqRel);
                     s = now;
                 }
             }
@@ -442,10 +526,13 @@ impl BlockAllocator for BlockPool {
                     self.cached_free.fetch_add(1, Ordering::AcqRel);
                 }
                 if s & QUEUED == 0 {
-                    let queue = if cached { &self.evictable } else { &self.fresh };
-                    queue.push(id.index());
+                    if cached {
+                        self.evictable.push(id.index());
+                    } else {
+                        self.push_fresh(id.index(), home_shard());
+                    }
                 }
-                self.available.fetch_add(1, Ordering::AcqRel);
+                self.available.0.fetch_add(1, Ordering::AcqRel);
             }
             return Ok(c - 1);
         }
@@ -492,7 +579,7 @@ impl BlockAllocator for BlockPool {
 
     fn stats(&self) -> PoolStats {
         let capacity = self.capacity.load(Ordering::Acquire);
-        let available = self.available.load(Ordering::Acquire);
+        let available = self.available.0.load(Ordering::Acquire);
         let in_use = capacity.saturating_sub(available);
         let block_bytes = self.layout.block_bytes();
         PoolStats {

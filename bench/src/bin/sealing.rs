@@ -1,0 +1,74 @@
+//! Round-sealing experiment: hit rate of reusable tokens and KV memory held,
+//! per block size, with and without sealing the last block of each turn.
+//!
+//! `cargo run -p kvforge-bench --release --bin sealing [CHATS] [TURNS]`
+//! (defaults: 200 chats of 16 turns). Prints a Markdown table. Both index
+//! kinds replay the same chats and must agree exactly.
+
+#![allow(clippy::print_stdout)] // a report printer
+
+use anyhow::{Context, bail};
+use kvforge_bench::sealing::{IndexKind, replay, synthetic_chat};
+use kvforge_bench::smollm2_layout;
+
+fn arg(args: &[String], i: usize, name: &str, default: usize) -> anyhow::Result<usize> {
+    match args.get(i) {
+        None => Ok(default),
+        Some(s) => {
+            let v: usize = s
+                .parse()
+                .with_context(|| format!("{name} must be a positive integer, got {s:?}"))?;
+            if v == 0 {
+                bail!("{name} must be at least 1");
+            }
+            Ok(v)
+        }
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    if args.len() > 3 {
+        bail!("usage: sealing [CHATS] [TURNS]");
+    }
+    let chats = arg(&args, 1, "CHATS", 200)?;
+    let turns = arg(&args, 2, "TURNS", 16)?;
+    let data: Vec<_> = (0..chats as u64)
+        .map(|s| synthetic_chat(turns, s))
+        .collect();
+    let mut out = String::new();
+    out.push_str(&format!(
+        "Synthetic chats: {chats} x {turns} turns (user 16-160, answer 32-400 tokens). \
+         KV in SmolLM2-135M f16 (23,040 B/token).\n\n"
+    ));
+    out.push_str("| block | hit rate (no seal) | hit rate (sealed) | KV held (no seal) | KV held (sealed) | memory cost | empty slots (sealed) |\n");
+    out.push_str("|---:|---:|---:|---:|---:|---:|---:|\n");
+    for bs in [16usize, 32, 64, 128, 256, 512] {
+        let mut rows = Vec::new();
+        for seal in [false, true] {
+            let a = replay(&data, bs, seal, IndexKind::HashChain);
+            let b = replay(&data, bs, seal, IndexKind::Radix);
+            if a.replay != b.replay {
+                bail!("hash chain and radix disagree at block {bs}, seal {seal}: {a:?} vs {b:?}");
+            }
+            rows.push(a);
+        }
+        let (plain, sealed) = (rows[0], rows[1]);
+        let bytes = |r: &kvforge_bench::sealing::SealRun| {
+            r.replay.blocks_held as f64 * smollm2_layout(bs as u32).block_bytes() as f64
+                / chats as f64
+                / (1 << 20) as f64
+        };
+        out.push_str(&format!(
+            "| {bs} | {:.1}% | {:.1}% | {:.1} MiB | {:.1} MiB | +{:.1}% | {:.1}% |\n",
+            100.0 * plain.replay.hit_rate(),
+            100.0 * sealed.replay.hit_rate(),
+            bytes(&plain),
+            bytes(&sealed),
+            100.0 * (sealed.replay.blocks_held as f64 / plain.replay.blocks_held as f64 - 1.0),
+            100.0 * sealed.waste(),
+        ));
+    }
+    print!("{out}");
+    Ok(())
+}

@@ -1,0 +1,62 @@
+//! Shared pieces of the kvforge benchmarks and experiment workloads.
+//!
+//! * [`smollm2_layout`], [`synthetic_tokens`], [`cached_index`]: fixtures for
+//!   the criterion benches in `benches/`.
+//! * [`sealing`]: the round-sealing experiment (hit rate gained against
+//!   memory spent), run by `cargo run -p kvforge-bench --release --bin sealing`.
+
+pub mod sealing;
+
+use kvforge_pool::{BlockId, KvLayout, StorageFormat};
+use kvforge_prefix::{BlockRef, ExtraKeys, PrefixMatcher};
+
+/// SmolLM2-135M's KV cache in f16 (30 layers, 3 KV heads, head dim 64).
+pub fn smollm2_layout(block_size: u32) -> KvLayout {
+    match KvLayout::new(30, 3, 64, block_size, StorageFormat::F16) {
+        Ok(l) => l,
+        Err(e) => panic!("block size {block_size}: {e}"),
+    }
+}
+
+/// SplitMix64: a tiny, fast, seeded generator for synthetic workloads.
+#[derive(Clone, Debug)]
+pub struct SplitMix(u64);
+
+impl SplitMix {
+    /// A generator from a seed.
+    pub fn new(seed: u64) -> Self {
+        SplitMix(seed)
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `lo..=hi`.
+    pub fn range(&mut self, lo: u32, hi: u32) -> u32 {
+        lo + (self.next_u64() % u64::from(hi - lo + 1)) as u32
+    }
+}
+
+/// `n` token ids in SmolLM2's vocabulary (49,152), from `seed`.
+pub fn synthetic_tokens(n: usize, seed: u64) -> Vec<u32> {
+    let mut r = SplitMix::new(seed);
+    (0..n).map(|_| r.range(3, 49_151)).collect()
+}
+
+/// Indexes every full block of `tokens` under made-up block ids (slot `i`
+/// holds block `i`), as if a pool had handed them out.
+pub fn cached_index<M: PrefixMatcher + ?Sized>(m: &mut M, tokens: &[u32], extra: &ExtraKeys) {
+    let bs = m.block_size();
+    let blocks: Vec<BlockRef> = (0..tokens.len() / bs)
+        .map(|i| BlockRef::new(BlockId::new(i as u32, 1), bs as u32))
+        .collect();
+    if let Err(e) = m.insert(tokens, extra, &blocks) {
+        panic!("indexing synthetic tokens: {e}");
+    }
+}

@@ -1,0 +1,176 @@
+//! `cargo xtask <command>`: the project's own commands (matklad's xtask
+//! pattern). Plain `std::process::Command`, so it compiles in seconds.
+//!
+//! * `ci`    — fmt check, clippy `-D warnings`, all tests, then the loom model.
+//! * `bench` — the criterion benches, then a Markdown summary of their
+//!   medians in `target/kvforge-bench.md`.
+//! * `tidy`  — source hygiene checks (also run by `cargo test`).
+
+mod tidy;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+
+const USAGE: &str = "usage: cargo xtask <ci | bench [FILTER] | tidy>";
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("xtask: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let root = project_root();
+    match args.first().map(String::as_str) {
+        Some("ci") if args.len() == 1 => ci(&root),
+        Some("bench") if args.len() <= 2 => bench(&root, args.get(1).map(String::as_str)),
+        Some("tidy") if args.len() == 1 => {
+            let problems = tidy::check(&root)?;
+            if !problems.is_empty() {
+                bail!("tidy:\n{}", problems.join("\n"));
+            }
+            say("tidy: ok");
+            Ok(())
+        }
+        _ => bail!("{USAGE}"),
+    }
+}
+
+fn project_root() -> PathBuf {
+    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    manifest.parent().map(Path::to_path_buf).unwrap_or(manifest)
+}
+
+fn say(msg: &str) {
+    eprintln!("{msg}");
+}
+
+fn cargo() -> Command {
+    Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
+}
+
+fn step(name: &str, mut cmd: Command) -> Result<()> {
+    say(&format!("\n==> {name}"));
+    let status = cmd
+        .status()
+        .with_context(|| format!("could not start `{name}`"))?;
+    if !status.success() {
+        bail!("`{name}` failed ({status})");
+    }
+    Ok(())
+}
+
+fn ci(root: &Path) -> Result<()> {
+    let mut fmt = cargo();
+    fmt.current_dir(root).args(["fmt", "--all", "--check"]);
+    step("cargo fmt --check", fmt)?;
+
+    let mut clippy = cargo();
+    clippy.current_dir(root).args([
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ]);
+    step("cargo clippy -D warnings", clippy)?;
+
+    let mut test = cargo();
+    test.current_dir(root).args(["test", "--workspace"]);
+    step("cargo test --workspace", test)?;
+
+    // The loom model needs its own cfg, hence its own target directory.
+    let mut loom = cargo();
+    loom.current_dir(root)
+        .env("RUSTFLAGS", "--cfg loom")
+        .env("CARGO_TARGET_DIR", root.join("target/loom"))
+        .args(["test", "-p", "kvforge-pool", "--test", "loom", "--release"]);
+    step("loom model of kvforge-pool", loom)?;
+    say("\nci: all checks passed");
+    Ok(())
+}
+
+fn bench(root: &Path, filter: Option<&str>) -> Result<()> {
+    let mut cmd = cargo();
+    cmd.current_dir(root).args([
+        "bench",
+        "-p",
+        "kvforge-bench",
+        "--bench",
+        "bench_main",
+        "--",
+    ]);
+    if let Some(f) = filter {
+        cmd.arg(f);
+    }
+    step("cargo bench -p kvforge-bench", cmd)?;
+    let table = summarize(&root.join("target/criterion"))?;
+    let out = root.join("target/kvforge-bench.md");
+    std::fs::write(&out, &table).with_context(|| format!("writing {}", out.display()))?;
+    say(&format!("\n{table}\nwritten to {}", out.display()));
+    Ok(())
+}
+
+/// Reads every `new/estimates.json` + `new/benchmark.json` criterion left and
+/// renders median time and throughput per benchmark.
+fn summarize(dir: &Path) -> Result<String> {
+    let mut rows = Vec::new();
+    collect(dir, &mut rows)?;
+    rows.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut s = String::from("| benchmark | median | throughput |\n|---|---:|---:|\n");
+    for (name, median_ns, per_iter) in rows {
+        let thr = match per_iter {
+            Some(n) => format_rate(n / (median_ns * 1e-9)),
+            None => String::new(),
+        };
+        s.push_str(&format!("| {name} | {} | {thr} |\n", format_ns(median_ns)));
+    }
+    Ok(s)
+}
+
+type Row = (String, f64, Option<f64>);
+
+fn collect(dir: &Path, rows: &mut Vec<Row>) -> Result<()> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Ok(());
+    };
+    for entry in entries {
+        let path = entry?.path();
+        if !path.is_dir() {
+            continue;
+        }
+        let est = path.join("new/estimates.json");
+        let meta = path.join("new/benchmark.json");
+        if est.is_file() && meta.is_file() {
+            let est: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&est)?)
+                .with_context(|| format!("parsing {}", est.display()))?;
+            let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&meta)?)
+                .with_context(|| format!("parsing {}", meta.display()))?;
+            let median = est["median"]["point_estimate"].as_f64().unwrap_or(f64::NAN);
+            let name = meta["full_id"].as_str().unwrap_or("?").to_string();
+            let per_iter = meta["throughput"]["Elements"].as_f64();
+            rows.push((name, median, per_iter));
+        } else {
+            collect(&path, rows)?;
+        }
+    }
+    Ok(())
+}
+
+fn format_ns(ns: f64) -> String {
+    match ns {
+        n if n < 1e3 => format!("{n:.1} ns"),
+        n if n < 1e6 => format!("{:.2} µs", n / 1e3),
+        n if n < 1e9 => format!("{:.2} ms", n / 1e6),
+        n => format!("{:.2} s", n / 1e9),
+    }
+}
+
+fn format_rate(per_s: f64) -> String {
+    format!("{per_s:.3e} elem/s")
+}
