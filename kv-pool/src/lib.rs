@@ -253,3 +253,8 @@ macro_rules! forward_allocator {
 }
 
 forward_allocator!(&A, Box<A>, std::sync::Arc<A>);
+
+/// The README's examples, compiled and run as doctests.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

@@ -330,3 +330,8 @@ pub(crate) fn validate_insert(
 pub(crate) fn trace_block(position: usize, key: Option<BlockHash>, hit: bool) {
     tracing::debug!(target: "kvforge_prefix", position, hash = ?key, hit, "block lookup");
 }
+
+/// The README's examples, compiled and run as doctests.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
