@@ -1,11 +1,16 @@
 //! `cargo xtask <command>`: the project's own commands (matklad's xtask
 //! pattern). Plain `std::process::Command`, so it compiles in seconds.
 //!
-//! * `ci`    — fmt check, clippy `-D warnings`, all tests, then the loom model.
+//! * `setup` — venv with torch, the model, the data (see `setup.rs`).
+//! * `ci`    — setup, fmt check, clippy `-D warnings`, all tests, loom model.
+//! * `kvforge ARGS` — setup, then the `kvforge` CLI (release build).
+//! * `engine-bench` — kvforge and Hugging Face transformers, prefill and
+//!   decode speed at 1k context on the same model, one table.
 //! * `bench` — the criterion benches, then a Markdown summary of their
 //!   medians in `target/kvforge-bench.md`.
 //! * `tidy`  — source hygiene checks (also run by `cargo test`).
 
+mod setup;
 mod tidy;
 
 use std::path::{Path, PathBuf};
@@ -13,7 +18,8 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 
-const USAGE: &str = "usage: cargo xtask <ci | bench [FILTER] | tidy>";
+const USAGE: &str = "usage: cargo xtask <setup [--reference] | ci | bench [FILTER] | \
+                     kvforge ARGS... | engine-bench [CONTEXT] [DECODE] | tidy>";
 
 fn main() {
     if let Err(e) = run() {
@@ -26,7 +32,40 @@ fn run() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let root = project_root();
     match args.first().map(String::as_str) {
+        Some("setup") if args.len() == 1 => setup::setup(&root, false).map(|_| ()),
+        Some("setup") if args.len() == 2 && args[1] == "--reference" => {
+            setup::setup(&root, true).map(|_| ())
+        }
         Some("ci") if args.len() == 1 => ci(&root),
+        Some("kvforge") => {
+            setup::setup(&root, false)?;
+            let mut cmd = cargo();
+            cmd.current_dir(&root)
+                .args([
+                    "run",
+                    "--quiet",
+                    "--release",
+                    "-p",
+                    "kvforge-engine",
+                    "--bin",
+                    "kvforge",
+                    "--",
+                ])
+                .args(&args[1..]);
+            let status = cmd.status().context("could not start cargo run")?;
+            std::process::exit(status.code().unwrap_or(1));
+        }
+        Some("engine-bench") if args.len() <= 3 => {
+            let num = |i: usize, d: usize| -> Result<usize> {
+                match args.get(i) {
+                    None => Ok(d),
+                    Some(s) => s
+                        .parse()
+                        .with_context(|| format!("{s:?} is not a token count")),
+                }
+            };
+            engine_bench(&root, num(1, 1024)?, num(2, 64)?)
+        }
         Some("bench") if args.len() <= 2 => bench(&root, args.get(1).map(String::as_str)),
         Some("tidy") if args.len() == 1 => {
             let problems = tidy::check(&root)?;
@@ -65,6 +104,7 @@ fn step(name: &str, mut cmd: Command) -> Result<()> {
 }
 
 fn ci(root: &Path) -> Result<()> {
+    setup::setup(root, false)?;
     let mut fmt = cargo();
     fmt.current_dir(root).args(["fmt", "--all", "--check"]);
     step("cargo fmt --check", fmt)?;
@@ -92,6 +132,87 @@ fn ci(root: &Path) -> Result<()> {
         .args(["test", "-p", "kvforge-pool", "--test", "loom", "--release"]);
     step("loom model of kvforge-pool", loom)?;
     say("\nci: all checks passed");
+    Ok(())
+}
+
+/// Runs `kvforge bench` in several precisions and the transformers script on
+/// the same text and model, and prints one Markdown table.
+fn engine_bench(root: &Path, context: usize, decode: usize) -> Result<()> {
+    let env = setup::setup(root, true)?;
+    let mut build = cargo();
+    build
+        .current_dir(root)
+        .args(["build", "--quiet", "--release", "-p", "kvforge-engine"]);
+    step("cargo build --release -p kvforge-engine", build)?;
+    let text = root.join("data/exllamav2/wiki.utf8");
+    let model = root.join("models").join(setup::MODEL_FILE);
+    let (ctx, dec) = (context.to_string(), decode.to_string());
+    let mut runs: Vec<(String, Command)> = Vec::new();
+    for extra in [
+        &[][..],
+        &["--dtype", "bf16"],
+        &["--weights", "f16"],
+        &["--weights", "f16", "--kv-dtype", "f16"],
+    ] {
+        let mut c = Command::new(root.join("target/release/kvforge"));
+        c.current_dir(root)
+            .args(["bench", "--text"])
+            .arg(&text)
+            .args(["--context", &ctx, "--max-tokens", &dec]);
+        c.args(extra);
+        runs.push((format!("kvforge {}", extra.join(" ")), c));
+    }
+    let mut hf = Command::new(&env.python);
+    hf.current_dir(root)
+        .arg(root.join("scripts/hf_bench.py"))
+        .arg(&model)
+        .arg(&text)
+        .args([&ctx, &dec]);
+    runs.push(("transformers (f32)".into(), hf));
+    let mut rows = Vec::new();
+    for (name, mut cmd) in runs {
+        say(&format!("==> {name}"));
+        let out = cmd
+            .output()
+            .with_context(|| format!("could not start {name}"))?;
+        if !out.status.success() {
+            bail!(
+                "{name} failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+                    .lines()
+                    .last()
+                    .unwrap_or("")
+            );
+        }
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let line = stdout
+            .lines()
+            .rev()
+            .find(|l| l.starts_with('{'))
+            .unwrap_or("{}");
+        let j: serde_json::Value =
+            serde_json::from_str(line).with_context(|| format!("{name}: bad output {line:?}"))?;
+        rows.push((name, j));
+    }
+    let base = rows
+        .last()
+        .and_then(|r| r.1["decode_tok_s"].as_f64())
+        .unwrap_or(f64::NAN);
+    let mut table = format!(
+        "Context {context} tokens of wiki.utf8, {decode} greedy decode steps, CPU, SmolLM2-135M Q4_1 GGUF.\n\n\
+         | engine | prefill tok/s | decode tok/s | decode vs transformers |\n|---|---:|---:|---:|\n"
+    );
+    for (name, j) in &rows {
+        let d = j["decode_tok_s"].as_f64().unwrap_or(f64::NAN);
+        table.push_str(&format!(
+            "| {name} | {:.1} | {d:.1} | {:.2}x |\n",
+            j["prefill_tok_s"].as_f64().unwrap_or(f64::NAN),
+            d / base
+        ));
+    }
+    let out = root.join("target/engine-bench.md");
+    std::fs::write(&out, &table).with_context(|| format!("writing {}", out.display()))?;
+    say(&format!("\n{table}\nwritten to {}", out.display()));
     Ok(())
 }
 

@@ -1,0 +1,309 @@
+//! `kvforge`: generate text or chat with a LLaMA-family model through the
+//! paged KV cache.
+//!
+//! ```text
+//! kvforge generate --prompt "What is a KV cache?"
+//! kvforge chat                      # interactive, multi-turn, streams tokens
+//! ```
+//!
+//! Every error is one line on stderr and a non-zero exit.
+
+#![allow(clippy::print_stdout)] // a CLI: stdout is its output
+
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use kvforge_engine::{
+    Engine, EngineConfig, EngineError, Generation, Message, SamplingParams, Sequence, Tokenizer,
+    parse_device, parse_dtype,
+};
+use kvforge_pool::BlockAllocator;
+
+/// The model `cargo xtask setup` installs.
+const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+#[derive(Parser)]
+#[command(
+    name = "kvforge",
+    version,
+    about = "LLaMA inference over a paged, pooled KV cache"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate a reply to one prompt (chat template applied unless --raw).
+    Generate {
+        /// The prompt.
+        #[arg(long)]
+        prompt: String,
+        /// Feed the prompt as is, without the chat template.
+        #[arg(long)]
+        raw: bool,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Interactive multi-turn chat on stdin; an empty line or EOF ends it.
+    Chat {
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Prefill the first --context tokens of a text file, then decode
+    /// --max-tokens greedy tokens; prints one JSON line of speeds.
+    Bench {
+        /// Text to take the prompt from.
+        #[arg(long)]
+        text: PathBuf,
+        /// Prompt length in tokens.
+        #[arg(long, default_value_t = 1024)]
+        context: usize,
+        #[command(flatten)]
+        common: Common,
+    },
+}
+
+#[derive(Args)]
+struct Common {
+    /// GGUF file or Hugging Face directory (default: the model setup installs).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Compute dtype: f32, bf16 or f16.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// Weight storage dtype (default: --dtype). `--weights f16` with f32
+    /// compute roughly doubles CPU decode speed.
+    #[arg(long)]
+    weights: Option<String>,
+    /// KV cache storage dtype (default: --dtype).
+    #[arg(long)]
+    kv_dtype: Option<String>,
+    /// Maximum new tokens per reply.
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    temperature: f32,
+    /// Keep the k most likely tokens (0 = all).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Nucleus sampling threshold in (0, 1].
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    top_p: f32,
+    /// Sampling seed.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Keep generating past the end-of-sequence token (benchmarks).
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// CPU threads for libtorch (0 = its default).
+    #[arg(long, default_value_t = 0)]
+    threads: i32,
+}
+
+impl Common {
+    fn params(&self) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            seed: self.seed,
+            max_tokens: self.max_tokens,
+            ignore_eos: self.ignore_eos,
+        }
+    }
+
+    fn engine(&self) -> Result<Engine, EngineError> {
+        self.params().validate()?;
+        if self.threads > 0 {
+            tch::set_num_threads(self.threads);
+        }
+        let cfg = EngineConfig {
+            device: parse_device(&self.device)?,
+            kind: parse_dtype(&self.dtype)?,
+            weight_kind: self.weights.as_deref().map(parse_dtype).transpose()?,
+            kv_kind: self.kv_dtype.as_deref().map(parse_dtype).transpose()?,
+            block_size: self.block_size,
+            kv_tokens: 0,
+        };
+        let path = self
+            .model
+            .clone()
+            .unwrap_or_else(|| PathBuf::from(DEFAULT_MODEL));
+        if self.model.is_none() && !path.exists() {
+            return Err(EngineError::Model(format!(
+                "{DEFAULT_MODEL} not found; run `cargo xtask setup` (or pass --model PATH)"
+            )));
+        }
+        Engine::load(&path, &cfg)
+    }
+}
+
+fn report(engine: &Engine, g: &Generation) {
+    eprintln!(
+        "[{} prompt tokens, prefill {:.1} tok/s | {} new tokens, decode {:.1} tok/s | KV {} bytes in {} blocks]",
+        g.prompt_tokens,
+        g.prompt_tokens as f64 / g.prefill_secs.max(1e-9),
+        g.tokens.len(),
+        g.decode_tokens_per_sec(),
+        engine.cache.bytes_in_use(),
+        engine.cache.pool().stats().in_use,
+    );
+}
+
+fn stream(piece: &str) -> bool {
+    let mut out = std::io::stdout().lock();
+    // A closed stdout (e.g. `| head`) just ends the generation.
+    out.write_all(piece.as_bytes())
+        .and_then(|_| out.flush())
+        .is_ok()
+}
+
+fn generate(prompt: &str, raw: bool, common: &Common) -> Result<(), EngineError> {
+    let engine = common.engine()?;
+    let text = if raw {
+        prompt.to_string()
+    } else {
+        Tokenizer::chat_prompt(&[Message::new("user", prompt)])
+    };
+    let ids = engine.tokenizer.encode(&text)?;
+    let mut seq = Sequence::default();
+    let g = engine.generate(&mut seq, &ids, &common.params(), &mut |_, piece| {
+        stream(piece)
+    })?;
+    println!();
+    report(&engine, &g);
+    engine.cache.free(&mut seq)
+}
+
+fn chat(common: &Common) -> Result<(), EngineError> {
+    let engine = common.engine()?;
+    let params = common.params();
+    let mut seq = Sequence::default();
+    // Tokens sampled but not yet run through the model (the reply's last).
+    let mut pending: Vec<u32> = Vec::new();
+    let stdin = std::io::stdin();
+    let mut first = true;
+    eprintln!("kvforge chat — empty line or Ctrl-D to quit");
+    loop {
+        eprint!("> ");
+        let mut line = String::new();
+        let n = stdin
+            .lock()
+            .read_line(&mut line)
+            .map_err(|e| EngineError::Request(format!("reading stdin: {e}")))?;
+        let msg = line.trim_end_matches(['\n', '\r']);
+        if n == 0 || msg.is_empty() {
+            break;
+        }
+        let text = if first {
+            Tokenizer::chat_prompt(&[Message::new("user", msg)])
+        } else {
+            format!("\n<|im_start|>user\n{msg}<|im_end|>\n<|im_start|>assistant\n")
+        };
+        first = false;
+        let mut ids = std::mem::take(&mut pending);
+        ids.extend(engine.tokenizer.encode(&text)?);
+        let g = engine.generate(&mut seq, &ids, &params, &mut |_, piece| stream(piece))?;
+        println!();
+        report(&engine, &g);
+        pending.push(g.tokens.last().copied().unwrap_or(engine.tokenizer.eos));
+        if !g.stopped_at_eos {
+            pending.push(engine.tokenizer.eos);
+        }
+    }
+    engine.cache.free(&mut seq)
+}
+
+fn bench(text: &std::path::Path, context: usize, common: &Common) -> Result<(), EngineError> {
+    let engine = common.engine()?;
+    let body = std::fs::read_to_string(text)
+        .map_err(|e| EngineError::Request(format!("cannot read {}: {e}", text.display())))?;
+    let mut ids = engine.tokenizer.encode(&body)?;
+    if ids.len() < context {
+        return Err(EngineError::Request(format!(
+            "{} holds {} tokens, fewer than --context {context}",
+            text.display(),
+            ids.len()
+        )));
+    }
+    ids.truncate(context);
+    // Warm-up, as the transformers side does.
+    let mut seq = Sequence::default();
+    let _ = engine.model.forward(
+        &ids[..16.min(context)],
+        &mut engine.cache.view(&mut seq),
+        false,
+    )?;
+    engine.cache.free(&mut seq)?;
+    let params = SamplingParams {
+        ignore_eos: true,
+        ..common.params()
+    };
+    let g = engine.generate(&mut seq, &ids, &params, &mut |_, _| true)?;
+    println!(
+        "{{\"engine\":\"kvforge\",\"dtype\":\"{}\",\"weights\":\"{}\",\"kv\":\"{}\",\"context\":{},\"prefill_tok_s\":{:.3},\"decode_tok_s\":{:.3},\"threads\":{},\"kv_bytes\":{}}}",
+        common.dtype,
+        common.weights.as_deref().unwrap_or(&common.dtype),
+        common.kv_dtype.as_deref().unwrap_or(&common.dtype),
+        g.prompt_tokens,
+        g.prompt_tokens as f64 / g.prefill_secs.max(1e-9),
+        g.decode_tokens_per_sec(),
+        tch::get_num_threads(),
+        engine.cache.bytes_in_use(),
+    );
+    engine.cache.free(&mut seq)
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) if !e.use_stderr() => {
+            // --help / --version
+            let _ = e.print();
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            // clap spreads one problem over several lines; keep it to one.
+            let msg = e.to_string();
+            let line: Vec<&str> = msg
+                .lines()
+                .take_while(|l| !l.starts_with("Usage:"))
+                .map(str::trim)
+                .filter(|l| !l.is_empty() && !l.starts_with("tip:"))
+                .collect();
+            eprintln!("{} (see kvforge --help)", line.join(" "));
+            return ExitCode::from(2);
+        }
+    };
+    let result = match &cli.command {
+        Command::Generate {
+            prompt,
+            raw,
+            common,
+        } => generate(prompt, *raw, common),
+        Command::Chat { common } => chat(common),
+        Command::Bench {
+            text,
+            context,
+            common,
+        } => bench(text, *context, common),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

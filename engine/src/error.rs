@@ -1,0 +1,62 @@
+//! The one error type of `kvforge-engine`.
+
+/// Everything the engine reports to its callers. Each message is one line
+/// that names the problem.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// A missing, unreadable, corrupt or truncated model file or directory.
+    #[error("model: {0}")]
+    Model(String),
+    /// A valid file this engine cannot run (tensor type, architecture).
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    /// Tokenizer construction or encoding failed.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// A request that cannot be served as given.
+    #[error("invalid request: {0}")]
+    Request(String),
+    /// Invalid sampling parameters.
+    #[error("invalid sampling parameters: {0}")]
+    Sampling(String),
+    /// The KV pool has no room for the request.
+    #[error("KV cache full: {0}")]
+    CacheFull(String),
+    /// The device cannot be used (no GPU, CPU-only libtorch).
+    #[error("device: {0}")]
+    Device(String),
+    /// An error from libtorch.
+    #[error("libtorch: {0}")]
+    Torch(String),
+    /// An error from the block pool.
+    #[error(transparent)]
+    Pool(#[from] kvforge_pool::PoolError),
+}
+
+impl EngineError {
+    /// The message without the category prefix.
+    pub fn detail(&self) -> String {
+        match self {
+            EngineError::Model(s)
+            | EngineError::Unsupported(s)
+            | EngineError::Tokenizer(s)
+            | EngineError::Request(s)
+            | EngineError::Sampling(s)
+            | EngineError::CacheFull(s)
+            | EngineError::Device(s)
+            | EngineError::Torch(s) => s.clone(),
+            EngineError::Pool(e) => e.to_string(),
+        }
+    }
+}
+
+impl From<tch::TchError> for EngineError {
+    fn from(e: tch::TchError) -> Self {
+        // libtorch messages carry a C++ backtrace after the first line.
+        let s = e.to_string();
+        EngineError::Torch(s.lines().next().unwrap_or("").to_string())
+    }
+}
+
+/// `Result` with [`EngineError`].
+pub type Result<T, E = EngineError> = std::result::Result<T, E>;

@@ -1,0 +1,405 @@
+//! A small GGUF reader: header, metadata, tensor table, and dequantization of
+//! F32 / F16 / BF16 / Q8_0 / Q4_0 / Q4_1 tensors to f32.
+//!
+//! Written here rather than pulled in: the format is a few hundred lines, the
+//! maintained Rust readers either tie us to another tensor library (candle)
+//! or lag behind the spec, and owning it lets every malformed file become a
+//! precise [`EngineError`] instead of a panic.
+//!
+//! Spec: <https://github.com/ggml-org/ggml/blob/master/docs/gguf.md> (v2/v3).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use half::{bf16, f16};
+
+use crate::{EngineError, Result};
+
+const MAGIC: u32 = 0x4655_4747; // "GGUF" little-endian
+
+/// A metadata value.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Value {
+    /// Any unsigned integer type.
+    U64(u64),
+    /// Any signed integer type.
+    I64(i64),
+    /// f32 or f64.
+    F64(f64),
+    /// bool.
+    Bool(bool),
+    /// UTF-8 string.
+    Str(String),
+    /// Array of values.
+    Array(Vec<Value>),
+}
+
+impl Value {
+    /// As an unsigned integer, if it is a non-negative integer.
+    pub fn as_u64(&self) -> Option<u64> {
+        match *self {
+            Value::U64(v) => Some(v),
+            Value::I64(v) => u64::try_from(v).ok(),
+            _ => None,
+        }
+    }
+    /// As a float, if numeric.
+    pub fn as_f64(&self) -> Option<f64> {
+        match *self {
+            Value::F64(v) => Some(v),
+            Value::U64(v) => Some(v as f64),
+            Value::I64(v) => Some(v as f64),
+            _ => None,
+        }
+    }
+    /// As a string.
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            Value::Str(s) => Some(s),
+            _ => None,
+        }
+    }
+    /// As an array.
+    pub fn as_array(&self) -> Option<&[Value]> {
+        match self {
+            Value::Array(a) => Some(a),
+            _ => None,
+        }
+    }
+}
+
+/// GGML tensor types this reader can dequantize.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GgmlType {
+    /// 32-bit float.
+    F32,
+    /// 16-bit float.
+    F16,
+    /// bfloat16.
+    BF16,
+    /// 32 x i8 with one f16 scale.
+    Q8_0,
+    /// 32 x 4-bit with one f16 scale, offset -8.
+    Q4_0,
+    /// 32 x 4-bit with f16 scale and minimum.
+    Q4_1,
+}
+
+impl GgmlType {
+    fn from_id(id: u32) -> Option<Self> {
+        Some(match id {
+            0 => GgmlType::F32,
+            1 => GgmlType::F16,
+            2 => GgmlType::Q4_0,
+            3 => GgmlType::Q4_1,
+            8 => GgmlType::Q8_0,
+            30 => GgmlType::BF16,
+            _ => return None,
+        })
+    }
+
+    /// (elements per block, bytes per block)
+    fn block(self) -> (usize, usize) {
+        match self {
+            GgmlType::F32 => (1, 4),
+            GgmlType::F16 | GgmlType::BF16 => (1, 2),
+            GgmlType::Q8_0 => (32, 34),
+            GgmlType::Q4_0 => (32, 18),
+            GgmlType::Q4_1 => (32, 20),
+        }
+    }
+}
+
+/// One tensor's entry in the table.
+#[derive(Clone, Debug)]
+pub struct TensorInfo {
+    /// Dimensions in PyTorch order (outermost first).
+    pub shape: Vec<usize>,
+    /// Storage type.
+    pub dtype: GgmlType,
+    /// Absolute byte offset of the data in the file.
+    pub offset: usize,
+    /// Bytes of data.
+    pub len: usize,
+}
+
+/// A parsed, memory-mapped GGUF file.
+pub struct GgufFile {
+    /// Metadata key -> value.
+    pub metadata: BTreeMap<String, Value>,
+    /// Tensor name -> info.
+    pub tensors: BTreeMap<String, TensorInfo>,
+    data: memmap2::Mmap,
+}
+
+struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8]> {
+        let end = self
+            .pos
+            .checked_add(n)
+            .filter(|&e| e <= self.buf.len())
+            .ok_or_else(|| {
+                EngineError::Model(format!(
+                    "truncated GGUF file while reading {what} at byte {}",
+                    self.pos
+                ))
+            })?;
+        let s = &self.buf[self.pos..end];
+        self.pos = end;
+        Ok(s)
+    }
+    fn u8(&mut self, what: &str) -> Result<u8> {
+        Ok(self.take(1, what)?[0])
+    }
+    fn u32(&mut self, what: &str) -> Result<u32> {
+        let b = self.take(4, what)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+    fn u64(&mut self, what: &str) -> Result<u64> {
+        let b = self.take(8, what)?;
+        let mut a = [0u8; 8];
+        a.copy_from_slice(b);
+        Ok(u64::from_le_bytes(a))
+    }
+    fn len(&mut self, what: &str) -> Result<usize> {
+        let n = self.u64(what)?;
+        // Every element takes at least one byte: a longer length is corrupt.
+        usize::try_from(n)
+            .ok()
+            .filter(|&n| n <= self.buf.len() - self.pos)
+            .ok_or_else(|| {
+                EngineError::Model(format!("corrupt GGUF: {what} length {n} exceeds the file"))
+            })
+    }
+    fn string(&mut self, what: &str) -> Result<String> {
+        let n = self.len(what)?;
+        let b = self.take(n, what)?;
+        String::from_utf8(b.to_vec())
+            .map_err(|_| EngineError::Model(format!("corrupt GGUF: {what} is not UTF-8")))
+    }
+    fn value(&mut self, ty: u32, key: &str, depth: u32) -> Result<Value> {
+        Ok(match ty {
+            0 => Value::U64(u64::from(self.u8(key)?)),
+            1 => Value::I64(i64::from(self.u8(key)? as i8)),
+            2 => {
+                let b = self.take(2, key)?;
+                Value::U64(u64::from(u16::from_le_bytes([b[0], b[1]])))
+            }
+            3 => {
+                let b = self.take(2, key)?;
+                Value::I64(i64::from(i16::from_le_bytes([b[0], b[1]])))
+            }
+            4 => Value::U64(u64::from(self.u32(key)?)),
+            5 => Value::I64(i64::from(self.u32(key)? as i32)),
+            6 => Value::F64(f64::from(f32::from_bits(self.u32(key)?))),
+            7 => Value::Bool(self.u8(key)? != 0),
+            8 => Value::Str(self.string(key)?),
+            9 => {
+                if depth > 4 {
+                    return Err(EngineError::Model(format!(
+                        "corrupt GGUF: {key} nests arrays too deep"
+                    )));
+                }
+                let inner = self.u32(key)?;
+                let n = self.len(key)?;
+                let mut v = Vec::with_capacity(n.min(1 << 20));
+                for _ in 0..n {
+                    v.push(self.value(inner, key, depth + 1)?);
+                }
+                Value::Array(v)
+            }
+            10 => Value::U64(self.u64(key)?),
+            11 => Value::I64(self.u64(key)? as i64),
+            12 => Value::F64(f64::from_bits(self.u64(key)?)),
+            t => {
+                return Err(EngineError::Model(format!(
+                    "corrupt GGUF: {key} has unknown value type {t}"
+                )));
+            }
+        })
+    }
+}
+
+impl GgufFile {
+    /// Opens and parses `path`. Every structural problem is an error naming it.
+    pub fn open(path: &Path) -> Result<Self> {
+        let file = std::fs::File::open(path).map_err(|e| {
+            EngineError::Model(format!("cannot open model {}: {e}", path.display()))
+        })?;
+        // SAFETY: the file is opened read-only and mapped privately; we never
+        // hand out references that outlive the map, and a concurrent writer
+        // could only corrupt values, which are all bounds-checked on use.
+        let data = unsafe { memmap2::Mmap::map(&file) }
+            .map_err(|e| EngineError::Model(format!("cannot map model {}: {e}", path.display())))?;
+        let (metadata, tensors) = Self::parse(&data).map_err(|e| match e {
+            EngineError::Unsupported(s) => {
+                EngineError::Unsupported(format!("{}: {s}", path.display()))
+            }
+            e => EngineError::Model(format!("{}: {}", path.display(), e.detail())),
+        })?;
+        Ok(GgufFile {
+            metadata,
+            tensors,
+            data,
+        })
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn parse(buf: &[u8]) -> Result<(BTreeMap<String, Value>, BTreeMap<String, TensorInfo>)> {
+        let mut r = Reader { buf, pos: 0 };
+        if buf.len() < 4 || r.u32("magic")? != MAGIC {
+            return Err(EngineError::Model("not a GGUF file (bad magic)".into()));
+        }
+        let version = r.u32("version")?;
+        if !(2..=3).contains(&version) {
+            return Err(EngineError::Model(format!(
+                "unsupported GGUF version {version} (need 2 or 3)"
+            )));
+        }
+        let n_tensors = r.len("tensor count")?;
+        let n_kv = r.len("metadata count")?;
+        let mut metadata = BTreeMap::new();
+        for _ in 0..n_kv {
+            let key = r.string("metadata key")?;
+            let ty = r.u32(&key)?;
+            let v = r.value(ty, &key, 0)?;
+            metadata.insert(key, v);
+        }
+        let mut raw = Vec::with_capacity(n_tensors);
+        for _ in 0..n_tensors {
+            let name = r.string("tensor name")?;
+            let n_dims = r.u32(&name)? as usize;
+            if n_dims == 0 || n_dims > 4 {
+                return Err(EngineError::Model(format!(
+                    "tensor {name}: {n_dims} dimensions"
+                )));
+            }
+            let mut dims = Vec::with_capacity(n_dims);
+            for _ in 0..n_dims {
+                dims.push(r.u64(&name)? as usize);
+            }
+            let ty = r.u32(&name)?;
+            let offset = r.u64(&name)? as usize;
+            raw.push((name, dims, ty, offset));
+        }
+        let align = metadata
+            .get("general.alignment")
+            .and_then(Value::as_u64)
+            .unwrap_or(32) as usize;
+        if align == 0 || !align.is_power_of_two() {
+            return Err(EngineError::Model(format!("bad general.alignment {align}")));
+        }
+        let data_start = r.pos.div_ceil(align) * align;
+        let mut tensors = BTreeMap::new();
+        for (name, dims, ty, offset) in raw {
+            let elements = dims
+                .iter()
+                .try_fold(1usize, |a, &d| a.checked_mul(d))
+                .ok_or_else(|| EngineError::Model(format!("tensor {name}: size overflows")))?;
+            let shape: Vec<usize> = dims.into_iter().rev().collect();
+            let Some(dtype) = GgmlType::from_id(ty) else {
+                return Err(EngineError::Unsupported(format!(
+                    "tensor {name} has GGML type {ty}; supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1"
+                )));
+            };
+            let (per, bytes) = dtype.block();
+            if elements % per != 0 {
+                return Err(EngineError::Model(format!(
+                    "tensor {name}: {elements} elements is not a multiple of the {per}-element block"
+                )));
+            }
+            let len = elements / per * bytes;
+            let start = data_start
+                .checked_add(offset)
+                .filter(|s| s.checked_add(len).is_some_and(|e| e <= buf.len()))
+                .ok_or_else(|| {
+                    EngineError::Model(format!(
+                        "truncated GGUF file: tensor {name} ends past the end of the file"
+                    ))
+                })?;
+            tensors.insert(
+                name,
+                TensorInfo {
+                    shape,
+                    dtype,
+                    offset: start,
+                    len,
+                },
+            );
+        }
+        Ok((metadata, tensors))
+    }
+
+    /// A metadata value.
+    pub fn get(&self, key: &str) -> Option<&Value> {
+        self.metadata.get(key)
+    }
+
+    /// A required unsigned integer.
+    pub fn u64(&self, key: &str) -> Result<u64> {
+        self.get(key).and_then(Value::as_u64).ok_or_else(|| {
+            EngineError::Model(format!("GGUF metadata {key} missing or not an integer"))
+        })
+    }
+
+    /// Dequantizes a tensor to f32, row-major in `info.shape`.
+    pub fn dequantize(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>)> {
+        let info = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| EngineError::Model(format!("GGUF tensor {name} missing")))?;
+        let bytes = &self.data[info.offset..info.offset + info.len];
+        Ok((dequantize(info.dtype, bytes), info.shape.clone()))
+    }
+}
+
+/// Dequantizes raw GGML data. `bytes` holds whole blocks.
+pub fn dequantize(dtype: GgmlType, bytes: &[u8]) -> Vec<f32> {
+    let h = |b: &[u8]| f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+    match dtype {
+        GgmlType::F32 => bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        GgmlType::F16 => bytes.chunks_exact(2).map(h).collect(),
+        GgmlType::BF16 => bytes
+            .chunks_exact(2)
+            .map(|b| bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())
+            .collect(),
+        GgmlType::Q8_0 => {
+            let mut out = Vec::with_capacity(bytes.len() / 34 * 32);
+            for blk in bytes.chunks_exact(34) {
+                let d = h(&blk[..2]);
+                out.extend(blk[2..].iter().map(|&q| f32::from(q as i8) * d));
+            }
+            out
+        }
+        GgmlType::Q4_0 => {
+            let mut out = vec![0f32; bytes.len() / 18 * 32];
+            for (blk, o) in bytes.chunks_exact(18).zip(out.chunks_exact_mut(32)) {
+                let d = h(&blk[..2]);
+                for (j, &q) in blk[2..].iter().enumerate() {
+                    o[j] = (f32::from(q & 0x0f) - 8.0) * d;
+                    o[j + 16] = (f32::from(q >> 4) - 8.0) * d;
+                }
+            }
+            out
+        }
+        GgmlType::Q4_1 => {
+            let mut out = vec![0f32; bytes.len() / 20 * 32];
+            for (blk, o) in bytes.chunks_exact(20).zip(out.chunks_exact_mut(32)) {
+                let (d, m) = (h(&blk[..2]), h(&blk[2..4]));
+                for (j, &q) in blk[4..].iter().enumerate() {
+                    o[j] = f32::from(q & 0x0f) * d + m;
+                    o[j + 16] = f32::from(q >> 4) * d + m;
+                }
+            }
+            out
+        }
+    }
+}

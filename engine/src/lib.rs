@@ -1,0 +1,164 @@
+//! The kvforge engine: a LLaMA forward pass in `tch` (libtorch) on CPU and
+//! CUDA, with its KV cache in fixed-size blocks handed out by
+//! `kvforge-pool`, and the `kvforge` command line.
+//!
+//! # Layers
+//!
+//! * [`gguf`]: a GGUF reader (metadata, tensor table, dequantization).
+//! * [`tokenizer`]: GPT-2 byte-level BPE from GGUF metadata or
+//!   `tokenizer.json`; the ChatML template.
+//! * [`model`]: [`Llama`] — weights and the forward pass over a [`KvStore`].
+//! * [`cache`]: [`PagedKvCache`] (block tables over pool blocks; the engine
+//!   owns one K and one V tensor per layer) and [`ContiguousCache`], a test
+//!   oracle.
+//! * [`generate`]: seeded sampling and the generation loop.
+//!
+//! # Invariants
+//!
+//! * The paged cache never reads a slot it did not write for that sequence:
+//!   positions map to `block.index() * block_size + offset` through the
+//!   sequence's own block table.
+//! * A failed forward step leaves the sequence's length unchanged.
+//! * Every bad input (file, request, parameter, device) is an
+//!   [`EngineError`] with a one-line message; nothing on those paths panics.
+
+#![deny(missing_docs)]
+
+pub mod cache;
+mod error;
+pub mod generate;
+pub mod gguf;
+pub mod model;
+pub mod tokenizer;
+
+use std::path::Path;
+
+pub use cache::{ContiguousCache, KvStore, PagedKvCache, Sequence};
+pub use error::{EngineError, Result};
+pub use generate::{Generation, Sampler, SamplingParams};
+pub use model::{Llama, LlamaConfig};
+pub use tch::{Device, Kind};
+pub use tokenizer::{Message, Tokenizer};
+
+/// Parses `cpu`, `cuda` or `cuda:N`, checking that CUDA is usable.
+pub fn parse_device(s: &str) -> Result<Device> {
+    let device = match s {
+        "cpu" => return Ok(Device::Cpu),
+        "cuda" => Device::Cuda(0),
+        other => match other
+            .strip_prefix("cuda:")
+            .and_then(|n| n.parse::<usize>().ok())
+        {
+            Some(n) => Device::Cuda(n),
+            None => {
+                return Err(EngineError::Device(format!(
+                    "unknown device {s:?}; use cpu, cuda or cuda:N"
+                )));
+            }
+        },
+    };
+    if !tch::Cuda::is_available() {
+        return Err(EngineError::Device(
+            "CUDA requested but not available (no GPU, no driver, or a CPU-only libtorch)".into(),
+        ));
+    }
+    if let Device::Cuda(n) = device {
+        let count = tch::Cuda::device_count() as usize;
+        if n >= count {
+            return Err(EngineError::Device(format!(
+                "cuda:{n} requested but only {count} GPU(s) present"
+            )));
+        }
+    }
+    Ok(device)
+}
+
+/// Parses `f32`, `bf16` or `f16`.
+pub fn parse_dtype(s: &str) -> Result<Kind> {
+    match s {
+        "f32" | "float32" => Ok(Kind::Float),
+        "bf16" | "bfloat16" => Ok(Kind::BFloat16),
+        "f16" | "float16" => Ok(Kind::Half),
+        _ => Err(EngineError::Request(format!(
+            "unknown dtype {s:?}; use f32, bf16 or f16"
+        ))),
+    }
+}
+
+/// A model, its tokenizer and a paged KV cache.
+pub struct Engine {
+    /// The model.
+    pub model: Llama,
+    /// Its tokenizer.
+    pub tokenizer: Tokenizer,
+    /// The KV cache.
+    pub cache: PagedKvCache,
+}
+
+/// How to size and place an engine.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Device for weights and KV.
+    pub device: Device,
+    /// Compute dtype.
+    pub kind: Kind,
+    /// Storage dtype of the weight matrices (`None` = the compute dtype).
+    pub weight_kind: Option<Kind>,
+    /// Storage dtype of the KV cache (`None` = the compute dtype).
+    pub kv_kind: Option<Kind>,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// KV capacity in tokens (0 = the model's context length).
+    pub kv_tokens: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            device: Device::Cpu,
+            kind: Kind::Float,
+            weight_kind: None,
+            kv_kind: None,
+            block_size: 16,
+            kv_tokens: 0,
+        }
+    }
+}
+
+impl Engine {
+    /// Loads a GGUF file, or a Hugging Face directory (`config.json`,
+    /// `*.safetensors`, `tokenizer.json`).
+    pub fn load(path: &Path, cfg: &EngineConfig) -> Result<Self> {
+        let (model, tokenizer) = if path.is_dir() {
+            let model = Llama::from_hf_dir(path, cfg.device, cfg.kind)?;
+            let tok = Tokenizer::from_file(&path.join("tokenizer.json"), "<|im_end|>")
+                .or_else(|_| Tokenizer::from_file(&path.join("tokenizer.json"), "</s>"))?;
+            (model, tok)
+        } else {
+            let g = gguf::GgufFile::open(path)?;
+            let model = Llama::from_gguf(&g, cfg.device, cfg.kind)?;
+            (model, Tokenizer::from_gguf(&g)?)
+        };
+        Self::new(model, tokenizer, cfg)
+    }
+
+    /// Wraps a model and tokenizer with a fresh cache.
+    pub fn new(model: Llama, tokenizer: Tokenizer, cfg: &EngineConfig) -> Result<Self> {
+        let model = match cfg.weight_kind {
+            Some(k) if k != model.kind() => model.with_weight_kind(k)?,
+            _ => model,
+        };
+        let kv = if cfg.kv_tokens == 0 {
+            model.cfg.max_ctx
+        } else {
+            cfg.kv_tokens
+        };
+        let kv_kind = cfg.kv_kind.unwrap_or(model.kind());
+        let cache = PagedKvCache::new(&model.cfg, cfg.block_size, kv, model.device(), kv_kind)?;
+        Ok(Engine {
+            model,
+            tokenizer,
+            cache,
+        })
+    }
+}

@@ -1,0 +1,554 @@
+//! LLaMA in tch: RMSNorm, rotary embeddings (HF `rotate_half` layout),
+//! grouped-query attention, SwiGLU, tied or separate output head.
+//!
+//! Touvron et al., "LLaMA: Open and Efficient Foundation Language Models"
+//! (2023). Weights come from GGUF (dequantized at load; llama.cpp's Q/K row
+//! permutation undone) or from a Hugging Face safetensors directory.
+
+use std::path::Path;
+
+use tch::{Device, Kind, Tensor};
+
+use crate::cache::KvStore;
+use crate::gguf::{GgufFile, Value};
+use crate::{EngineError, Result};
+
+/// Model dimensions.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LlamaConfig {
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Hidden size.
+    pub d_model: usize,
+    /// Transformer blocks.
+    pub n_layers: usize,
+    /// Query heads.
+    pub n_heads: usize,
+    /// Key/value heads (grouped-query attention when fewer than `n_heads`).
+    pub n_kv_heads: usize,
+    /// Per-head dimension.
+    pub head_dim: usize,
+    /// SwiGLU hidden size.
+    pub ffn: usize,
+    /// RMSNorm epsilon.
+    pub rms_eps: f64,
+    /// RoPE base.
+    pub rope_theta: f64,
+    /// Maximum positions.
+    pub max_ctx: usize,
+}
+
+impl LlamaConfig {
+    /// A tiny config for tests with random weights.
+    pub fn tiny() -> Self {
+        LlamaConfig {
+            vocab: 97,
+            d_model: 32,
+            n_layers: 2,
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 8,
+            ffn: 64,
+            rms_eps: 1e-5,
+            rope_theta: 10_000.0,
+            max_ctx: 512,
+        }
+    }
+
+    fn check(&self) -> Result<()> {
+        let bad = |m: String| Err(EngineError::Model(m));
+        if [
+            self.vocab,
+            self.d_model,
+            self.n_layers,
+            self.n_heads,
+            self.n_kv_heads,
+            self.head_dim,
+            self.ffn,
+            self.max_ctx,
+        ]
+        .contains(&0)
+        {
+            return bad(format!("config has a zero dimension: {self:?}"));
+        }
+        if self.n_heads % self.n_kv_heads != 0 {
+            return bad(format!(
+                "{} query heads not a multiple of {} KV heads",
+                self.n_heads, self.n_kv_heads
+            ));
+        }
+        if self.head_dim % 2 != 0 {
+            return bad(format!(
+                "head dim {} is odd; RoPE needs pairs",
+                self.head_dim
+            ));
+        }
+        Ok(())
+    }
+}
+
+struct Layer {
+    attn_norm: Tensor,
+    wq: Tensor,
+    wk: Tensor,
+    wv: Tensor,
+    wo: Tensor,
+    ffn_norm: Tensor,
+    w_gate: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+}
+
+/// A LLaMA-family decoder with its weights on one device in one dtype.
+pub struct Llama {
+    /// Dimensions.
+    pub cfg: LlamaConfig,
+    embed: Tensor,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    lm_head: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    device: Device,
+    kind: Kind,
+}
+
+/// Undo llama.cpp's interleaving of Q/K rows so `rotate_half` RoPE applies.
+fn unpermute(w: Tensor, heads: usize) -> Result<Tensor> {
+    let (out, inp) = w.size2()?;
+    let h = heads as i64;
+    Ok(w.f_reshape([h, out / h / 2, 2, inp])?
+        .f_transpose(1, 2)?
+        .f_reshape([out, inp])?)
+}
+
+impl Llama {
+    /// Loads a GGUF LLaMA model, dequantizing every tensor to `kind`.
+    pub fn from_gguf(g: &GgufFile, device: Device, kind: Kind) -> Result<Self> {
+        let arch = g
+            .get("general.architecture")
+            .and_then(Value::as_str)
+            .unwrap_or("");
+        if arch != "llama" {
+            return Err(EngineError::Unsupported(format!(
+                "architecture {arch:?}; only \"llama\" is supported"
+            )));
+        }
+        let u = |k: &str| -> Result<usize> { Ok(g.u64(&format!("llama.{k}"))? as usize) };
+        let f = |k: &str, d: f64| {
+            g.get(&format!("llama.{k}"))
+                .and_then(Value::as_f64)
+                .unwrap_or(d)
+        };
+        let d_model = u("embedding_length")?;
+        let n_heads = u("attention.head_count")?;
+        let n_kv_heads = g
+            .get("llama.attention.head_count_kv")
+            .and_then(Value::as_u64)
+            .map_or(n_heads, |v| v as usize);
+        let vocab = match g.get("llama.vocab_size").and_then(Value::as_u64) {
+            Some(v) => v as usize,
+            None => g
+                .tensors
+                .get("token_embd.weight")
+                .map(|t| t.shape[0])
+                .unwrap_or(0),
+        };
+        let cfg = LlamaConfig {
+            vocab,
+            d_model,
+            n_layers: u("block_count")?,
+            n_heads,
+            n_kv_heads,
+            head_dim: g
+                .get("llama.rope.dimension_count")
+                .and_then(Value::as_u64)
+                .map_or(d_model / n_heads.max(1), |v| v as usize),
+            ffn: u("feed_forward_length")?,
+            rms_eps: f("attention.layer_norm_rms_epsilon", 1e-5),
+            rope_theta: f("rope.freq_base", 10_000.0),
+            max_ctx: u("context_length")?,
+        };
+        cfg.check()?;
+        let load = |name: &str| -> Result<Tensor> {
+            let (data, shape) = g.dequantize(name)?;
+            let shape: Vec<i64> = shape.iter().map(|&s| s as i64).collect();
+            Ok(Tensor::f_from_slice(&data)?
+                .f_reshape(shape)?
+                .f_to_device(device)?
+                .f_to_kind(kind)?)
+        };
+        let expect = |t: Tensor, name: &str, want: &[i64]| -> Result<Tensor> {
+            if t.size() != want {
+                return Err(EngineError::Model(format!(
+                    "tensor {name} has shape {:?}, expected {want:?}",
+                    t.size()
+                )));
+            }
+            Ok(t)
+        };
+        let (d, hd, ff) = (cfg.d_model as i64, cfg.head_dim as i64, cfg.ffn as i64);
+        let (nh, nkv) = (cfg.n_heads as i64, cfg.n_kv_heads as i64);
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        for i in 0..cfg.n_layers {
+            let t = |s: &str, shape: &[i64]| {
+                let name = format!("blk.{i}.{s}.weight");
+                expect(load(&name)?, &name, shape)
+            };
+            layers.push(Layer {
+                attn_norm: t("attn_norm", &[d])?,
+                wq: unpermute(t("attn_q", &[nh * hd, d])?, cfg.n_heads)?,
+                wk: unpermute(t("attn_k", &[nkv * hd, d])?, cfg.n_kv_heads)?,
+                wv: t("attn_v", &[nkv * hd, d])?,
+                wo: t("attn_output", &[d, nh * hd])?,
+                ffn_norm: t("ffn_norm", &[d])?,
+                w_gate: t("ffn_gate", &[ff, d])?,
+                w_up: t("ffn_up", &[ff, d])?,
+                w_down: t("ffn_down", &[d, ff])?,
+            });
+        }
+        let v = cfg.vocab as i64;
+        let embed = expect(load("token_embd.weight")?, "token_embd.weight", &[v, d])?;
+        let lm_head = if g.tensors.contains_key("output.weight") {
+            expect(load("output.weight")?, "output.weight", &[v, d])?
+        } else {
+            embed.shallow_clone()
+        };
+        let norm = expect(load("output_norm.weight")?, "output_norm.weight", &[d])?;
+        Self::assemble(cfg, embed, layers, norm, lm_head, device, kind)
+    }
+
+    /// Loads a Hugging Face LLaMA directory (`config.json` + `*.safetensors`).
+    pub fn from_hf_dir(dir: &Path, device: Device, kind: Kind) -> Result<Self> {
+        let text = std::fs::read_to_string(dir.join("config.json")).map_err(|e| {
+            EngineError::Model(format!("{}: {e}", dir.join("config.json").display()))
+        })?;
+        let j: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| EngineError::Model(format!("config.json: {e}")))?;
+        let arch = j["model_type"].as_str().unwrap_or("");
+        if arch != "llama" {
+            return Err(EngineError::Unsupported(format!(
+                "model_type {arch:?}; only \"llama\" is supported"
+            )));
+        }
+        let n = |k: &str| -> Result<usize> {
+            j[k].as_u64()
+                .map(|v| v as usize)
+                .ok_or_else(|| EngineError::Model(format!("config.json: {k} missing")))
+        };
+        let d_model = n("hidden_size")?;
+        let n_heads = n("num_attention_heads")?;
+        let cfg = LlamaConfig {
+            vocab: n("vocab_size")?,
+            d_model,
+            n_layers: n("num_hidden_layers")?,
+            n_heads,
+            n_kv_heads: j["num_key_value_heads"]
+                .as_u64()
+                .map_or(n_heads, |v| v as usize),
+            head_dim: j["head_dim"]
+                .as_u64()
+                .map_or(d_model / n_heads.max(1), |v| v as usize),
+            ffn: n("intermediate_size")?,
+            rms_eps: j["rms_norm_eps"].as_f64().unwrap_or(1e-5),
+            rope_theta: j["rope_theta"].as_f64().unwrap_or(10_000.0),
+            max_ctx: n("max_position_embeddings")?,
+        };
+        cfg.check()?;
+        let mut tensors = std::collections::HashMap::new();
+        let entries = std::fs::read_dir(dir)
+            .map_err(|e| EngineError::Model(format!("{}: {e}", dir.display())))?;
+        for e in entries.flatten() {
+            let p = e.path();
+            if p.extension().is_some_and(|x| x == "safetensors") {
+                for (name, t) in Tensor::read_safetensors(&p)
+                    .map_err(|e| EngineError::Model(format!("{}: {e}", p.display())))?
+                {
+                    tensors.insert(name, t);
+                }
+            }
+        }
+        let mut take = |name: &str| -> Result<Tensor> {
+            let t = tensors
+                .remove(name)
+                .ok_or_else(|| EngineError::Model(format!("safetensors: {name} missing")))?;
+            Ok(t.f_to_device(device)?.f_to_kind(kind)?)
+        };
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        for i in 0..cfg.n_layers {
+            let p = format!("model.layers.{i}");
+            layers.push(Layer {
+                attn_norm: take(&format!("{p}.input_layernorm.weight"))?,
+                wq: take(&format!("{p}.self_attn.q_proj.weight"))?,
+                wk: take(&format!("{p}.self_attn.k_proj.weight"))?,
+                wv: take(&format!("{p}.self_attn.v_proj.weight"))?,
+                wo: take(&format!("{p}.self_attn.o_proj.weight"))?,
+                ffn_norm: take(&format!("{p}.post_attention_layernorm.weight"))?,
+                w_gate: take(&format!("{p}.mlp.gate_proj.weight"))?,
+                w_up: take(&format!("{p}.mlp.up_proj.weight"))?,
+                w_down: take(&format!("{p}.mlp.down_proj.weight"))?,
+            });
+        }
+        let embed = take("model.embed_tokens.weight")?;
+        let norm = take("model.norm.weight")?;
+        let lm_head = match take("lm_head.weight") {
+            Ok(t) => t,
+            Err(_) => embed.shallow_clone(),
+        };
+        Self::assemble(cfg, embed, layers, norm, lm_head, device, kind)
+    }
+
+    /// Random weights (seeded) at `cfg`'s shape: for tests and GPU throughput
+    /// runs at real model shapes without the real weights.
+    pub fn random(cfg: LlamaConfig, seed: i64, device: Device, kind: Kind) -> Result<Self> {
+        cfg.check()?;
+        tch::manual_seed(seed);
+        let (d, hd, ff, v) = (
+            cfg.d_model as i64,
+            cfg.head_dim as i64,
+            cfg.ffn as i64,
+            cfg.vocab as i64,
+        );
+        let (nh, nkv) = (cfg.n_heads as i64, cfg.n_kv_heads as i64);
+        let w = |o: i64, i: i64| -> Result<Tensor> {
+            Ok(
+                (Tensor::f_randn([o, i], (Kind::Float, Device::Cpu))? / (i as f64).sqrt())
+                    .f_to_device(device)?
+                    .f_to_kind(kind)?,
+            )
+        };
+        let ones = |n: i64| -> Result<Tensor> { Ok(Tensor::f_ones([n], (kind, device))?) };
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        for _ in 0..cfg.n_layers {
+            layers.push(Layer {
+                attn_norm: ones(d)?,
+                wq: w(nh * hd, d)?,
+                wk: w(nkv * hd, d)?,
+                wv: w(nkv * hd, d)?,
+                wo: w(d, nh * hd)?,
+                ffn_norm: ones(d)?,
+                w_gate: w(ff, d)?,
+                w_up: w(ff, d)?,
+                w_down: w(d, ff)?,
+            });
+        }
+        let embed = w(v, d)?;
+        let lm_head = embed.shallow_clone();
+        let norm = ones(d)?;
+        Self::assemble(cfg, embed, layers, norm, lm_head, device, kind)
+    }
+
+    fn assemble(
+        cfg: LlamaConfig,
+        embed: Tensor,
+        layers: Vec<Layer>,
+        norm: Tensor,
+        lm_head: Tensor,
+        device: Device,
+        kind: Kind,
+    ) -> Result<Self> {
+        let half = (cfg.head_dim / 2) as i64;
+        let inv: Vec<f64> = (0..half)
+            .map(|i| cfg.rope_theta.powf(-2.0 * i as f64 / cfg.head_dim as f64))
+            .collect();
+        let inv = Tensor::f_from_slice(&inv)?;
+        let pos = Tensor::f_arange(cfg.max_ctx as i64, (Kind::Double, Device::Cpu))?;
+        let freqs = pos.f_outer(&inv)?;
+        let emb = Tensor::f_cat(&[&freqs, &freqs], -1)?;
+        let cos = emb.f_cos()?.f_to_kind(kind)?.f_to_device(device)?;
+        let sin = emb.f_sin()?.f_to_kind(kind)?.f_to_device(device)?;
+        Ok(Llama {
+            cfg,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            cos,
+            sin,
+            device,
+            kind,
+        })
+    }
+
+    /// Stores the matrices (projections, embedding, output head) in
+    /// `weight_kind` while activations, norms and attention stay in the
+    /// compute dtype: f16 weights halve the bytes a CPU decode step streams
+    /// from memory, and small-batch f16 GEMV is fast there. Larger batches
+    /// (prefill) upcast the weight per call instead.
+    pub fn with_weight_kind(mut self, weight_kind: Kind) -> Result<Self> {
+        let conv = |t: &Tensor| -> Result<Tensor> { Ok(t.f_to_kind(weight_kind)?) };
+        for l in &mut self.layers {
+            for w in [
+                &mut l.wq,
+                &mut l.wk,
+                &mut l.wv,
+                &mut l.wo,
+                &mut l.w_gate,
+                &mut l.w_up,
+                &mut l.w_down,
+            ] {
+                *w = conv(w)?;
+            }
+        }
+        let tied = self.lm_head.data_ptr() == self.embed.data_ptr();
+        self.embed = conv(&self.embed)?;
+        self.lm_head = if tied {
+            self.embed.shallow_clone()
+        } else {
+            conv(&self.lm_head)?
+        };
+        Ok(self)
+    }
+
+    /// `x @ w^T`, bridging a weight stored in another dtype.
+    fn linear(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        if w.kind() == x.kind() {
+            return Ok(x.f_linear::<Tensor>(w, None)?);
+        }
+        let rows = x.size().first().copied().unwrap_or(1);
+        Ok(if rows <= 8 {
+            x.f_to_kind(w.kind())?
+                .f_linear::<Tensor>(w, None)?
+                .f_to_kind(x.kind())?
+        } else {
+            x.f_linear::<Tensor>(&w.f_to_kind(x.kind())?, None)?
+        })
+    }
+
+    /// The device the weights live on.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// The compute dtype.
+    pub fn kind(&self) -> Kind {
+        self.kind
+    }
+
+    fn rms_norm(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        let xf = x.f_to_kind(Kind::Float)?;
+        let var = xf
+            .f_pow_tensor_scalar(2)?
+            .f_mean_dim(-1, true, Kind::Float)?;
+        let normed = (xf * (var + self.cfg.rms_eps).f_rsqrt()?).f_to_kind(self.kind)?;
+        Ok(normed * w)
+    }
+
+    fn rope(&self, x: &Tensor, start: i64, n: i64) -> Result<Tensor> {
+        // x: [n, heads, hd]; cos/sin rows start..start+n, broadcast over heads.
+        let cos = self.cos.f_narrow(0, start, n)?.f_unsqueeze(1)?;
+        let sin = self.sin.f_narrow(0, start, n)?.f_unsqueeze(1)?;
+        let half = (self.cfg.head_dim / 2) as i64;
+        let x1 = x.f_narrow(-1, 0, half)?;
+        let x2 = x.f_narrow(-1, half, half)?;
+        let rotated = Tensor::f_cat(&[&x2.f_neg()?, &x1], -1)?;
+        Ok(x * cos + rotated * sin)
+    }
+
+    /// Runs `tokens` through the model after the positions already in
+    /// `store`, writing their K/V there. Returns logits `[n, vocab]` for every
+    /// new token when `all_logits`, else `[1, vocab]` for the last one.
+    pub fn forward(
+        &self,
+        tokens: &[u32],
+        store: &mut dyn KvStore,
+        all_logits: bool,
+    ) -> Result<Tensor> {
+        let _guard = tch::no_grad_guard();
+        let n = tokens.len();
+        if n == 0 {
+            return Err(EngineError::Request("empty input".into()));
+        }
+        let start = store.len();
+        if start + n > self.cfg.max_ctx {
+            return Err(EngineError::Request(format!(
+                "{} positions exceed the model's context of {} tokens",
+                start + n,
+                self.cfg.max_ctx
+            )));
+        }
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab) {
+            return Err(EngineError::Request(format!(
+                "token id {bad} is outside the vocabulary of {}",
+                self.cfg.vocab
+            )));
+        }
+        store.prepare(n)?;
+        let out = self.forward_inner(tokens, start, store, all_logits);
+        if out.is_ok() {
+            store.commit(n);
+        }
+        out
+    }
+
+    fn forward_inner(
+        &self,
+        tokens: &[u32],
+        start: usize,
+        store: &mut dyn KvStore,
+        all_logits: bool,
+    ) -> Result<Tensor> {
+        let c = &self.cfg;
+        let (n, s0) = (tokens.len() as i64, start as i64);
+        let total = s0 + n;
+        let ids: Vec<i64> = tokens.iter().map(|&t| i64::from(t)).collect();
+        let ids = Tensor::f_from_slice(&ids)?.f_to_device(self.device)?;
+        let mut x = self.embed.f_index_select(0, &ids)?.f_to_kind(self.kind)?; // [n, d]
+        let (nh, nkv, hd) = (c.n_heads as i64, c.n_kv_heads as i64, c.head_dim as i64);
+        // Query i (absolute position s0 + i) sees keys 0..=s0 + i.
+        let mask = if n > 1 && s0 > 0 {
+            let q =
+                Tensor::f_arange_start(s0, total, (Kind::Int64, self.device))?.f_unsqueeze(1)?;
+            let k = Tensor::f_arange(total, (Kind::Int64, self.device))?.f_unsqueeze(0)?;
+            Some(k.f_le_tensor(&q)?)
+        } else {
+            None
+        };
+        let causal = n > 1 && s0 == 0;
+        for (l, layer) in self.layers.iter().enumerate() {
+            let h = self.rms_norm(&x, &layer.attn_norm)?;
+            let q = self.linear(&h, &layer.wq)?.f_reshape([n, nh, hd])?;
+            let k = self.linear(&h, &layer.wk)?.f_reshape([n, nkv, hd])?;
+            let v = self.linear(&h, &layer.wv)?.f_reshape([n, nkv, hd])?;
+            let q = self.rope(&q, s0, n)?;
+            let k = self.rope(&k, s0, n)?;
+            let (k_all, v_all) = store.update(l, &k, &v)?;
+            // [1, heads, seq, hd]
+            let q = q.f_transpose(0, 1)?.f_unsqueeze(0)?;
+            let k_all = k_all
+                .f_to_kind(self.kind)?
+                .f_transpose(0, 1)?
+                .f_unsqueeze(0)?;
+            let v_all = v_all
+                .f_to_kind(self.kind)?
+                .f_transpose(0, 1)?
+                .f_unsqueeze(0)?;
+            let att = Tensor::f_scaled_dot_product_attention(
+                &q,
+                &k_all,
+                &v_all,
+                mask.as_ref(),
+                0.0,
+                causal,
+                None::<f64>,
+                nkv != nh,
+            )?;
+            let att = att
+                .f_squeeze_dim(0)?
+                .f_transpose(0, 1)?
+                .f_reshape([n, nh * hd])?;
+            x += self.linear(&att, &layer.wo)?;
+            let h = self.rms_norm(&x, &layer.ffn_norm)?;
+            let gate = self.linear(&h, &layer.w_gate)?.f_silu()?;
+            let up = self.linear(&h, &layer.w_up)?;
+            x += self.linear(&(gate * up), &layer.w_down)?;
+        }
+        let x = if all_logits {
+            x
+        } else {
+            x.f_narrow(0, n - 1, 1)?
+        };
+        let x = self.rms_norm(&x, &self.norm)?;
+        Ok(self.linear(&x, &self.lm_head)?.f_to_kind(Kind::Float)?)
+    }
+}

@@ -1,0 +1,167 @@
+//! GPT-2 byte-level BPE from GGUF metadata (or a `tokenizer.json`), and the
+//! ChatML template SmolLM2 was trained with.
+
+use std::path::Path;
+
+use crate::gguf::{GgufFile, Value};
+use crate::{EngineError, Result};
+
+/// SmolLM2's default system message (from its chat template).
+pub const DEFAULT_SYSTEM: &str =
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face";
+
+/// One chat message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Message {
+    /// `system`, `user` or `assistant`.
+    pub role: String,
+    /// The text.
+    pub content: String,
+}
+
+impl Message {
+    /// A message.
+    pub fn new(role: &str, content: impl Into<String>) -> Self {
+        Message {
+            role: role.to_string(),
+            content: content.into(),
+        }
+    }
+}
+
+/// A tokenizer plus the ids the engine needs.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    /// End of sequence (`<|im_end|>` for SmolLM2).
+    pub eos: u32,
+    /// Vocabulary size.
+    pub vocab: usize,
+}
+
+fn tok_err(e: impl std::fmt::Display) -> EngineError {
+    EngineError::Tokenizer(e.to_string())
+}
+
+impl Tokenizer {
+    /// Builds the tokenizer stored in a GGUF file (`tokenizer.ggml.*`).
+    pub fn from_gguf(g: &GgufFile) -> Result<Self> {
+        let model = g
+            .get("tokenizer.ggml.model")
+            .and_then(Value::as_str)
+            .unwrap_or("");
+        if model != "gpt2" {
+            return Err(EngineError::Unsupported(format!(
+                "tokenizer model {model:?}; only GPT-2 byte-level BPE (\"gpt2\") is supported"
+            )));
+        }
+        let strings = |key: &str| -> Result<Vec<String>> {
+            g.get(key)
+                .and_then(Value::as_array)
+                .ok_or_else(|| EngineError::Model(format!("GGUF metadata {key} missing")))?
+                .iter()
+                .map(|v| {
+                    v.as_str().map(str::to_string).ok_or_else(|| {
+                        EngineError::Model(format!("GGUF metadata {key}: not a string"))
+                    })
+                })
+                .collect()
+        };
+        let tokens = strings("tokenizer.ggml.tokens")?;
+        let merges = strings("tokenizer.ggml.merges")?;
+        let types: Vec<u64> = g
+            .get("tokenizer.ggml.token_type")
+            .and_then(Value::as_array)
+            .map(|a| a.iter().map(|v| v.as_u64().unwrap_or(1)).collect())
+            .unwrap_or_default();
+        // Control (3) and user-defined (4) tokens are matched whole, never split.
+        let added: Vec<serde_json::Value> = tokens
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| matches!(types.get(*i), Some(3) | Some(4)))
+            .map(|(i, t)| {
+                serde_json::json!({"id": i, "content": t, "single_word": false, "lstrip": false,
+                    "rstrip": false, "normalized": false, "special": true})
+            })
+            .collect();
+        let vocab: serde_json::Map<String, serde_json::Value> = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.clone(), serde_json::json!(i)))
+            .collect();
+        // The same pipeline as SmolLM2's tokenizer.json: single digits, then
+        // GPT-2 byte-level BPE.
+        let spec = serde_json::json!({
+            "version": "1.0",
+            "added_tokens": added,
+            "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+                {"type": "Digits", "individual_digits": true},
+                {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true}
+            ]},
+            "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+            "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+                "vocab": vocab, "merges": merges}
+        });
+        let inner: tokenizers::Tokenizer = spec.to_string().parse().map_err(tok_err)?;
+        let eos = g.u64("tokenizer.ggml.eos_token_id")? as u32;
+        Ok(Tokenizer {
+            inner,
+            eos,
+            vocab: tokens.len(),
+        })
+    }
+
+    /// Loads a Hugging Face `tokenizer.json`; `eos` names the end token.
+    pub fn from_file(path: &Path, eos: &str) -> Result<Self> {
+        let inner = tokenizers::Tokenizer::from_file(path)
+            .map_err(|e| EngineError::Tokenizer(format!("{}: {e}", path.display())))?;
+        let eos = inner.token_to_id(eos).ok_or_else(|| {
+            EngineError::Tokenizer(format!("{}: no token {eos:?}", path.display()))
+        })?;
+        let vocab = inner.get_vocab_size(true);
+        Ok(Tokenizer { inner, eos, vocab })
+    }
+
+    /// Token ids of `text` (special tokens in the text are recognised).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        Ok(self
+            .inner
+            .encode(text, false)
+            .map_err(tok_err)?
+            .get_ids()
+            .to_vec())
+    }
+
+    /// Text of `ids` (special tokens included).
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner.decode(ids, false).map_err(tok_err)
+    }
+
+    /// Text of `ids` for display: special tokens dropped.
+    pub fn decode_text(&self, ids: &[u32]) -> Result<String> {
+        self.inner.decode(ids, true).map_err(tok_err)
+    }
+
+    /// The id of a token string, if it is in the vocabulary.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// ChatML: `<|im_start|>{role}\n{content}<|im_end|>\n` per message, a
+    /// default system message first when none is given, then the assistant
+    /// header the model continues from.
+    pub fn chat_prompt(messages: &[Message]) -> String {
+        let mut s = String::new();
+        if messages.first().is_none_or(|m| m.role != "system") {
+            s.push_str(&format!("<|im_start|>system\n{DEFAULT_SYSTEM}<|im_end|>\n"));
+        }
+        for m in messages {
+            s.push_str(&format!(
+                "<|im_start|>{}\n{}<|im_end|>\n",
+                m.role, m.content
+            ));
+        }
+        s.push_str("<|im_start|>assistant\n");
+        s
+    }
+}

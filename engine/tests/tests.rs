@@ -1,0 +1,518 @@
+//! Engine tests: paged attention against the contiguous oracle on tiny random
+//! models, parity with Hugging Face transformers on the real SmolLM2 model
+//! (fixture from `scripts/reference.py`), and one test per bad input.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use kvforge_engine::gguf::GgufFile;
+use kvforge_engine::{
+    ContiguousCache, Device, Engine, EngineConfig, EngineError, Kind, KvStore, Llama, LlamaConfig,
+    PagedKvCache, SamplingParams, Sequence, Tokenizer, parse_device, parse_dtype,
+};
+use tch::Tensor;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn model_path() -> PathBuf {
+    let p = root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        p.exists(),
+        "{} missing: run `cargo xtask setup`",
+        p.display()
+    );
+    p
+}
+
+fn tiny() -> Llama {
+    Llama::random(LlamaConfig::tiny(), 7, Device::Cpu, Kind::Float).unwrap()
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    (a - b).abs().max().double_value(&[])
+}
+
+/// Prefill in chunks, then decode one token at a time, through `store`;
+/// returns the logits of every step stacked.
+fn run(model: &Llama, store: &mut dyn KvStore, tokens: &[u32], chunks: &[usize]) -> Tensor {
+    let mut outs = Vec::new();
+    let mut at = 0;
+    for &c in chunks {
+        outs.push(model.forward(&tokens[at..at + c], store, true).unwrap());
+        at += c;
+    }
+    for &t in &tokens[at..] {
+        outs.push(model.forward(&[t], store, true).unwrap());
+    }
+    Tensor::cat(&outs, 0)
+}
+
+#[test]
+fn paged_attention_equals_the_contiguous_oracle() {
+    let model = tiny();
+    let tokens: Vec<u32> = (0..70).map(|i| (i * 31 + 5) % 97).collect();
+    let mut oracle = ContiguousCache::new(model.cfg.n_layers);
+    let want = run(&model, &mut oracle, &tokens, &[40]);
+    for bs in [1usize, 3, 16, 128] {
+        for chunks in [&[40usize][..], &[17, 23], &[1]] {
+            let cache = PagedKvCache::new(&model.cfg, bs, 256, Device::Cpu, Kind::Float).unwrap();
+            let mut seq = Sequence::default();
+            let got = run(&model, &mut cache.view(&mut seq), &tokens, chunks);
+            // Row layout differs with chunking; compare the last-token rows
+            // of every step through the full per-position logits instead.
+            let mut oracle = ContiguousCache::new(model.cfg.n_layers);
+            let want_chunked = run(&model, &mut oracle, &tokens, chunks);
+            let d = max_diff(&got, &want_chunked);
+            assert!(d < 1e-5, "block size {bs}, chunks {chunks:?}: max diff {d}");
+            assert_eq!(seq.len, tokens.len());
+            assert_eq!(seq.blocks.len(), tokens.len().div_ceil(bs));
+            cache.free(&mut seq).unwrap();
+            assert_eq!(cache.bytes_in_use(), 0);
+        }
+    }
+    // Chunked prefill and one-shot prefill agree position by position.
+    let mut oracle = ContiguousCache::new(model.cfg.n_layers);
+    let chunked = run(&model, &mut oracle, &tokens, &[17, 23]);
+    assert!(max_diff(&chunked, &want) < 1e-5);
+}
+
+#[test]
+fn two_sequences_share_one_pool_without_interference() {
+    let model = tiny();
+    let cache = PagedKvCache::new(&model.cfg, 4, 256, Device::Cpu, Kind::Float).unwrap();
+    let a: Vec<u32> = (0..30).map(|i| (i * 7) % 97).collect();
+    let b: Vec<u32> = (0..30).map(|i| (i * 11 + 3) % 97).collect();
+    let (mut sa, mut sb) = (Sequence::default(), Sequence::default());
+    // Interleave the two sequences' steps so their blocks interleave too.
+    let mut got_a = Vec::new();
+    let mut got_b = Vec::new();
+    for i in 0..30 {
+        got_a.push(
+            model
+                .forward(&a[i..=i], &mut cache.view(&mut sa), true)
+                .unwrap(),
+        );
+        got_b.push(
+            model
+                .forward(&b[i..=i], &mut cache.view(&mut sb), true)
+                .unwrap(),
+        );
+    }
+    for (toks, got) in [(&a, got_a), (&b, got_b)] {
+        let mut oracle = ContiguousCache::new(model.cfg.n_layers);
+        let want = model.forward(toks, &mut oracle, true).unwrap();
+        assert!(max_diff(&Tensor::cat(&got, 0), &want) < 1e-5);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// Real model against transformers.
+
+fn fixture() -> serde_json::Value {
+    let text = std::fs::read_to_string(root().join("engine/tests/fixtures/smollm2_reference.json"))
+        .unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn smollm2() -> Engine {
+    Engine::load(&model_path(), &EngineConfig::default()).unwrap()
+}
+
+#[test]
+fn real_model_matches_transformers_logits_greedy_and_tokens() {
+    let fx = fixture();
+    let engine = smollm2();
+    let mut worst = 0f64;
+    for p in fx["prompts"].as_array().unwrap() {
+        let prompt = ids(&p["ids"]);
+        // Our tokenizer gives transformers' ids for the chat text.
+        assert_eq!(
+            engine
+                .tokenizer
+                .encode(p["text"].as_str().unwrap())
+                .unwrap(),
+            prompt
+        );
+        let mut seq = Sequence::default();
+        let logits = engine
+            .model
+            .forward(&prompt, &mut engine.cache.view(&mut seq), true)
+            .unwrap();
+        for (pos, (tids, tvals)) in p["top_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .zip(p["top_logits"].as_array().unwrap())
+            .enumerate()
+        {
+            for (id, val) in tids
+                .as_array()
+                .unwrap()
+                .iter()
+                .zip(tvals.as_array().unwrap())
+            {
+                let ours = logits.double_value(&[pos as i64, id.as_i64().unwrap()]);
+                worst = worst.max((ours - val.as_f64().unwrap()).abs());
+            }
+        }
+        if let Some(greedy) = p.get("greedy") {
+            let want = ids(greedy);
+            engine.cache.free(&mut seq).unwrap();
+            // transformers generated past eos; so do we, to compare 40 tokens.
+            let params = SamplingParams {
+                max_tokens: want.len(),
+                ignore_eos: true,
+                ..Default::default()
+            };
+            let g = engine
+                .generate(&mut seq, &prompt, &params, &mut |_, _| true)
+                .unwrap();
+            let n = g.tokens.len();
+            assert!(n >= 32, "greedy stopped after {n} tokens");
+            assert_eq!(
+                g.tokens[..],
+                want[..n],
+                "greedy continuation differs from transformers"
+            );
+        }
+        engine.cache.free(&mut seq).unwrap();
+    }
+    eprintln!("max |logit difference| vs transformers (top-5, every position): {worst:.3e}");
+    assert!(
+        worst <= 1e-3,
+        "max |logit difference| vs transformers: {worst}"
+    );
+    for t in fx["tokenizer"].as_array().unwrap() {
+        let text = t["text"].as_str().unwrap();
+        assert_eq!(
+            engine.tokenizer.encode(text).unwrap(),
+            ids(&t["ids"]),
+            "tokenizer differs on {text:?}"
+        );
+    }
+}
+
+#[test]
+fn f16_weights_with_f32_compute_stay_close_to_transformers() {
+    let fx = fixture();
+    let cfg = EngineConfig {
+        weight_kind: Some(Kind::Half),
+        kv_kind: Some(Kind::Half),
+        ..Default::default()
+    };
+    let engine = Engine::load(&model_path(), &cfg).unwrap();
+    let (mut agree, mut total, mut worst) = (0usize, 0usize, 0f64);
+    for p in fx["prompts"].as_array().unwrap() {
+        let prompt = ids(&p["ids"]);
+        let mut seq = Sequence::default();
+        let logits = engine
+            .model
+            .forward(&prompt, &mut engine.cache.view(&mut seq), true)
+            .unwrap();
+        let argmax = logits.argmax(-1, false);
+        for (pos, (tids, tvals)) in p["top_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .zip(p["top_logits"].as_array().unwrap())
+            .enumerate()
+        {
+            let top = tids.as_array().unwrap();
+            total += 1;
+            agree += usize::from(argmax.int64_value(&[pos as i64]) == top[0].as_i64().unwrap());
+            let ours = logits.double_value(&[pos as i64, top[0].as_i64().unwrap()]);
+            worst = worst.max((ours - tvals[0].as_f64().unwrap()).abs());
+        }
+        engine.cache.free(&mut seq).unwrap();
+    }
+    eprintln!(
+        "f16 weights + f16 KV: top-1 agreement {agree}/{total}, max |top-1 logit diff| {worst:.3e}"
+    );
+    assert!(agree * 100 >= total * 97, "top-1 agreement {agree}/{total}");
+    assert!(worst < 0.1, "max |top-1 logit difference| {worst}");
+}
+
+// ----------------------------------------------------------------------------
+// Bad input: one test each, one-line errors, no panics.
+
+fn one_line(e: &EngineError) -> String {
+    let s = e.to_string();
+    assert!(!s.contains('\n'), "multi-line error: {s}");
+    s
+}
+
+fn load_err(path: &Path) -> String {
+    match Engine::load(path, &EngineConfig::default()) {
+        Ok(_) => panic!("{} loaded", path.display()),
+        Err(e) => one_line(&e),
+    }
+}
+
+fn temp(name: &str, bytes: &[u8]) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvforge-tests-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join(name);
+    std::fs::write(&p, bytes).unwrap();
+    p
+}
+
+/// A minimal GGUF v3 file: string metadata and tensors of any type id.
+fn gguf(meta: &[(&str, &str)], tensors: &[(&str, &[u64], u32, usize)]) -> Vec<u8> {
+    let mut b = Vec::new();
+    let s = |b: &mut Vec<u8>, x: &str| {
+        b.extend((x.len() as u64).to_le_bytes());
+        b.extend(x.as_bytes());
+    };
+    b.extend(b"GGUF");
+    b.extend(3u32.to_le_bytes());
+    b.extend((tensors.len() as u64).to_le_bytes());
+    b.extend((meta.len() as u64).to_le_bytes());
+    for (k, v) in meta {
+        s(&mut b, k);
+        b.extend(8u32.to_le_bytes());
+        s(&mut b, v);
+    }
+    let mut offset = 0u64;
+    for (name, dims, ty, _) in tensors {
+        s(&mut b, name);
+        b.extend((dims.len() as u32).to_le_bytes());
+        for d in *dims {
+            b.extend(d.to_le_bytes());
+        }
+        b.extend(ty.to_le_bytes());
+        b.extend(offset.to_le_bytes());
+        offset += 64;
+    }
+    while b.len() % 32 != 0 {
+        b.push(0);
+    }
+    for (_, _, _, len) in tensors {
+        b.extend(vec![0u8; *len]);
+    }
+    b
+}
+
+#[test]
+fn missing_model_file_is_an_error() {
+    let e = load_err(Path::new("/nonexistent/model.gguf"));
+    assert!(e.contains("cannot open model"), "{e}");
+}
+
+#[test]
+fn corrupt_model_file_is_an_error() {
+    let e = load_err(&temp("garbage.gguf", b"this is not a gguf file at all"));
+    assert!(e.contains("not a GGUF file"), "{e}");
+}
+
+#[test]
+fn truncated_model_file_is_an_error() {
+    let bytes = std::fs::read(model_path()).unwrap();
+    for cut in [10usize, 4096, bytes.len() / 2, bytes.len() - 1] {
+        let e = load_err(&temp("truncated.gguf", &bytes[..cut]));
+        assert!(e.contains("truncated"), "cut at {cut}: {e}");
+    }
+}
+
+#[test]
+fn unsupported_tensor_type_is_an_error() {
+    // GGML type 10 is Q2_K.
+    let f = gguf(
+        &[("general.architecture", "llama")],
+        &[("token_embd.weight", &[256, 4], 10, 64)],
+    );
+    let e = load_err(&temp("q2k.gguf", &f));
+    assert!(
+        e.contains("unsupported") && e.contains("GGML type 10"),
+        "{e}"
+    );
+}
+
+#[test]
+fn unsupported_architecture_is_an_error() {
+    let f = gguf(&[("general.architecture", "gpt2")], &[]);
+    let p = temp("gpt2.gguf", &f);
+    let g = GgufFile::open(&p).unwrap();
+    let e = one_line(
+        &Llama::from_gguf(&g, Device::Cpu, Kind::Float)
+            .err()
+            .unwrap(),
+    );
+    assert!(e.contains("architecture \"gpt2\""), "{e}");
+}
+
+#[test]
+fn prompt_longer_than_the_context_is_an_error() {
+    let model = tiny();
+    let cache = PagedKvCache::new(&model.cfg, 16, 1024, Device::Cpu, Kind::Float).unwrap();
+    let mut seq = Sequence::default();
+    let long = vec![1u32; model.cfg.max_ctx + 1];
+    let e = one_line(
+        &model
+            .forward(&long, &mut cache.view(&mut seq), false)
+            .err()
+            .unwrap(),
+    );
+    assert!(e.contains("exceed the model's context"), "{e}");
+    assert_eq!(seq.len, 0, "nothing stored");
+    assert_eq!(cache.bytes_in_use(), 0);
+}
+
+#[test]
+fn token_outside_the_vocabulary_is_an_error() {
+    let model = tiny();
+    let mut store = ContiguousCache::new(model.cfg.n_layers);
+    let e = one_line(&model.forward(&[1, 97], &mut store, false).err().unwrap());
+    assert!(e.contains("outside the vocabulary"), "{e}");
+    assert_eq!(store.len(), 0);
+}
+
+#[test]
+fn full_kv_cache_is_an_error_and_changes_nothing() {
+    let model = tiny();
+    let cache = PagedKvCache::new(&model.cfg, 4, 8, Device::Cpu, Kind::Float).unwrap();
+    let mut seq = Sequence::default();
+    let e = one_line(
+        &model
+            .forward(&[1; 9], &mut cache.view(&mut seq), false)
+            .err()
+            .unwrap(),
+    );
+    assert!(e.contains("KV cache full"), "{e}");
+    assert_eq!((seq.len, seq.blocks.len()), (0, 0));
+}
+
+#[test]
+fn invalid_sampling_parameters_are_errors() {
+    let engine = smollm2();
+    let mut seq = Sequence::default();
+    let bad = SamplingParams {
+        top_p: 0.0,
+        ..Default::default()
+    };
+    let e = one_line(
+        &engine
+            .generate(&mut seq, &[1, 2, 3], &bad, &mut |_, _| true)
+            .err()
+            .unwrap(),
+    );
+    assert!(e.contains("top_p"), "{e}");
+    let e = one_line(
+        &engine
+            .generate(&mut seq, &[], &SamplingParams::default(), &mut |_, _| true)
+            .err()
+            .unwrap(),
+    );
+    assert!(e.contains("empty prompt"), "{e}");
+    assert_eq!(seq.len, 0);
+}
+
+#[test]
+fn cuda_without_a_gpu_and_bad_names_are_errors() {
+    if !tch::Cuda::is_available() {
+        let e = one_line(&parse_device("cuda").err().unwrap());
+        assert!(e.contains("CUDA requested but not available"), "{e}");
+    }
+    assert!(parse_device("tpu").is_err());
+    assert!(parse_dtype("f8").is_err());
+    assert_eq!(parse_dtype("bf16").unwrap(), Kind::BFloat16);
+}
+
+#[test]
+fn chat_template_is_chatml_with_the_default_system_message() {
+    let p = Tokenizer::chat_prompt(&[kvforge_engine::Message::new("user", "hi")]);
+    assert_eq!(
+        p,
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n\
+         <|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    );
+}
+
+// ----------------------------------------------------------------------------
+// The CLI: exit codes and one-line messages.
+
+fn kvforge(args: &[&str]) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvforge"))
+        .args(args)
+        .current_dir(root())
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    )
+}
+
+#[test]
+fn cli_bad_inputs_exit_non_zero_with_one_line() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["generate"], "--prompt"),
+        (&["generate", "--prompt", "x", "--bogus"], "--bogus"),
+        (
+            &["generate", "--prompt", "x", "--model", "/nonexistent.gguf"],
+            "cannot open model",
+        ),
+        (
+            &["generate", "--prompt", "x", "--temperature", "-1"],
+            "temperature",
+        ),
+        (&["generate", "--prompt", "x", "--top-p", "1.5"], "top_p"),
+        (
+            &["generate", "--prompt", "x", "--max-tokens", "0"],
+            "max_tokens",
+        ),
+        (&["chat", "--threads", "x"], "invalid value"),
+        (
+            &["generate", "--prompt", "x", "--dtype", "f8"],
+            "unknown dtype",
+        ),
+        (
+            &["generate", "--prompt", "x", "--device", "tpu"],
+            "unknown device",
+        ),
+        (
+            &["generate", "--prompt", "x", "--block-size", "0"],
+            "block size",
+        ),
+    ];
+    for (args, needle) in cases {
+        let (code, err) = kvforge(args);
+        assert_ne!(code, 0, "{args:?} succeeded");
+        let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+        assert_eq!(lines.len(), 1, "{args:?}: not one line: {err}");
+        assert!(lines[0].contains(needle), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn cli_generates_from_the_real_model() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvforge"))
+        .args([
+            "generate",
+            "--prompt",
+            "What is the capital of France?",
+            "--max-tokens",
+            "12",
+        ])
+        .current_dir(root())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("Paris"), "{text}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("decode"));
+}

