@@ -415,6 +415,59 @@ impl Llama {
         })
     }
 
+    /// The weights under Hugging Face LLaMA names (`model.layers.0.self_attn.q_proj.weight`,
+    /// …), in the layout `from_hf_dir` loads: write them with
+    /// `Tensor::write_safetensors` next to a `config.json` to export a model.
+    pub fn named_weights(&self) -> Vec<(String, Tensor)> {
+        let mut v = vec![
+            (
+                "model.embed_tokens.weight".to_string(),
+                self.embed.shallow_clone(),
+            ),
+            ("model.norm.weight".to_string(), self.norm.shallow_clone()),
+        ];
+        if self.lm_head.data_ptr() != self.embed.data_ptr() {
+            v.push(("lm_head.weight".to_string(), self.lm_head.shallow_clone()));
+        }
+        for (i, l) in self.layers.iter().enumerate() {
+            let p = format!("model.layers.{i}");
+            for (name, t) in [
+                ("input_layernorm", &l.attn_norm),
+                ("self_attn.q_proj", &l.wq),
+                ("self_attn.k_proj", &l.wk),
+                ("self_attn.v_proj", &l.wv),
+                ("self_attn.o_proj", &l.wo),
+                ("post_attention_layernorm", &l.ffn_norm),
+                ("mlp.gate_proj", &l.w_gate),
+                ("mlp.up_proj", &l.w_up),
+                ("mlp.down_proj", &l.w_down),
+            ] {
+                v.push((format!("{p}.{name}.weight"), t.shallow_clone()));
+            }
+        }
+        v
+    }
+
+    /// A Hugging Face `config.json` for this model's dimensions.
+    pub fn hf_config(&self) -> serde_json::Value {
+        let c = &self.cfg;
+        serde_json::json!({
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": c.vocab,
+            "hidden_size": c.d_model,
+            "num_hidden_layers": c.n_layers,
+            "num_attention_heads": c.n_heads,
+            "num_key_value_heads": c.n_kv_heads,
+            "head_dim": c.head_dim,
+            "intermediate_size": c.ffn,
+            "rms_norm_eps": c.rms_eps,
+            "rope_theta": c.rope_theta,
+            "max_position_embeddings": c.max_ctx,
+            "tie_word_embeddings": self.lm_head.data_ptr() == self.embed.data_ptr(),
+        })
+    }
+
     /// The device the weights live on.
     pub fn device(&self) -> Device {
         self.device

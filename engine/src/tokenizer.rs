@@ -122,6 +122,13 @@ impl Tokenizer {
         Ok(Tokenizer { inner, eos, vocab })
     }
 
+    /// Writes the tokenizer as a Hugging Face `tokenizer.json`.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        self.inner
+            .save(path, false)
+            .map_err(|e| EngineError::Tokenizer(format!("{}: {e}", path.display())))
+    }
+
     /// Token ids of `text` (special tokens in the text are recognised).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         Ok(self

@@ -108,6 +108,65 @@ fn two_sequences_share_one_pool_without_interference() {
     }
 }
 
+#[test]
+fn hugging_face_directories_load_and_match() {
+    let model = tiny();
+    let dir = std::env::temp_dir().join(format!("kvforge-hf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let named = model.named_weights();
+    let refs: Vec<(&str, &Tensor)> = named.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    Tensor::write_safetensors(&refs, dir.join("model.safetensors")).unwrap();
+    std::fs::write(dir.join("config.json"), model.hf_config().to_string()).unwrap();
+    let loaded = Llama::from_hf_dir(&dir, Device::Cpu, Kind::Float).unwrap();
+    assert_eq!(loaded.cfg, model.cfg);
+    let toks: Vec<u32> = (0..20).map(|i| (i * 13) % 97).collect();
+    let a = model
+        .forward(&toks, &mut ContiguousCache::new(2), true)
+        .unwrap();
+    let b = loaded
+        .forward(&toks, &mut ContiguousCache::new(2), true)
+        .unwrap();
+    assert!(max_diff(&a, &b) < 1e-6);
+    // A missing tensor and a foreign architecture are one-line errors.
+    std::fs::write(
+        dir.join("config.json"),
+        model
+            .hf_config()
+            .to_string()
+            .replace("\"llama\"", "\"mpt\""),
+    )
+    .unwrap();
+    let e = one_line(
+        &Llama::from_hf_dir(&dir, Device::Cpu, Kind::Float)
+            .err()
+            .unwrap(),
+    );
+    assert!(e.contains("model_type \"mpt\""), "{e}");
+    let e = one_line(
+        &Llama::from_hf_dir(Path::new("/nonexistent"), Device::Cpu, Kind::Float)
+            .err()
+            .unwrap(),
+    );
+    assert!(e.contains("config.json"), "{e}");
+}
+
+#[test]
+fn tokenizer_json_round_trips() {
+    let g = GgufFile::open(&model_path()).unwrap();
+    let tok = Tokenizer::from_gguf(&g).unwrap();
+    let p = temp("tokenizer.json", b"");
+    tok.save(&p).unwrap();
+    let back = Tokenizer::from_file(&p, "<|im_end|>").unwrap();
+    let text = "<|im_start|>user\nHello 123 🦀<|im_end|>";
+    assert_eq!(back.encode(text).unwrap(), tok.encode(text).unwrap());
+    assert_eq!(back.eos, tok.eos);
+    assert_eq!(
+        tok.decode_text(&tok.encode("Hello world").unwrap())
+            .unwrap(),
+        "Hello world"
+    );
+}
+
 // ----------------------------------------------------------------------------
 // Real model against transformers.
 
@@ -485,6 +544,18 @@ fn cli_bad_inputs_exit_non_zero_with_one_line() {
             "block size",
         ),
     ];
+    let no_gpu: &[(&[&str], &str)] = &[(
+        &["generate", "--prompt", "x", "--device", "cuda"],
+        "CUDA requested",
+    )];
+    let cases: Vec<_> = cases
+        .iter()
+        .chain(if tch::Cuda::is_available() {
+            &[][..]
+        } else {
+            no_gpu
+        })
+        .collect();
     for (args, needle) in cases {
         let (code, err) = kvforge(args);
         assert_ne!(code, 0, "{args:?} succeeded");

@@ -160,7 +160,12 @@ fn engine_bench(root: &Path, context: usize, decode: usize) -> Result<()> {
             .arg(&text)
             .args(["--context", &ctx, "--max-tokens", &dec]);
         c.args(extra);
-        runs.push((format!("kvforge {}", extra.join(" ")), c));
+        let label = if extra.is_empty() {
+            "kvforge (f32)".to_string()
+        } else {
+            format!("kvforge {}", extra.join(" "))
+        };
+        runs.push((label, c));
     }
     let mut hf = Command::new(&env.python);
     hf.current_dir(root)
