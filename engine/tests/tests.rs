@@ -184,6 +184,31 @@ fn ids(v: &serde_json::Value) -> Vec<u32> {
         .collect()
 }
 
+/// Per position of a fixture prompt: transformers' top-5 `(token id, logit)`.
+fn reference_top(p: &serde_json::Value) -> Vec<Vec<(i64, f64)>> {
+    let ids = p["top_ids"].as_array().unwrap();
+    let vals = p["top_logits"].as_array().unwrap();
+    ids.iter()
+        .zip(vals)
+        .map(|(i, v)| {
+            let i = i.as_array().unwrap().iter().map(|x| x.as_i64().unwrap());
+            let v = v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap());
+            i.zip(v).collect()
+        })
+        .collect()
+}
+
+/// Logits `[n, vocab]` of the whole prompt through a fresh paged sequence.
+fn prompt_logits(engine: &Engine, prompt: &[u32]) -> Tensor {
+    let mut seq = Sequence::default();
+    let logits = engine
+        .model
+        .forward(prompt, &mut engine.cache.view(&mut seq), true)
+        .unwrap();
+    engine.cache.free(&mut seq).unwrap();
+    logits
+}
+
 fn smollm2() -> Engine {
     Engine::load(&model_path(), &EngineConfig::default()).unwrap()
 }
@@ -196,47 +221,27 @@ fn real_model_matches_transformers_logits_greedy_and_tokens() {
     for p in fx["prompts"].as_array().unwrap() {
         let prompt = ids(&p["ids"]);
         // Our tokenizer gives transformers' ids for the chat text.
-        assert_eq!(
-            engine
-                .tokenizer
-                .encode(p["text"].as_str().unwrap())
-                .unwrap(),
-            prompt
-        );
-        let mut seq = Sequence::default();
-        let logits = engine
-            .model
-            .forward(&prompt, &mut engine.cache.view(&mut seq), true)
-            .unwrap();
-        for (pos, (tids, tvals)) in p["top_ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .zip(p["top_logits"].as_array().unwrap())
-            .enumerate()
-        {
-            for (id, val) in tids
-                .as_array()
-                .unwrap()
-                .iter()
-                .zip(tvals.as_array().unwrap())
-            {
-                let ours = logits.double_value(&[pos as i64, id.as_i64().unwrap()]);
-                worst = worst.max((ours - val.as_f64().unwrap()).abs());
+        let text = p["text"].as_str().unwrap();
+        assert_eq!(engine.tokenizer.encode(text).unwrap(), prompt);
+        let logits = prompt_logits(&engine, &prompt);
+        for (pos, top) in reference_top(p).iter().enumerate() {
+            for &(id, val) in top {
+                worst = worst.max((logits.double_value(&[pos as i64, id]) - val).abs());
             }
         }
         if let Some(greedy) = p.get("greedy") {
             let want = ids(greedy);
-            engine.cache.free(&mut seq).unwrap();
             // transformers generated past eos; so do we, to compare 40 tokens.
             let params = SamplingParams {
                 max_tokens: want.len(),
                 ignore_eos: true,
                 ..Default::default()
             };
+            let mut seq = Sequence::default();
             let g = engine
                 .generate(&mut seq, &prompt, &params, &mut |_, _| true)
                 .unwrap();
+            engine.cache.free(&mut seq).unwrap();
             let n = g.tokens.len();
             assert!(n >= 32, "greedy stopped after {n} tokens");
             assert_eq!(
@@ -245,7 +250,6 @@ fn real_model_matches_transformers_logits_greedy_and_tokens() {
                 "greedy continuation differs from transformers"
             );
         }
-        engine.cache.free(&mut seq).unwrap();
     }
     eprintln!("max |logit difference| vs transformers (top-5, every position): {worst:.3e}");
     assert!(
@@ -254,11 +258,8 @@ fn real_model_matches_transformers_logits_greedy_and_tokens() {
     );
     for t in fx["tokenizer"].as_array().unwrap() {
         let text = t["text"].as_str().unwrap();
-        assert_eq!(
-            engine.tokenizer.encode(text).unwrap(),
-            ids(&t["ids"]),
-            "tokenizer differs on {text:?}"
-        );
+        let got = engine.tokenizer.encode(text).unwrap();
+        assert_eq!(got, ids(&t["ids"]), "tokenizer differs on {text:?}");
     }
 }
 
@@ -273,27 +274,14 @@ fn f16_weights_with_f32_compute_stay_close_to_transformers() {
     let engine = Engine::load(&model_path(), &cfg).unwrap();
     let (mut agree, mut total, mut worst) = (0usize, 0usize, 0f64);
     for p in fx["prompts"].as_array().unwrap() {
-        let prompt = ids(&p["ids"]);
-        let mut seq = Sequence::default();
-        let logits = engine
-            .model
-            .forward(&prompt, &mut engine.cache.view(&mut seq), true)
-            .unwrap();
+        let logits = prompt_logits(&engine, &ids(&p["ids"]));
         let argmax = logits.argmax(-1, false);
-        for (pos, (tids, tvals)) in p["top_ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .zip(p["top_logits"].as_array().unwrap())
-            .enumerate()
-        {
-            let top = tids.as_array().unwrap();
+        for (pos, top) in reference_top(p).iter().enumerate() {
+            let (best, val) = top[0];
             total += 1;
-            agree += usize::from(argmax.int64_value(&[pos as i64]) == top[0].as_i64().unwrap());
-            let ours = logits.double_value(&[pos as i64, top[0].as_i64().unwrap()]);
-            worst = worst.max((ours - tvals[0].as_f64().unwrap()).abs());
+            agree += usize::from(argmax.int64_value(&[pos as i64]) == best);
+            worst = worst.max((logits.double_value(&[pos as i64, best]) - val).abs());
         }
-        engine.cache.free(&mut seq).unwrap();
     }
     eprintln!(
         "f16 weights + f16 KV: top-1 agreement {agree}/{total}, max |top-1 logit diff| {worst:.3e}"

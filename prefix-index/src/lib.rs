@@ -203,51 +203,35 @@ pub trait PrefixMatcher: Send {
     }
 }
 
-impl<M: PrefixMatcher + ?Sized> PrefixMatcher for Box<M> {
-    fn block_size(&self) -> usize {
-        (**self).block_size()
-    }
-    fn match_prefix(&mut self, tokens: &[u32], extra: &ExtraKeys) -> PrefixMatch {
-        (**self).match_prefix(tokens, extra)
-    }
-    fn insert(
-        &mut self,
-        tokens: &[u32],
-        extra: &ExtraKeys,
-        blocks: &[BlockRef],
-    ) -> Result<Inserted> {
-        (**self).insert(tokens, extra, blocks)
-    }
-    fn forget(&mut self, block: BlockId) -> bool {
-        (**self).forget(block)
-    }
-    fn stats(&self) -> MatchStats {
-        (**self).stats()
-    }
+/// Forwards every required method through a pointer type.
+macro_rules! forward_matcher {
+    ($($ptr:ty),*) => {$(
+        impl<M: PrefixMatcher + ?Sized> PrefixMatcher for $ptr {
+            fn block_size(&self) -> usize {
+                (**self).block_size()
+            }
+            fn match_prefix(&mut self, tokens: &[u32], extra: &ExtraKeys) -> PrefixMatch {
+                (**self).match_prefix(tokens, extra)
+            }
+            fn insert(
+                &mut self,
+                tokens: &[u32],
+                extra: &ExtraKeys,
+                blocks: &[BlockRef],
+            ) -> Result<Inserted> {
+                (**self).insert(tokens, extra, blocks)
+            }
+            fn forget(&mut self, block: BlockId) -> bool {
+                (**self).forget(block)
+            }
+            fn stats(&self) -> MatchStats {
+                (**self).stats()
+            }
+        }
+    )*};
 }
 
-impl<M: PrefixMatcher + ?Sized> PrefixMatcher for &mut M {
-    fn block_size(&self) -> usize {
-        (**self).block_size()
-    }
-    fn match_prefix(&mut self, tokens: &[u32], extra: &ExtraKeys) -> PrefixMatch {
-        (**self).match_prefix(tokens, extra)
-    }
-    fn insert(
-        &mut self,
-        tokens: &[u32],
-        extra: &ExtraKeys,
-        blocks: &[BlockRef],
-    ) -> Result<Inserted> {
-        (**self).insert(tokens, extra, blocks)
-    }
-    fn forget(&mut self, block: BlockId) -> bool {
-        (**self).forget(block)
-    }
-    fn stats(&self) -> MatchStats {
-        (**self).stats()
-    }
-}
+forward_matcher!(Box<M>, &mut M);
 
 /// Matches `tokens` and takes a reference on every matched block, so the pool
 /// cannot reclaim them while the caller uses them.
