@@ -33,17 +33,58 @@ pub trait KvStore {
 }
 
 /// A sequence's block table in a [`PagedKvCache`].
+///
+/// Blocks may hold fewer than `block_size` tokens: a block reused from the
+/// prefix cache that was sealed at a turn boundary, or the sequence's own
+/// last block. Only that last block, when `open`, receives new tokens; blocks
+/// shared with other sequences are never written.
 #[derive(Clone, Debug, Default)]
 pub struct Sequence {
     /// Blocks in position order.
     pub blocks: Vec<BlockId>,
-    /// Positions stored.
+    /// Tokens held by each block.
+    pub lens: Vec<u32>,
+    /// Positions stored (the sum of `lens`).
     pub len: usize,
+    /// Whether the last block is this sequence's own and not full.
+    pub open: bool,
+}
+
+impl Sequence {
+    /// A sequence that starts with `blocks` (already holding KV, e.g. a
+    /// prefix-cache hit) of the given lengths; new tokens go to new blocks.
+    pub fn from_blocks(blocks: impl IntoIterator<Item = (BlockId, u32)>) -> Self {
+        let (blocks, lens): (Vec<BlockId>, Vec<u32>) = blocks.into_iter().unzip();
+        let len = lens.iter().map(|&l| l as usize).sum();
+        Sequence {
+            blocks,
+            lens,
+            len,
+            open: false,
+        }
+    }
+
+    /// Stops writing into the last block: the next token starts a new one
+    /// (a turn boundary, so the partial block can be cached and reused).
+    pub fn seal(&mut self) {
+        self.open = false;
+    }
+
+    /// The slot of every position, in order.
+    fn slots(&self, block_size: usize) -> Vec<i64> {
+        let mut v = Vec::with_capacity(self.len);
+        for (b, &l) in self.blocks.iter().zip(&self.lens) {
+            let base = b.index() as usize * block_size;
+            v.extend((base..base + l as usize).map(|s| s as i64));
+        }
+        v
+    }
 }
 
 /// Paged KV storage for one model over a `kvforge-pool` [`BlockPool`].
 pub struct PagedKvCache {
     pool: BlockPool,
+    reclaimed: std::sync::Mutex<Vec<BlockId>>,
     block_size: usize,
     k: Vec<Tensor>,
     v: Vec<Tensor>,
@@ -91,6 +132,7 @@ impl PagedKvCache {
             .collect::<std::result::Result<Vec<_>, _>>()?;
         Ok(PagedKvCache {
             pool,
+            reclaimed: Default::default(),
             block_size,
             k,
             v,
@@ -115,9 +157,14 @@ impl PagedKvCache {
     /// Releases a sequence's blocks (tail first) and empties it.
     pub fn free(&self, seq: &mut Sequence) -> Result<()> {
         self.pool.release_sequence(&seq.blocks)?;
-        seq.blocks.clear();
-        seq.len = 0;
+        *seq = Sequence::default();
         Ok(())
+    }
+
+    /// Old handles of cached blocks the pool reclaimed for this cache's
+    /// allocations since the last call (for the prefix index to forget).
+    pub fn take_reclaimed(&self) -> Vec<BlockId> {
+        std::mem::take(&mut *self.reclaimed.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// A [`KvStore`] view of `seq` for one forward step.
@@ -127,12 +174,8 @@ impl PagedKvCache {
             seq,
             new_slots: None,
             all_slots: None,
+            pending: None,
         }
-    }
-
-    fn slot(&self, seq: &Sequence, pos: usize) -> i64 {
-        let b = seq.blocks[pos / self.block_size];
-        (b.index() as usize * self.block_size + pos % self.block_size) as i64
     }
 }
 
@@ -142,6 +185,9 @@ pub struct PagedSeq<'a> {
     seq: &'a mut Sequence,
     new_slots: Option<Tensor>,
     all_slots: Option<Tensor>,
+    /// Prepared, not committed: tokens going into the open block, the new
+    /// blocks, and how many tokens each new block receives.
+    pending: Option<(usize, Vec<BlockId>, Vec<u32>)>,
 }
 
 impl KvStore for PagedSeq<'_> {
@@ -151,27 +197,53 @@ impl KvStore for PagedSeq<'_> {
 
     fn prepare(&mut self, n: usize) -> Result<()> {
         let c = self.cache;
-        let total = self.seq.len + n;
-        let need = total
-            .div_ceil(c.block_size)
-            .saturating_sub(self.seq.blocks.len());
-        if need > 0 {
+        let bs = c.block_size;
+        let seq = &*self.seq;
+        let used = seq.lens.last().copied().unwrap_or(0) as usize;
+        let room = if seq.open { bs - used } else { 0 };
+        let need = n.saturating_sub(room).div_ceil(bs);
+        let fresh = if need > 0 {
             let got = c.pool.allocate(need).ok_or_else(|| {
                 let s = c.pool.stats();
                 EngineError::CacheFull(format!(
-                    "{need} more blocks of {} tokens needed, {} of {} free",
-                    c.block_size,
+                    "{need} more blocks of {bs} tokens needed, {} of {} free",
                     s.free(),
                     s.capacity
                 ))
             })?;
-            self.seq.blocks.extend(got.blocks);
+            if !got.reclaimed.is_empty() {
+                c.reclaimed
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .extend(got.reclaimed);
+            }
+            got.blocks
+        } else {
+            Vec::new()
+        };
+        // New positions: the rest of the open block, then the new blocks.
+        let mut new = Vec::with_capacity(n);
+        let in_open = n.min(room);
+        if in_open > 0 {
+            let b = seq.blocks[seq.blocks.len() - 1];
+            let base = b.index() as usize * bs + used;
+            new.extend((base..base + in_open).map(|s| s as i64));
         }
+        let mut left = n - in_open;
+        let mut extent = Vec::with_capacity(fresh.len());
+        for b in &fresh {
+            let take = left.min(bs);
+            let base = b.index() as usize * bs;
+            new.extend((base..base + take).map(|s| s as i64));
+            extent.push(take as u32);
+            left -= take;
+        }
+        let mut all = seq.slots(bs);
+        all.extend_from_slice(&new);
         let device = c.k[0].device();
-        let new: Vec<i64> = (self.seq.len..total).map(|p| c.slot(self.seq, p)).collect();
-        let all: Vec<i64> = (0..total).map(|p| c.slot(self.seq, p)).collect();
         self.new_slots = Some(Tensor::f_from_slice(&new)?.f_to_device(device)?);
         self.all_slots = Some(Tensor::f_from_slice(&all)?.f_to_device(device)?);
+        self.pending = Some((in_open, fresh, extent));
         Ok(())
     }
 
@@ -189,9 +261,33 @@ impl KvStore for PagedSeq<'_> {
     }
 
     fn commit(&mut self, n: usize) {
-        self.seq.len += n;
+        let seq = &mut *self.seq;
+        if let Some((in_open, fresh, extent)) = self.pending.take() {
+            if in_open > 0 {
+                if let Some(last) = seq.lens.last_mut() {
+                    *last += in_open as u32;
+                }
+            }
+            seq.blocks.extend(fresh);
+            seq.lens.extend(extent);
+            let bs = self.cache.block_size;
+            // Still open if it was and is not full, or a new block is partial.
+            seq.open = seq.lens.last().is_some_and(|&l| (l as usize) < bs)
+                && (in_open == n && seq.open || in_open < n);
+        }
+        seq.len += n;
         self.new_slots = None;
         self.all_slots = None;
+    }
+}
+
+impl Drop for PagedSeq<'_> {
+    /// A step prepared but not committed (the forward failed) gives its new
+    /// blocks back: the sequence is as it was.
+    fn drop(&mut self) {
+        if let Some((_, fresh, _)) = self.pending.take() {
+            let _ = self.cache.pool.release_sequence(&fresh);
+        }
     }
 }
 

@@ -31,6 +31,9 @@ pub enum EngineError {
     /// An error from the block pool.
     #[error(transparent)]
     Pool(#[from] kvforge_pool::PoolError),
+    /// An error from the prefix index.
+    #[error(transparent)]
+    Prefix(#[from] kvforge_prefix::PrefixError),
 }
 
 impl EngineError {
@@ -46,6 +49,7 @@ impl EngineError {
             | EngineError::Device(s)
             | EngineError::Torch(s) => s.clone(),
             EngineError::Pool(e) => e.to_string(),
+            EngineError::Prefix(e) => e.to_string(),
         }
     }
 }

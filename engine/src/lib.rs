@@ -12,6 +12,8 @@
 //!   owns one K and one V tensor per layer) and [`ContiguousCache`], a test
 //!   oracle.
 //! * [`generate`]: seeded sampling and the generation loop.
+//! * [`manager`]: [`CacheManager`] — prefix reuse across turns, requests and
+//!   sessions through a `kvforge-prefix` index, with metrics.
 //!
 //! # Invariants
 //!
@@ -28,6 +30,7 @@ pub mod cache;
 mod error;
 pub mod generate;
 pub mod gguf;
+pub mod manager;
 pub mod model;
 pub mod tokenizer;
 
@@ -36,6 +39,7 @@ use std::path::Path;
 pub use cache::{ContiguousCache, KvStore, PagedKvCache, Sequence};
 pub use error::{EngineError, Result};
 pub use generate::{Generation, Sampler, SamplingParams};
+pub use manager::{CacheManager, IndexKind, ReuseConfig, SessionId, TurnReport};
 pub use model::{Llama, LlamaConfig};
 pub use tch::{Device, Kind};
 pub use tokenizer::{Message, Tokenizer};

@@ -13,6 +13,8 @@ use kvforge_engine::{
 };
 use tch::Tensor;
 
+mod manager;
+
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }

@@ -1,0 +1,338 @@
+//! Prefix reuse through the cache manager: identical greedy outputs with and
+//! without reuse, stateless and in sessions; bad requests change nothing;
+//! many threads with shared prefixes and aborts leak nothing.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use kvforge_engine::gguf::GgufFile;
+use kvforge_engine::{
+    CacheManager, Engine, EngineConfig, IndexKind, ReuseConfig, SamplingParams, Tokenizer,
+};
+use kvforge_pool::BlockAllocator;
+
+use super::{model_path, tiny};
+
+fn tokenizer() -> Tokenizer {
+    Tokenizer::from_gguf(&GgufFile::open(&model_path()).unwrap()).unwrap()
+}
+
+fn tiny_manager(block_size: usize, kv_tokens: usize, reuse: ReuseConfig) -> CacheManager {
+    let cfg = EngineConfig {
+        block_size,
+        kv_tokens,
+        ..Default::default()
+    };
+    let engine = Engine::new(tiny(), tokenizer(), &cfg).unwrap();
+    CacheManager::new(engine, reuse).unwrap()
+}
+
+/// xorshift, seeded.
+fn rng(seed: u64) -> impl FnMut() -> u64 {
+    let mut s = seed | 1;
+    move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    }
+}
+
+fn user_turns(n: usize, seed: u64) -> Vec<Vec<u32>> {
+    let mut r = rng(seed);
+    (0..n)
+        .map(|_| {
+            let len = 3 + (r() % 10) as usize;
+            (0..len).map(|_| 3 + (r() % 94) as u32).collect()
+        })
+        .collect()
+}
+
+fn params(max_tokens: usize) -> SamplingParams {
+    SamplingParams {
+        max_tokens,
+        ignore_eos: true,
+        ..Default::default()
+    }
+}
+
+/// Stateless replay: every turn re-sends the whole history. Returns the
+/// answers and the reused token count of each turn.
+fn stateless(
+    m: &CacheManager,
+    users: &[Vec<u32>],
+    p: &SamplingParams,
+) -> (Vec<Vec<u32>>, Vec<usize>) {
+    let mut prompt: Vec<u32> = Vec::new();
+    let (mut answers, mut reused) = (Vec::new(), Vec::new());
+    for u in users {
+        prompt.extend(u);
+        let r = m.complete(&prompt, "tenant", p, &mut |_, _| true).unwrap();
+        prompt.extend(&r.generation.tokens);
+        reused.push(r.reused_tokens);
+        answers.push(r.generation.tokens);
+    }
+    (answers, reused)
+}
+
+fn session(m: &CacheManager, users: &[Vec<u32>], p: &SamplingParams) -> Vec<Vec<u32>> {
+    let id = m.open_session("tenant");
+    let answers = users
+        .iter()
+        .map(|u| {
+            m.turn(id, u, p, &mut |_, _| true)
+                .unwrap()
+                .generation
+                .tokens
+        })
+        .collect();
+    m.close_session(id).unwrap();
+    answers
+}
+
+#[test]
+fn reuse_gives_identical_greedy_outputs_over_16_turns() {
+    let users = user_turns(16, 42);
+    let p = params(6);
+    let off = ReuseConfig {
+        enabled: false,
+        ..Default::default()
+    };
+    let (want, none) = stateless(&tiny_manager(4, 512, off), &users, &p);
+    assert!(none.iter().all(|&r| r == 0));
+    for bs in [1usize, 4, 16] {
+        for seal in [false, true] {
+            for index in [IndexKind::HashChain, IndexKind::Radix] {
+                let cfg = ReuseConfig {
+                    enabled: true,
+                    index,
+                    seal_turns: seal,
+                    seed: Some(1),
+                };
+                let m = tiny_manager(bs, 512, cfg.clone());
+                let (got, reused) = stateless(&m, &users, &p);
+                let label = format!("block {bs}, seal {seal}, {index:?}");
+                assert_eq!(got, want, "{label}: answers differ with reuse");
+                // Reusable: everything computed before (history minus the
+                // last sampled token, which was never run through the model).
+                let mut history = 0usize;
+                for (t, u) in users.iter().enumerate() {
+                    if t > 0 {
+                        let reusable = history - 1;
+                        if seal {
+                            assert_eq!(reused[t], reusable, "{label}, turn {t}");
+                        } else {
+                            assert!(
+                                reused[t] + bs > reusable && reused[t] <= reusable,
+                                "{label}, turn {t}: {} of {reusable}",
+                                reused[t]
+                            );
+                        }
+                    }
+                    history += u.len() + p.max_tokens;
+                }
+                assert_eq!(
+                    session(&m, &users, &p),
+                    want,
+                    "{label}: session answers differ"
+                );
+                let metrics = m.metrics();
+                assert_eq!(metrics["pool"]["blocks_in_use"], 0, "{label}: {metrics}");
+                assert!(metrics["reused_tokens"].as_u64().unwrap() > 0);
+            }
+        }
+    }
+}
+
+#[test]
+fn a_session_reuses_what_other_requests_cached_across_namespaces_only_within() {
+    let m = tiny_manager(
+        4,
+        512,
+        ReuseConfig {
+            seed: Some(3),
+            ..Default::default()
+        },
+    );
+    let system: Vec<u32> = (10..50).collect();
+    let p = params(4);
+    let r = m.complete(&system, "a", &p, &mut |_, _| true).unwrap();
+    assert_eq!(r.reused_tokens, 0);
+    let id = m.open_session("a");
+    let r = m.turn(id, &system, &p, &mut |_, _| true).unwrap();
+    // All whole blocks of the shared prompt, keeping its last token to compute.
+    assert_eq!(
+        r.reused_tokens,
+        (system.len() - 1) / 4 * 4,
+        "the shared prompt is computed once"
+    );
+    let other = m.open_session("b");
+    let r = m.turn(other, &system, &p, &mut |_, _| true).unwrap();
+    assert_eq!(r.reused_tokens, 0, "namespaces never share blocks");
+    m.close_session(id).unwrap();
+    m.close_session(other).unwrap();
+}
+
+#[test]
+fn bad_requests_are_errors_and_leave_the_cache_unchanged() {
+    let m = tiny_manager(
+        4,
+        64,
+        ReuseConfig {
+            seed: Some(5),
+            ..Default::default()
+        },
+    );
+    let p = params(4);
+    m.complete(&[5, 6, 7, 8, 9, 10, 11, 12, 13], "t", &p, &mut |_, _| true)
+        .unwrap();
+    let id = m.open_session("t");
+    m.turn(id, &[5, 6, 7, 8, 9], &p, &mut |_, _| true).unwrap();
+    let snapshot = |m: &CacheManager| {
+        let mut j = m.metrics();
+        j["last_turn"] = serde_json::Value::Null;
+        (
+            j["pool"].clone(),
+            j["index"]["cached_blocks"].clone(),
+            j["requests"].clone(),
+        )
+    };
+    let before = snapshot(&m);
+    type BadCall<'a> = Box<dyn Fn() -> kvforge_engine::EngineError + 'a>;
+    let cases: Vec<(&str, BadCall)> = vec![
+        (
+            "empty prompt",
+            Box::new(|| m.complete(&[], "t", &p, &mut |_, _| true).unwrap_err()),
+        ),
+        (
+            "outside the vocabulary",
+            Box::new(|| m.complete(&[5, 97], "t", &p, &mut |_, _| true).unwrap_err()),
+        ),
+        (
+            "whole pool",
+            Box::new(|| {
+                m.complete(&[5, 6], "t", &params(100), &mut |_, _| true)
+                    .unwrap_err()
+            }),
+        ),
+        (
+            "does not exist",
+            Box::new(|| m.turn(999, &[5], &p, &mut |_, _| true).unwrap_err()),
+        ),
+        (
+            "does not exist",
+            Box::new(|| m.close_session(999).unwrap_err()),
+        ),
+        (
+            "empty prompt",
+            Box::new(|| m.turn(id, &[], &p, &mut |_, _| true).unwrap_err()),
+        ),
+        (
+            "outside the vocabulary",
+            Box::new(|| m.turn(id, &[500], &p, &mut |_, _| true).unwrap_err()),
+        ),
+        (
+            "top_p",
+            Box::new(|| {
+                m.complete(
+                    &[5],
+                    "t",
+                    &SamplingParams {
+                        top_p: 2.0,
+                        ..p.clone()
+                    },
+                    &mut |_, _| true,
+                )
+                .unwrap_err()
+            }),
+        ),
+    ];
+    for (needle, call) in cases {
+        let e = call().to_string();
+        assert!(e.contains(needle), "{e}");
+        assert!(!e.contains('\n'));
+        assert_eq!(snapshot(&m), before, "state changed after: {e}");
+    }
+    // The session still works after its failed turns.
+    m.turn(id, &[20, 21], &p, &mut |_, _| true).unwrap();
+    m.close_session(id).unwrap();
+    assert_eq!(m.metrics()["pool"]["blocks_in_use"], 0);
+}
+
+#[test]
+fn many_threads_with_shared_prefixes_and_aborts_leak_nothing() {
+    let m = tiny_manager(
+        4,
+        256,
+        ReuseConfig {
+            seed: Some(9),
+            seal_turns: true,
+            ..Default::default()
+        },
+    );
+    let system: Vec<u32> = (10..30).collect();
+    let aborted = AtomicU64::new(0);
+    std::thread::scope(|s| {
+        for t in 0..4u64 {
+            let (m, system, aborted) = (&m, &system, &aborted);
+            s.spawn(move || {
+                let mut r = rng(t + 77);
+                for _ in 0..12 {
+                    let mut prompt = system.clone();
+                    prompt.extend((0..(r() % 8)).map(|_| 3 + (r() % 90) as u32));
+                    let cut = (r() % 5) as usize;
+                    let mut n = 0;
+                    // Random aborts: the client stops reading after `cut` tokens.
+                    let mut on = |_: u32, _: &str| {
+                        n += 1;
+                        cut == 0 || n < cut
+                    };
+                    match r() % 4 {
+                        0 | 1 => {
+                            let _ = m.complete(
+                                &prompt,
+                                "shared",
+                                &params(1 + (r() % 6) as usize),
+                                &mut on,
+                            );
+                        }
+                        2 => {
+                            let id = m.open_session("shared");
+                            for _ in 0..(1 + r() % 3) {
+                                let turn: Vec<u32> =
+                                    (0..3).map(|_| 3 + (r() % 90) as u32).collect();
+                                if m.turn(id, &turn, &params(3), &mut |_, _| true).is_err() {
+                                    break;
+                                }
+                            }
+                            if r() % 3 == 0 {
+                                aborted.fetch_add(1, Ordering::Relaxed);
+                            }
+                            m.close_session(id).unwrap();
+                        }
+                        _ => {
+                            // A bad request in the middle of it all.
+                            assert!(m.complete(&[1000], "shared", &params(2), &mut on).is_err());
+                        }
+                    }
+                    if cut > 0 {
+                        aborted.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            });
+        }
+    });
+    assert!(aborted.load(Ordering::Relaxed) > 0);
+    let metrics = m.metrics();
+    assert_eq!(metrics["pool"]["blocks_in_use"], 0, "{metrics}");
+    assert!(
+        metrics["reused_tokens"].as_u64().unwrap() > 0,
+        "the shared prefix was reused: {metrics}"
+    );
+    // Every block can be handed out again: nothing leaked, nothing double-freed.
+    m.with_engine(|e| {
+        let pool = e.cache.pool();
+        let cap = pool.stats().capacity;
+        let all = pool.allocate(cap).expect("all blocks free");
+        pool.release_sequence(&all.blocks).unwrap();
+    });
+}
