@@ -336,3 +336,83 @@ fn many_threads_with_shared_prefixes_and_aborts_leak_nothing() {
         pool.release_sequence(&all.blocks).unwrap();
     });
 }
+
+#[test]
+fn real_model_reuse_gives_identical_greedy_outputs_over_16_turns() {
+    let cfg = EngineConfig {
+        weight_kind: Some(kvforge_engine::Kind::Half),
+        ..Default::default()
+    };
+    let load = || Engine::load(&model_path(), &cfg).unwrap();
+    let with = CacheManager::new(
+        load(),
+        ReuseConfig {
+            seed: Some(11),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let without = CacheManager::new(
+        load(),
+        ReuseConfig {
+            enabled: false,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let eos = with.with_engine(|e| e.tokenizer.eos);
+    let messages = [
+        "Hi! Who are you?",
+        "What is 2 + 2?",
+        "Name a color.",
+        "And another one?",
+        "What is the capital of Italy?",
+        "Say something about cats.",
+        "Count to three.",
+        "What day comes after Monday?",
+        "Give me a fruit.",
+        "What is water made of?",
+        "Tell me a short joke.",
+        "What is the opposite of hot?",
+        "Name an ocean.",
+        "How many legs does a spider have?",
+        "What sound does a dog make?",
+        "Thanks, goodbye!",
+    ];
+    let p = SamplingParams {
+        max_tokens: 8,
+        ..Default::default()
+    };
+    let mut prompts: [Vec<u32>; 2] = [Vec::new(), Vec::new()];
+    let mut reused_last = 0;
+    for (t, msg) in messages.iter().enumerate() {
+        let text = if t == 0 {
+            Tokenizer::chat_prompt(&[kvforge_engine::Message::new("user", *msg)])
+        } else {
+            format!("<|im_end|>\n<|im_start|>user\n{msg}<|im_end|>\n<|im_start|>assistant\n")
+        };
+        let mut answers = Vec::new();
+        for (m, prompt) in [&with, &without].into_iter().zip(prompts.iter_mut()) {
+            prompt.extend(m.with_engine(|e| e.tokenizer.encode(&text)).unwrap());
+            let r = m.complete(prompt, "chat", &p, &mut |_, _| true).unwrap();
+            let mut answer = r.generation.tokens.clone();
+            if answer.last() == Some(&eos) {
+                answer.pop(); // the template above re-adds <|im_end|>
+            }
+            prompt.extend(&answer);
+            if std::ptr::eq(m, &with) {
+                reused_last = r.reused_tokens;
+            }
+            answers.push(r.generation.tokens);
+        }
+        assert_eq!(
+            answers[0], answers[1],
+            "turn {t}: reuse changed the greedy answer"
+        );
+    }
+    assert!(
+        reused_last * 10 > prompts[0].len() * 9,
+        "turn 16 reused {reused_last} of {}",
+        prompts[0].len()
+    );
+}
