@@ -556,6 +556,43 @@ fn cli_bad_inputs_exit_non_zero_with_one_line() {
 }
 
 #[test]
+fn cli_chat_reuses_the_session_and_prints_metrics() {
+    use std::io::Write as _;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvforge"))
+        .args(["chat", "--max-tokens", "8", "--metrics", "--index", "radix"])
+        .current_dir(root())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"Hi!\nAnd again?\n\n")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let metrics: Vec<serde_json::Value> = err
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(metrics.len(), 2, "{err}");
+    assert_eq!(metrics[1]["requests"], 2);
+    assert!(
+        metrics[1]["last_turn"]["reused_tokens"].as_u64().unwrap() > 30,
+        "{err}"
+    );
+    assert_eq!(metrics[1]["index"]["kind"], "Radix");
+    let (code, e) = kvforge(&["chat", "--index", "btree"]);
+    assert_ne!(code, 0);
+    assert!(e.contains("unknown index"), "{e}");
+}
+
+#[test]
 fn cli_generates_from_the_real_model() {
     let out = Command::new(env!("CARGO_BIN_EXE_kvforge"))
         .args([

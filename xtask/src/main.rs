@@ -6,6 +6,8 @@
 //! * `kvforge ARGS` — setup, then the `kvforge` CLI (release build).
 //! * `engine-bench` — kvforge and Hugging Face transformers, prefill and
 //!   decode speed at 1k context on the same model, one table.
+//! * `prefix-bench ARGS` — prefix reuse on chitchat conversations (per-turn
+//!   table, block-size sweep, CSV / Markdown / PNG in `target/prefix-bench`).
 //! * `bench` — the criterion benches, then a Markdown summary of their
 //!   medians in `target/kvforge-bench.md`.
 //! * `tidy`  — source hygiene checks (also run by `cargo test`).
@@ -19,7 +21,7 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 
 const USAGE: &str = "usage: cargo xtask <setup [--reference] | ci | bench [FILTER] | \
-                     kvforge ARGS... | engine-bench [CONTEXT] [DECODE] | tidy>";
+                     kvforge ARGS... | prefix-bench ARGS... | engine-bench [CONTEXT] [DECODE] | tidy>";
 
 fn main() {
     if let Err(e) = run() {
@@ -49,6 +51,24 @@ fn run() -> Result<()> {
                     "kvforge-engine",
                     "--bin",
                     "kvforge",
+                    "--",
+                ])
+                .args(&args[1..]);
+            let status = cmd.status().context("could not start cargo run")?;
+            std::process::exit(status.code().unwrap_or(1));
+        }
+        Some("prefix-bench") => {
+            setup::setup(&root, false)?;
+            let mut cmd = cargo();
+            cmd.current_dir(&root)
+                .args([
+                    "run",
+                    "--quiet",
+                    "--release",
+                    "-p",
+                    "kvforge-bench",
+                    "--bin",
+                    "prefix_bench",
                     "--",
                 ])
                 .args(&args[1..]);

@@ -16,8 +16,8 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 use kvforge_engine::{
-    Engine, EngineConfig, EngineError, Generation, Message, SamplingParams, Sequence, Tokenizer,
-    parse_device, parse_dtype,
+    CacheManager, Engine, EngineConfig, EngineError, Generation, IndexKind, Message, ReuseConfig,
+    SamplingParams, Sequence, Tokenizer, parse_device, parse_dtype,
 };
 use kvforge_pool::BlockAllocator;
 
@@ -49,9 +49,12 @@ enum Command {
         common: Common,
     },
     /// Interactive multi-turn chat on stdin; an empty line or EOF ends it.
+    /// A session in the prefix cache: each turn prefills only its new tokens.
     Chat {
         #[command(flatten)]
         common: Common,
+        #[command(flatten)]
+        reuse: Reuse,
     },
     /// Prefill the first --context tokens of a text file, then decode
     /// --max-tokens greedy tokens; prints one JSON line of speeds.
@@ -109,6 +112,36 @@ struct Common {
     /// CPU threads for libtorch (0 = its default).
     #[arg(long, default_value_t = 0)]
     threads: i32,
+}
+
+#[derive(Args)]
+struct Reuse {
+    /// Prefix index: hash-chain or radix.
+    #[arg(long, default_value = "hash-chain")]
+    index: String,
+    /// Do not seal the partial last block of each turn.
+    #[arg(long)]
+    no_seal: bool,
+    /// Recompute everything (no prefix cache).
+    #[arg(long)]
+    no_reuse: bool,
+    /// Namespace (tenant) of the session.
+    #[arg(long, default_value = "default")]
+    namespace: String,
+    /// Print the metrics snapshot as JSON on stderr after each turn.
+    #[arg(long)]
+    metrics: bool,
+}
+
+impl Reuse {
+    fn config(&self) -> Result<ReuseConfig, EngineError> {
+        Ok(ReuseConfig {
+            enabled: !self.no_reuse,
+            index: self.index.parse::<IndexKind>()?,
+            seal_turns: !self.no_seal,
+            seed: None,
+        })
+    }
 }
 
 impl Common {
@@ -186,14 +219,13 @@ fn generate(prompt: &str, raw: bool, common: &Common) -> Result<(), EngineError>
     engine.cache.free(&mut seq)
 }
 
-fn chat(common: &Common) -> Result<(), EngineError> {
-    let engine = common.engine()?;
+fn chat(common: &Common, reuse: &Reuse) -> Result<(), EngineError> {
+    let manager = CacheManager::new(common.engine()?, reuse.config()?)?;
     let params = common.params();
-    let mut seq = Sequence::default();
-    // Tokens sampled but not yet run through the model (the reply's last).
-    let mut pending: Vec<u32> = Vec::new();
+    let session = manager.open_session(&reuse.namespace);
     let stdin = std::io::stdin();
     let mut first = true;
+    let mut closed = true; // whether the last reply ended with <|im_end|>
     eprintln!("kvforge chat — empty line or Ctrl-D to quit");
     loop {
         eprint!("> ");
@@ -206,23 +238,29 @@ fn chat(common: &Common) -> Result<(), EngineError> {
         if n == 0 || msg.is_empty() {
             break;
         }
+        // The previous reply's last token (usually <|im_end|>) is already
+        // pending in the session; close the reply if it was cut off.
         let text = if first {
             Tokenizer::chat_prompt(&[Message::new("user", msg)])
         } else {
-            format!("\n<|im_start|>user\n{msg}<|im_end|>\n<|im_start|>assistant\n")
+            let end = if closed { "" } else { "<|im_end|>" };
+            format!("{end}\n<|im_start|>user\n{msg}<|im_end|>\n<|im_start|>assistant\n")
         };
         first = false;
-        let mut ids = std::mem::take(&mut pending);
-        ids.extend(engine.tokenizer.encode(&text)?);
-        let g = engine.generate(&mut seq, &ids, &params, &mut |_, piece| stream(piece))?;
+        let ids = manager.with_engine(|e| e.tokenizer.encode(&text))?;
+        let r = manager.turn(session, &ids, &params, &mut |_, piece| stream(piece))?;
         println!();
-        report(&engine, &g);
-        pending.push(g.tokens.last().copied().unwrap_or(engine.tokenizer.eos));
-        if !g.stopped_at_eos {
-            pending.push(engine.tokenizer.eos);
+        manager.with_engine(|e| report(e, &r.generation));
+        eprintln!(
+            "[reused {} of {} prompt tokens]",
+            r.reused_tokens, r.prompt_tokens
+        );
+        if reuse.metrics {
+            eprintln!("{}", manager.metrics());
         }
+        closed = r.generation.stopped_at_eos;
     }
-    engine.cache.free(&mut seq)
+    manager.close_session(session)
 }
 
 fn bench(text: &std::path::Path, context: usize, common: &Common) -> Result<(), EngineError> {
@@ -292,7 +330,7 @@ fn main() -> ExitCode {
             raw,
             common,
         } => generate(prompt, *raw, common),
-        Command::Chat { common } => chat(common),
+        Command::Chat { common, reuse } => chat(common, reuse),
         Command::Bench {
             text,
             context,

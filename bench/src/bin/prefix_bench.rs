@@ -1,0 +1,422 @@
+//! Prefix reuse on real multi-turn chats (`cargo xtask prefix-bench`).
+//!
+//! 1. Replays conversations from `chitchat-dataset` (10–20 human turns; each
+//!    human turn is a user message, SmolLM2 writes the answers) statelessly
+//!    through the engine's `CacheManager`, and reports per turn the prompt
+//!    tokens, reused tokens, hit rate, time to first token with reuse and
+//!    with a full recompute, and KV bytes cached.
+//! 2. Replays the same token streams through the prefix index alone for
+//!    block sizes 16…512, with and without sealing turn tails, for both
+//!    index kinds (hit rate of reusable tokens, KV held).
+//!
+//! Writes `per_turn.csv`, `sweep.csv`, `report.md`, `ttft.png` and
+//! `hit_rate.png` to the output directory.
+
+#![allow(clippy::print_stdout)] // a report printer
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use indicatif::{ProgressBar, ProgressStyle};
+use kvforge_bench::sealing::{self, Turn};
+use kvforge_bench::smollm2_layout;
+use kvforge_engine::{
+    CacheManager, Engine, EngineConfig, Kind, Message, ReuseConfig, Sampler, SamplingParams,
+    Sequence, Tokenizer,
+};
+use kvforge_pool::BlockAllocator;
+use plotters::prelude::*;
+
+struct Args {
+    chats: usize,
+    turns: usize,
+    answer_tokens: usize,
+    block_size: usize,
+    model: PathBuf,
+    data: PathBuf,
+    out: PathBuf,
+}
+
+fn parse_args() -> Result<Args> {
+    let mut a = Args {
+        chats: 2,
+        turns: 16,
+        answer_tokens: 32,
+        block_size: 16,
+        model: PathBuf::from("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+        data: PathBuf::from("data/chitchat/dataset.json"),
+        out: PathBuf::from("target/prefix-bench"),
+    };
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut it = args.iter();
+    while let Some(flag) = it.next() {
+        let value = it.next().with_context(|| format!("{flag} needs a value"))?;
+        let num = || -> Result<usize> {
+            let v: usize = value
+                .parse()
+                .with_context(|| format!("{flag}: {value:?} is not a count"))?;
+            if v == 0 {
+                bail!("{flag} must be at least 1");
+            }
+            Ok(v)
+        };
+        match flag.as_str() {
+            "--chats" => a.chats = num()?,
+            "--turns" => a.turns = num()?,
+            "--answer-tokens" => a.answer_tokens = num()?,
+            "--block-size" => a.block_size = num()?,
+            "--model" => a.model = value.into(),
+            "--data" => a.data = value.into(),
+            "--out" => a.out = value.into(),
+            _ => bail!(
+                "unknown flag {flag}; flags: --chats --turns --answer-tokens --block-size --model --data --out"
+            ),
+        }
+    }
+    if !(10..=20).contains(&a.turns) {
+        bail!("--turns must be within 10..=20 (the conversations this workload takes)");
+    }
+    Ok(a)
+}
+
+/// Conversations of 10–20 turns with at least `turns` turns, in file order;
+/// each turn's fragments joined by newlines.
+fn load_chats(path: &Path, turns: usize, n: usize) -> Result<Vec<Vec<String>>> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading {} (run `cargo xtask setup`)", path.display()))?;
+    let all: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    let map = all
+        .as_object()
+        .with_context(|| format!("{}: not a JSON object", path.display()))?;
+    let mut out = Vec::new();
+    for conv in map.values() {
+        let Some(msgs) = conv["messages"].as_array() else {
+            continue;
+        };
+        if !(10..=20).contains(&msgs.len()) || msgs.len() < turns {
+            continue;
+        }
+        let chat: Vec<String> = msgs[..turns]
+            .iter()
+            .map(|t| {
+                let parts = t.as_array().map(Vec::as_slice).unwrap_or(&[]);
+                parts
+                    .iter()
+                    .filter_map(|m| m["text"].as_str())
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            })
+            .collect();
+        out.push(chat);
+        if out.len() == n {
+            break;
+        }
+    }
+    if out.len() < n {
+        bail!(
+            "{}: only {} conversations with {turns}+ turns",
+            path.display(),
+            out.len()
+        );
+    }
+    Ok(out)
+}
+
+struct Row {
+    chat: usize,
+    turn: usize,
+    prompt: usize,
+    reusable: usize,
+    reused: usize,
+    ttft_reuse: f64,
+    ttft_recompute: f64,
+    kv_cached_bytes: u64,
+}
+
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("prefix-bench: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<()> {
+    let a = parse_args()?;
+    let chats = load_chats(&a.data, a.turns, a.chats)?;
+    let cfg = EngineConfig {
+        weight_kind: Some(Kind::Half),
+        block_size: a.block_size,
+        ..Default::default()
+    };
+    let engine =
+        Engine::load(&a.model, &cfg).with_context(|| format!("loading {}", a.model.display()))?;
+    let reuse = ReuseConfig {
+        seed: Some(0),
+        ..Default::default()
+    };
+    let m = CacheManager::new(engine, reuse)?;
+    let params = SamplingParams {
+        max_tokens: a.answer_tokens,
+        ..Default::default()
+    };
+    let bar = ProgressBar::new((a.chats * a.turns) as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40} {pos}/{len} turns {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let eos = m.with_engine(|e| e.tokenizer.eos);
+    let mut rows = Vec::new();
+    let mut streams: Vec<Vec<Turn>> = Vec::new();
+    for (c, chat) in chats.iter().enumerate() {
+        let mut prompt: Vec<u32> = Vec::new();
+        let mut forwarded = 0usize;
+        let mut stream = Vec::new();
+        for (t, msg) in chat.iter().enumerate() {
+            let text = if t == 0 {
+                Tokenizer::chat_prompt(&[Message::new("user", msg.as_str())])
+            } else {
+                format!("<|im_end|>\n<|im_start|>user\n{msg}<|im_end|>\n<|im_start|>assistant\n")
+            };
+            let user = m.with_engine(|e| e.tokenizer.encode(&text))?;
+            prompt.extend(&user);
+            let r = m.complete(&prompt, &format!("chat-{c}"), &params, &mut |_, _| true)?;
+            let ttft_recompute = m.with_engine(|e| -> Result<f64> {
+                let t0 = Instant::now();
+                let mut seq = Sequence::default();
+                let logits = e
+                    .model
+                    .forward(&prompt, &mut e.cache.view(&mut seq), false)?;
+                let row: Vec<f32> = Vec::<f32>::try_from(logits.flatten(0, -1))?;
+                let _first = Sampler::new(SamplingParams::default())?.sample(&row);
+                let secs = t0.elapsed().as_secs_f64();
+                e.cache.free(&mut seq)?;
+                Ok(secs)
+            })?;
+            let kv_cached_bytes = m.with_engine(|e| {
+                let s = e.cache.pool().stats();
+                (s.in_use + s.cached_free) as u64 * s.block_bytes
+            });
+            rows.push(Row {
+                chat: c,
+                turn: t + 1,
+                prompt: prompt.len(),
+                reusable: forwarded,
+                reused: r.reused_tokens,
+                ttft_reuse: r.ttft_secs,
+                ttft_recompute,
+                kv_cached_bytes,
+            });
+            // The model ran the prompt and every sampled token but the last.
+            forwarded = prompt.len() + r.generation.tokens.len().saturating_sub(1);
+            let mut answer = r.generation.tokens;
+            if answer.last() == Some(&eos) {
+                answer.pop(); // the next turn's template re-adds <|im_end|>
+            }
+            prompt.extend(&answer);
+            stream.push(Turn { user, answer });
+            bar.inc(1);
+        }
+        streams.push(stream);
+    }
+    bar.finish_and_clear();
+
+    // The sweep: the same token streams through the index alone.
+    let mut sweep = Vec::new();
+    for bs in [16usize, 32, 64, 128, 256, 512] {
+        for seal in [false, true] {
+            let chain = sealing::replay(&streams, bs, seal, sealing::IndexKind::HashChain);
+            let radix = sealing::replay(&streams, bs, seal, sealing::IndexKind::Radix);
+            if chain.replay != radix.replay {
+                bail!("hash chain and radix disagree at block {bs}, seal {seal}");
+            }
+            sweep.push(chain);
+        }
+    }
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    write_outputs(&a, &rows, &sweep)?;
+    Ok(())
+}
+
+fn write_outputs(a: &Args, rows: &[Row], sweep: &[sealing::SealRun]) -> Result<()> {
+    let mut csv = String::from(
+        "chat,turn,prompt_tokens,reusable_tokens,reused_tokens,hit_rate,ttft_reuse_ms,ttft_recompute_ms,kv_cached_bytes\n",
+    );
+    for r in rows {
+        let hit = if r.reusable == 0 {
+            f64::NAN
+        } else {
+            r.reused as f64 / r.reusable as f64
+        };
+        csv.push_str(&format!(
+            "{},{},{},{},{},{:.4},{:.2},{:.2},{}\n",
+            r.chat,
+            r.turn,
+            r.prompt,
+            r.reusable,
+            r.reused,
+            hit,
+            r.ttft_reuse * 1e3,
+            r.ttft_recompute * 1e3,
+            r.kv_cached_bytes
+        ));
+    }
+    std::fs::write(a.out.join("per_turn.csv"), csv)?;
+    let mut scsv = String::from("block_size,sealed,hit_rate,kv_held_mib_per_chat,empty_slots\n");
+    for s in sweep {
+        scsv.push_str(&format!(
+            "{},{},{:.4},{:.3},{:.4}\n",
+            s.block_size,
+            s.sealed,
+            s.replay.hit_rate(),
+            kv_mib(s, a.chats),
+            s.waste()
+        ));
+    }
+    std::fs::write(a.out.join("sweep.csv"), scsv)?;
+
+    // Per-turn means over chats.
+    let mean = |turn: usize, f: &dyn Fn(&Row) -> f64| {
+        let v: Vec<f64> = rows.iter().filter(|r| r.turn == turn).map(f).collect();
+        v.iter().sum::<f64>() / v.len().max(1) as f64
+    };
+    let mut md = format!(
+        "Stateless replay of {} chitchat conversations x {} turns (SmolLM2-135M, f16 weights, \
+         block {}, sealed turns, hash-chain index; answers {} greedy tokens). Means over chats.\n\n\
+         | turn | prompt tokens | reused tokens | hit rate | TTFT reuse (ms) | TTFT recompute (ms) | ratio | KV cached (MiB) |\n\
+         |---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        a.chats, a.turns, a.block_size, a.answer_tokens
+    );
+    for t in 1..=a.turns {
+        let reusable = mean(t, &|r| r.reusable as f64);
+        let reused = mean(t, &|r| r.reused as f64);
+        let (tr, tc) = (
+            mean(t, &|r| r.ttft_reuse * 1e3),
+            mean(t, &|r| r.ttft_recompute * 1e3),
+        );
+        md.push_str(&format!(
+            "| {t} | {:.0} | {reused:.0} | {} | {tr:.1} | {tc:.1} | {:.3} | {:.1} |\n",
+            mean(t, &|r| r.prompt as f64),
+            if reusable > 0.0 {
+                format!("{:.1}%", 100.0 * reused / reusable)
+            } else {
+                "–".into()
+            },
+            tr / tc,
+            mean(t, &|r| r.kv_cached_bytes as f64) / (1 << 20) as f64,
+        ));
+    }
+    md.push_str(
+        "\nSweep: the same token streams through the prefix index alone (hash chain and radix agree exactly).\n\n\
+         | block | hit rate, no seal | hit rate, sealed | KV held per chat, no seal (MiB) | sealed (MiB) |\n|---:|---:|---:|---:|---:|\n",
+    );
+    for pair in sweep.chunks(2) {
+        md.push_str(&format!(
+            "| {} | {:.1}% | {:.1}% | {:.2} | {:.2} |\n",
+            pair[0].block_size,
+            100.0 * pair[0].replay.hit_rate(),
+            100.0 * pair[1].replay.hit_rate(),
+            kv_mib(&pair[0], a.chats),
+            kv_mib(&pair[1], a.chats)
+        ));
+    }
+    std::fs::write(a.out.join("report.md"), &md)?;
+    println!("{md}");
+
+    plotters::style::register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular())
+        .map_err(|_| anyhow::anyhow!("embedded font rejected"))?;
+    let turns: Vec<usize> = (1..=a.turns).collect();
+    let reuse: Vec<(f64, f64)> = turns
+        .iter()
+        .map(|&t| (t as f64, mean(t, &|r| r.ttft_reuse * 1e3)))
+        .collect();
+    let full: Vec<(f64, f64)> = turns
+        .iter()
+        .map(|&t| (t as f64, mean(t, &|r| r.ttft_recompute * 1e3)))
+        .collect();
+    let ymax = full.iter().chain(&reuse).map(|p| p.1).fold(1.0, f64::max) * 1.1;
+    line_plot(
+        &a.out.join("ttft.png"),
+        "Time to first token per turn",
+        "turn",
+        "ms",
+        (1.0, a.turns as f64),
+        ymax,
+        &[("full recompute", full), ("prefix reuse", reuse)],
+    )?;
+    let xs = |seal: bool| -> Vec<(f64, f64)> {
+        sweep
+            .iter()
+            .filter(|s| s.sealed == seal)
+            .map(|s| ((s.block_size as f64).log2(), 100.0 * s.replay.hit_rate()))
+            .collect()
+    };
+    line_plot(
+        &a.out.join("hit_rate.png"),
+        "Hit rate of reusable tokens vs log2(block size)",
+        "log2(block size)",
+        "%",
+        (4.0, 9.0),
+        100.0,
+        &[("no seal", xs(false)), ("sealed turns", xs(true))],
+    )?;
+    println!("written to {}", a.out.display());
+    Ok(())
+}
+
+fn kv_mib(s: &sealing::SealRun, chats: usize) -> f64 {
+    s.replay.blocks_held as f64 * smollm2_layout(s.block_size as u32).block_bytes() as f64
+        / chats as f64
+        / (1 << 20) as f64
+}
+
+fn line_plot(
+    path: &Path,
+    title: &str,
+    x_label: &str,
+    y_label: &str,
+    x: (f64, f64),
+    y_max: f64,
+    series: &[(&str, Vec<(f64, f64)>)],
+) -> Result<()> {
+    let root = BitMapBackend::new(path, (800, 480)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 24))
+        .margin(16)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(x.0..x.1, 0.0..y_max)
+        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    chart
+        .configure_mesh()
+        .x_desc(x_label)
+        .y_desc(y_label)
+        .draw()
+        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    for (i, (name, pts)) in series.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        chart
+            .draw_series(LineSeries::new(pts.iter().copied(), color.stroke_width(2)))
+            .map_err(|e| anyhow::anyhow!("{e:?}"))?
+            .label(*name)
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
+            });
+        chart
+            .draw_series(pts.iter().map(|&p| Circle::new(p, 3, color.filled())))
+            .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    root.present().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    Ok(())
+}
