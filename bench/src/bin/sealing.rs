@@ -26,7 +26,17 @@ fn arg(args: &[String], i: usize, name: &str, default: usize) -> anyhow::Result<
     }
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("sealing: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     if args.len() > 3 {
         bail!("usage: sealing [CHATS] [TURNS]");
