@@ -22,8 +22,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 use kvforge_bench::sealing::{self, Turn};
 use kvforge_bench::smollm2_layout;
 use kvforge_engine::{
-    CacheManager, Engine, EngineConfig, Kind, Message, ReuseConfig, Sampler, SamplingParams,
-    Sequence, Tokenizer,
+    CacheManager, Engine, EngineConfig, Message, ReuseConfig, Sampler, SamplingParams, Sequence,
+    Tokenizer,
 };
 use kvforge_pool::BlockAllocator;
 use plotters::prelude::*;
@@ -33,6 +33,7 @@ struct Args {
     turns: usize,
     answer_tokens: usize,
     block_size: usize,
+    weights: String,
     model: PathBuf,
     data: PathBuf,
     out: PathBuf,
@@ -44,6 +45,7 @@ fn parse_args() -> Result<Args> {
         turns: 16,
         answer_tokens: 32,
         block_size: 16,
+        weights: "f32".into(),
         model: PathBuf::from("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
         data: PathBuf::from("data/chitchat/dataset.json"),
         out: PathBuf::from("target/prefix-bench"),
@@ -67,10 +69,11 @@ fn parse_args() -> Result<Args> {
             "--answer-tokens" => a.answer_tokens = num()?,
             "--block-size" => a.block_size = num()?,
             "--model" => a.model = value.into(),
+            "--weights" => a.weights = value.clone(),
             "--data" => a.data = value.into(),
             "--out" => a.out = value.into(),
             _ => bail!(
-                "unknown flag {flag}; flags: --chats --turns --answer-tokens --block-size --model --data --out"
+                "unknown flag {flag}; flags: --chats --turns --answer-tokens --block-size --weights --model --data --out"
             ),
         }
     }
@@ -149,7 +152,7 @@ fn run() -> Result<()> {
     let a = parse_args()?;
     let chats = load_chats(&a.data, a.turns, a.chats)?;
     let cfg = EngineConfig {
-        weight_kind: Some(Kind::Half),
+        weight_kind: Some(kvforge_engine::parse_dtype(&a.weights)?),
         block_size: a.block_size,
         ..Default::default()
     };
@@ -285,11 +288,11 @@ fn write_outputs(a: &Args, rows: &[Row], sweep: &[sealing::SealRun]) -> Result<(
         v.iter().sum::<f64>() / v.len().max(1) as f64
     };
     let mut md = format!(
-        "Stateless replay of {} chitchat conversations x {} turns (SmolLM2-135M, f16 weights, \
+        "Stateless replay of {} chitchat conversations x {} turns (SmolLM2-135M, {} weights, \
          block {}, sealed turns, hash-chain index; answers {} greedy tokens). Means over chats.\n\n\
          | turn | prompt tokens | reused tokens | hit rate | TTFT reuse (ms) | TTFT recompute (ms) | ratio | KV cached (MiB) |\n\
          |---:|---:|---:|---:|---:|---:|---:|---:|\n",
-        a.chats, a.turns, a.block_size, a.answer_tokens
+        a.chats, a.turns, a.weights, a.block_size, a.answer_tokens
     );
     for t in 1..=a.turns {
         let reusable = mean(t, &|r| r.reusable as f64);
