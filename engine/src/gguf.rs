@@ -270,7 +270,7 @@ impl GgufFile {
             let v = r.value(ty, &key, 0)?;
             metadata.insert(key, v);
         }
-        let mut raw = Vec::with_capacity(n_tensors);
+        let mut raw = Vec::with_capacity(n_tensors.min(1 << 16));
         for _ in 0..n_tensors {
             let name = r.string("tensor name")?;
             let n_dims = r.u32(&name)? as usize;

@@ -133,6 +133,7 @@ impl<H: BlockHasher> PrefixMatcher for HashChainIndex<H> {
         let mut m = PrefixMatch::default();
         let rk = root_key(hasher, extra);
         let Some(root) = roots.get(&rk).filter(|r| r.extra == *extra) else {
+            trace_block(0, Some(rk), false);
             return m;
         };
         let (mut parent_key, mut parent_serial, mut sealed) = (rk, root.serial, &root.sealed);

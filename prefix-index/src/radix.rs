@@ -181,6 +181,7 @@ impl PrefixMatcher for RadixIndex {
         self.stats.query_tokens += tokens.len() as u64;
         let mut m = PrefixMatch::default();
         let Some(&root) = self.roots.get(extra) else {
+            trace_block(0, None, false);
             return m;
         };
         let mut node = self.node(root);

@@ -6,7 +6,9 @@
 //! kvforge chat                      # interactive, multi-turn, streams tokens
 //! ```
 //!
-//! Every error is one line on stderr and a non-zero exit.
+//! Every error is one line on stderr and a non-zero exit. `KVFORGE_LOG=debug`
+//! logs every prefix-cache block lookup (position, key, hit or miss) to
+//! stderr.
 
 #![allow(clippy::print_stdout)] // a CLI: stdout is its output
 
@@ -303,7 +305,28 @@ fn bench(text: &std::path::Path, context: usize, common: &Common) -> Result<(), 
     engine.cache.free(&mut seq)
 }
 
+/// `KVFORGE_LOG=error|warn|info|debug|trace` turns on logging to stderr.
+fn init_logging() {
+    let Ok(level) = std::env::var("KVFORGE_LOG") else {
+        return;
+    };
+    let level = match level.parse::<tracing::Level>() {
+        Ok(l) => l,
+        Err(_) => {
+            eprintln!(
+                "KVFORGE_LOG={level:?} is not a level (error, warn, info, debug, trace); logging off"
+            );
+            return;
+        }
+    };
+    let _ = tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
 fn main() -> ExitCode {
+    init_logging();
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) if !e.use_stderr() => {
