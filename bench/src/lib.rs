@@ -10,6 +10,18 @@ pub mod sealing;
 use kvforge_pool::{BlockId, KvLayout, StorageFormat};
 use kvforge_prefix::{BlockRef, ExtraKeys, PrefixMatcher};
 
+/// `main` for the experiment binaries: runs `run`, prints an error as one
+/// line prefixed with the program's name, and sets the exit code.
+pub fn main_with(name: &str, run: impl FnOnce() -> anyhow::Result<()>) -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{name}: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
 /// SmolLM2-135M's KV cache in f16 (30 layers, 3 KV heads, head dim 64).
 pub fn smollm2_layout(block_size: u32) -> KvLayout {
     match KvLayout::new(30, 3, 64, block_size, StorageFormat::F16) {

@@ -225,10 +225,7 @@ impl CacheManager {
         let start = Instant::now();
         let mut guard = self.lock();
         let inner = &mut *guard;
-        let mut s = inner
-            .sessions
-            .remove(&id)
-            .ok_or_else(|| EngineError::Request(format!("session {id} does not exist")))?;
+        let mut s = take_session(inner, id)?;
         let mut input = s.pending.clone();
         input.extend_from_slice(new_tokens);
         let out = (|| {
@@ -278,10 +275,7 @@ impl CacheManager {
     /// Ends a session and releases its blocks (cached ones stay reusable).
     pub fn close_session(&self, id: SessionId) -> Result<()> {
         let mut inner = self.lock();
-        let mut s = inner
-            .sessions
-            .remove(&id)
-            .ok_or_else(|| EngineError::Request(format!("session {id} does not exist")))?;
+        let mut s = take_session(&mut inner, id)?;
         inner.engine.cache.free(&mut s.seq)
     }
 
@@ -446,6 +440,13 @@ fn check_request(
         )));
     }
     Ok(())
+}
+
+fn take_session(inner: &mut Inner, id: SessionId) -> Result<Session> {
+    inner
+        .sessions
+        .remove(&id)
+        .ok_or_else(|| EngineError::Request(format!("session {id} does not exist")))
 }
 
 /// Shrinks `seq` back to `before` (a failed turn), releasing added blocks.

@@ -99,6 +99,27 @@ fn run() -> Result<()> {
     }
 }
 
+/// Setup, then `cargo run --release` of one binary with `args`; exits with
+/// its status.
+fn run_after_setup(root: &Path, package: &str, bin: &str, args: &[String]) -> Result<()> {
+    setup::setup(root, false)?;
+    let mut cmd = cargo();
+    cmd.current_dir(root)
+        .args([
+            "run",
+            "--quiet",
+            "--release",
+            "-p",
+            package,
+            "--bin",
+            bin,
+            "--",
+        ])
+        .args(args);
+    let status = cmd.status().context("could not start cargo run")?;
+    std::process::exit(status.code().unwrap_or(1));
+}
+
 fn project_root() -> PathBuf {
     let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     manifest.parent().map(Path::to_path_buf).unwrap_or(manifest)

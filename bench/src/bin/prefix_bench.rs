@@ -139,13 +139,7 @@ struct Row {
 }
 
 fn main() -> std::process::ExitCode {
-    match run() {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("prefix-bench: {e:#}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    kvforge_bench::main_with("prefix-bench", run)
 }
 
 fn run() -> Result<()> {

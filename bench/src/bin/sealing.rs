@@ -27,13 +27,7 @@ fn arg(args: &[String], i: usize, name: &str, default: usize) -> anyhow::Result<
 }
 
 fn main() -> std::process::ExitCode {
-    match run() {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("sealing: {e:#}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    kvforge_bench::main_with("sealing", run)
 }
 
 fn run() -> anyhow::Result<()> {
