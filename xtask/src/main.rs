@@ -39,42 +39,8 @@ fn run() -> Result<()> {
             setup::setup(&root, true).map(|_| ())
         }
         Some("ci") if args.len() == 1 => ci(&root),
-        Some("kvforge") => {
-            setup::setup(&root, false)?;
-            let mut cmd = cargo();
-            cmd.current_dir(&root)
-                .args([
-                    "run",
-                    "--quiet",
-                    "--release",
-                    "-p",
-                    "kvforge-engine",
-                    "--bin",
-                    "kvforge",
-                    "--",
-                ])
-                .args(&args[1..]);
-            let status = cmd.status().context("could not start cargo run")?;
-            std::process::exit(status.code().unwrap_or(1));
-        }
-        Some("prefix-bench") => {
-            setup::setup(&root, false)?;
-            let mut cmd = cargo();
-            cmd.current_dir(&root)
-                .args([
-                    "run",
-                    "--quiet",
-                    "--release",
-                    "-p",
-                    "kvforge-bench",
-                    "--bin",
-                    "prefix_bench",
-                    "--",
-                ])
-                .args(&args[1..]);
-            let status = cmd.status().context("could not start cargo run")?;
-            std::process::exit(status.code().unwrap_or(1));
-        }
+        Some("kvforge") => run_after_setup(&root, "kvforge-engine", "kvforge", &args[1..]),
+        Some("prefix-bench") => run_after_setup(&root, "kvforge-bench", "prefix_bench", &args[1..]),
         Some("engine-bench") if args.len() <= 3 => {
             let num = |i: usize, d: usize| -> Result<usize> {
                 match args.get(i) {
