@@ -212,11 +212,16 @@ pub trait BlockAllocator: Send + Sync {
     /// Every handle is checked before any is released: on error nothing has
     /// changed. A block listed `k` times must hold at least `k` references.
     fn release_sequence(&self, blocks: &[BlockId]) -> Result<()> {
-        for (i, &id) in blocks.iter().enumerate() {
-            let held = self.ref_count(id)?;
-            let listed = blocks[..=i].iter().filter(|&&b| b == id).count();
-            if (held as usize) < listed {
-                return Err(PoolError::NotHeld { id });
+        // Check every handle (in sequence order, so the first bad one is
+        // named), then that a block listed k times holds k references.
+        for &id in blocks {
+            self.ref_count(id)?;
+        }
+        let mut sorted = blocks.to_vec();
+        sorted.sort_unstable();
+        for run in sorted.chunk_by(|a, b| a == b) {
+            if (self.ref_count(run[0])? as usize) < run.len() {
+                return Err(PoolError::NotHeld { id: run[0] });
             }
         }
         for &id in blocks.iter().rev() {
