@@ -96,12 +96,15 @@ impl SealRun {
 
 /// Replays `chats` with one index; every conversation has its own namespace
 /// so they cannot help each other.
-pub fn replay(chats: &[Vec<Turn>], block_size: usize, seal: bool, kind: IndexKind) -> SealRun {
+pub fn replay(
+    chats: &[Vec<Turn>],
+    block_size: usize,
+    seal: bool,
+    kind: IndexKind,
+) -> anyhow::Result<SealRun> {
     let mut index: Box<dyn PrefixMatcher> = match kind {
-        IndexKind::HashChain => {
-            Box::new(HashChainIndex::with_seed(block_size, 0).unwrap_or_else(|e| panic!("{e}")))
-        }
-        IndexKind::Radix => Box::new(RadixIndex::new(block_size).unwrap_or_else(|e| panic!("{e}"))),
+        IndexKind::HashChain => Box::new(HashChainIndex::with_seed(block_size, 0)?),
+        IndexKind::Radix => Box::new(RadixIndex::new(block_size)?),
     };
     let mut total = Replay::default();
     let mut next_slot = 0u32;
@@ -132,17 +135,15 @@ pub fn replay(chats: &[Vec<Turn>], block_size: usize, seal: bool, kind: IndexKin
                 }
                 _ => &table[..],
             };
-            if let Err(e) = index.insert(&seq, &extra, indexed) {
-                panic!("replay insert: {e}");
-            }
+            index.insert(&seq, &extra, indexed)?;
             history = seq;
         }
         total.blocks_held += table.len() as u64;
         total.tokens_held += history.len() as u64;
     }
-    SealRun {
+    Ok(SealRun {
         block_size,
         sealed: seal,
         replay: total,
-    }
+    })
 }

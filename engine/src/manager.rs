@@ -177,13 +177,14 @@ impl CacheManager {
         let extra = ExtraKeys::namespace(namespace);
         let mut seq = self.acquire(inner, tokens, &extra)?;
         let reused = seq.len;
-        let mut ttft = None;
-        let result = inner
-            .engine
-            .generate(&mut seq, &tokens[reused..], params, &mut |t, s| {
-                ttft.get_or_insert_with(|| start.elapsed().as_secs_f64());
-                on_token(t, s)
-            });
+        let (result, ttft) = generate_timed(
+            &inner.engine,
+            &mut seq,
+            &tokens[reused..],
+            params,
+            on_token,
+            start,
+        );
         let generation = match result {
             Ok(g) => g,
             Err(e) => {
@@ -239,13 +240,14 @@ impl CacheManager {
             }
             let before = s.seq.clone();
             let skip = s.seq.len - s.tokens.len();
-            let mut ttft = None;
-            let result = inner
-                .engine
-                .generate(&mut s.seq, &input[skip..], params, &mut |t, p| {
-                    ttft.get_or_insert_with(|| start.elapsed().as_secs_f64());
-                    on_token(t, p)
-                });
+            let (result, ttft) = generate_timed(
+                &inner.engine,
+                &mut s.seq,
+                &input[skip..],
+                params,
+                on_token,
+                start,
+            );
             let generation = match result {
                 Ok(g) => g,
                 Err(e) => {
@@ -440,6 +442,24 @@ fn check_request(
         )));
     }
     Ok(())
+}
+
+/// `Engine::generate`, also returning the seconds from `start` to the first
+/// new token.
+fn generate_timed(
+    engine: &Engine,
+    seq: &mut Sequence,
+    tokens: &[u32],
+    params: &SamplingParams,
+    on_token: &mut dyn FnMut(u32, &str) -> bool,
+    start: Instant,
+) -> (Result<Generation>, Option<f64>) {
+    let mut ttft = None;
+    let result = engine.generate(seq, tokens, params, &mut |t, piece| {
+        ttft.get_or_insert_with(|| start.elapsed().as_secs_f64());
+        on_token(t, piece)
+    });
+    (result, ttft)
 }
 
 fn take_session(inner: &mut Inner, id: SessionId) -> Result<Session> {

@@ -229,6 +229,8 @@ fn engine_bench(root: &Path, context: usize, decode: usize) -> Result<()> {
 }
 
 fn bench(root: &Path, filter: Option<&str>) -> Result<()> {
+    // The bench crate also holds the engine-backed prefix-bench binary.
+    setup::setup(root, false)?;
     let mut cmd = cargo();
     cmd.current_dir(root).args([
         "bench",

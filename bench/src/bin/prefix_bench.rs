@@ -226,8 +226,8 @@ fn run() -> Result<()> {
     let mut sweep = Vec::new();
     for bs in [16usize, 32, 64, 128, 256, 512] {
         for seal in [false, true] {
-            let chain = sealing::replay(&streams, bs, seal, sealing::IndexKind::HashChain);
-            let radix = sealing::replay(&streams, bs, seal, sealing::IndexKind::Radix);
+            let chain = sealing::replay(&streams, bs, seal, sealing::IndexKind::HashChain)?;
+            let radix = sealing::replay(&streams, bs, seal, sealing::IndexKind::Radix)?;
             if chain.replay != radix.replay {
                 bail!("hash chain and radix disagree at block {bs}, seal {seal}");
             }

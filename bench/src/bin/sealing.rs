@@ -50,8 +50,8 @@ fn run() -> anyhow::Result<()> {
     for bs in [16usize, 32, 64, 128, 256, 512] {
         let mut rows = Vec::new();
         for seal in [false, true] {
-            let a = replay(&data, bs, seal, IndexKind::HashChain);
-            let b = replay(&data, bs, seal, IndexKind::Radix);
+            let a = replay(&data, bs, seal, IndexKind::HashChain)?;
+            let b = replay(&data, bs, seal, IndexKind::Radix)?;
             if a.replay != b.replay {
                 bail!("hash chain and radix disagree at block {bs}, seal {seal}: {a:?} vs {b:?}");
             }
