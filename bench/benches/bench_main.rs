@@ -9,5 +9,6 @@ mod benchmarks;
 criterion::criterion_main!(
     benchmarks::pool::benches,
     benchmarks::hashing::benches,
-    benchmarks::matching::benches
+    benchmarks::matching::benches,
+    benchmarks::quant::benches
 );

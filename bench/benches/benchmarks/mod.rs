@@ -3,6 +3,7 @@
 pub(crate) mod hashing;
 pub(crate) mod matching;
 pub(crate) mod pool;
+pub(crate) mod quant;
 
 use std::time::Duration;
 

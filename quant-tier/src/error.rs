@@ -1,0 +1,55 @@
+//! The one error type of `kvforge-quant`.
+
+/// Invalid configurations and inputs.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum QuantError {
+    /// Bits other than 8, 4 or 2.
+    #[error("quant: {bits}-bit storage is not supported (use 8, 4 or 2)")]
+    Bits {
+        /// Requested bits.
+        bits: u32,
+    },
+    /// A zero or non-dividing group size.
+    #[error("quant: group size {group_size} must be positive and divide the {axis} length {len}")]
+    GroupSize {
+        /// Requested group size.
+        group_size: usize,
+        /// Which axis the groups run along.
+        axis: &'static str,
+        /// That axis' length.
+        len: usize,
+    },
+    /// A block shape with a zero dimension, or data of the wrong length.
+    #[error("quant: {0}")]
+    Shape(String),
+    /// NaN or infinity in the input; the block is not quantized.
+    #[error("quant: non-finite value {value} at element {index}; refusing to poison its group")]
+    NonFinite {
+        /// Flat index of the first bad element.
+        index: usize,
+        /// The value (as text: NaN, inf or -inf).
+        value: String,
+    },
+    /// The Hadamard rotation needs a power-of-two head dimension.
+    #[error("quant: Hadamard rotation needs a power-of-two head dim, got {head_dim}")]
+    Hadamard {
+        /// The head dimension.
+        head_dim: usize,
+    },
+    /// A hot window that is not a whole number of blocks.
+    #[error(
+        "quant: hot window of {window} tokens is not a multiple of the block size {block_size}"
+    )]
+    Window {
+        /// Requested window.
+        window: usize,
+        /// Block size.
+        block_size: usize,
+    },
+    /// An unknown format name.
+    #[error("quant: unknown format {0:?}; use int8, int4 or int2")]
+    UnknownFormat(String),
+}
+
+/// `Result` with [`QuantError`].
+pub type Result<T, E = QuantError> = std::result::Result<T, E>;

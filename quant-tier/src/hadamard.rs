@@ -1,0 +1,79 @@
+//! The normalized Walsh–Hadamard transform and [`Rotated`], a quantizer
+//! wrapper that rotates every head vector before quantizing.
+
+use crate::{BlockShape, QuantConfig, QuantError, QuantizedBlock, Quantizer, Result, check_len};
+
+/// In-place normalized fast Walsh–Hadamard transform of a power-of-two
+/// length vector. Orthogonal and its own inverse: applying it twice returns
+/// the input (up to rounding).
+pub fn hadamard_in_place(v: &mut [f32]) -> Result<()> {
+    let n = v.len();
+    if n == 0 || !n.is_power_of_two() {
+        return Err(QuantError::Hadamard { head_dim: n });
+    }
+    let mut h = 1;
+    while h < n {
+        for block in v.chunks_exact_mut(2 * h) {
+            let (a, b) = block.split_at_mut(h);
+            for (x, y) in a.iter_mut().zip(b.iter_mut()) {
+                let (s, d) = (*x + *y, *x - *y);
+                *x = s;
+                *y = d;
+            }
+        }
+        h *= 2;
+    }
+    let norm = 1.0 / (n as f32).sqrt();
+    for x in v.iter_mut() {
+        *x *= norm;
+    }
+    Ok(())
+}
+
+/// Rotates each head vector with [`hadamard_in_place`] before quantizing
+/// with `Q`, and back after dequantizing. Queries must be rotated the same
+/// way for attention on the rotated keys (`q·k = Hq·Hk`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rotated<Q> {
+    inner: Q,
+}
+
+impl<Q: Quantizer> Rotated<Q> {
+    /// Wraps `inner`.
+    pub fn new(inner: Q) -> Self {
+        Rotated { inner }
+    }
+}
+
+fn rotate_heads(shape: BlockShape, v: &mut [f32]) -> Result<()> {
+    v.chunks_exact_mut(shape.head_dim)
+        .try_for_each(hadamard_in_place)
+}
+
+impl<Q: Quantizer> Quantizer for Rotated<Q> {
+    fn name(&self) -> String {
+        format!("hadamard+{}", self.inner.name())
+    }
+
+    fn config(&self) -> QuantConfig {
+        self.inner.config()
+    }
+
+    fn quantize(&self, shape: BlockShape, x: &[f32]) -> Result<QuantizedBlock> {
+        check_len(shape, x.len())?;
+        if let Some((index, v)) = x.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+            return Err(QuantError::NonFinite {
+                index,
+                value: v.to_string(),
+            });
+        }
+        let mut r = x.to_vec();
+        rotate_heads(shape, &mut r)?;
+        self.inner.quantize(shape, &r)
+    }
+
+    fn dequantize(&self, block: &QuantizedBlock, out: &mut [f32]) -> Result<()> {
+        self.inner.dequantize(block, out)?;
+        rotate_heads(block.shape, out)
+    }
+}

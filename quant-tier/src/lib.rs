@@ -1,0 +1,215 @@
+//! Group-wise quantization of KV blocks for a cold tier.
+//!
+//! The newest tokens of a sequence stay in the compute dtype; whole blocks
+//! that leave that hot window are quantized here and their full-precision
+//! blocks freed ([`TierPlan`]). Pure Rust, no tensors: a block is a flat
+//! `tokens × heads × head_dim` slab of `f32` (or `f16` / `bf16` via `half`),
+//! and comes back as packed bytes plus per-group scales.
+//!
+//! # Formats
+//!
+//! * INT8, symmetric: one f16 scale per group, `q = round(x / s)`, `|q| ≤ 127`.
+//! * INT4 and INT2, affine: f16 scale and minimum per group,
+//!   `q = round((x − m) / s)`, `0 ≤ q < 2^bits`; INT4 packs two values per
+//!   byte (low nibble first), INT2 four.
+//!
+//! Groups run along the head dimension of each token ([`Axis::PerToken`],
+//! for values) or along the tokens of each channel ([`Axis::PerChannel`],
+//! KIVI's layout for keys, whose outliers sit in fixed channels). Bytes per
+//! block equal `kvforge_pool::KvLayout`'s for the same format (tested).
+//!
+//! [`Rotated`] applies a normalized Walsh–Hadamard transform to each head
+//! vector before quantizing: orthogonal, so attention scores are unchanged
+//! when queries are rotated the same way, and outliers are spread over the
+//! channels.
+//!
+//! # Error bounds (per element, checked by the property tests)
+//!
+//! With `s` the stored (f16) scale of the element's group: symmetric INT8
+//! `|x − x̂| ≤ s / 2 + |max|x| − 127 s|`; affine `|x − x̂| ≤ s / 2 + ε`, where
+//! `ε` covers the f16 rounding of the minimum and of the range's top.
+//!
+//! # Bad input
+//!
+//! NaN or ±inf is reported ([`QuantError::NonFinite`]), never quantized into
+//! a group it would poison. Group sizes must divide their axis and keep
+//! groups byte-aligned; shapes and lengths are checked.
+
+#![deny(missing_docs)]
+
+mod error;
+mod group;
+mod hadamard;
+mod plan;
+pub mod testing;
+
+pub use error::{QuantError, Result};
+pub use group::GroupQuantizer;
+pub use hadamard::{Rotated, hadamard_in_place};
+pub use half::{bf16, f16};
+pub use plan::TierPlan;
+
+/// Which axis the quantization groups run along.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Axis {
+    /// Along `head_dim` within each token and head (values; KIVI values).
+    PerToken,
+    /// Along the tokens of each (head, channel) (KIVI keys).
+    PerChannel,
+}
+
+/// Bits, group size and axis.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct QuantConfig {
+    bits: u32,
+    group_size: usize,
+    axis: Axis,
+}
+
+impl QuantConfig {
+    /// Checks `bits` ∈ {8, 4, 2} and `group_size > 0` with byte-aligned
+    /// groups (`group_size × bits` a multiple of 8). Divisibility of the
+    /// axis is checked per block.
+    pub fn new(bits: u32, group_size: usize, axis: Axis) -> Result<Self> {
+        if !matches!(bits, 8 | 4 | 2) {
+            return Err(QuantError::Bits { bits });
+        }
+        if group_size == 0 || (group_size * bits as usize) % 8 != 0 {
+            return Err(QuantError::GroupSize {
+                group_size,
+                axis: "byte-aligned group",
+                len: 8,
+            });
+        }
+        Ok(QuantConfig {
+            bits,
+            group_size,
+            axis,
+        })
+    }
+
+    /// Parses `int8`, `int4` or `int2` into bits.
+    pub fn parse_bits(name: &str) -> Result<u32> {
+        match name.to_ascii_lowercase().as_str() {
+            "int8" => Ok(8),
+            "int4" => Ok(4),
+            "int2" => Ok(2),
+            _ => Err(QuantError::UnknownFormat(name.to_string())),
+        }
+    }
+
+    /// Bits per stored element.
+    pub fn bits(&self) -> u32 {
+        self.bits
+    }
+    /// Elements per group.
+    pub fn group_size(&self) -> usize {
+        self.group_size
+    }
+    /// Group axis.
+    pub fn axis(&self) -> Axis {
+        self.axis
+    }
+    /// Symmetric (INT8) or affine (INT4, INT2).
+    pub fn symmetric(&self) -> bool {
+        self.bits == 8
+    }
+}
+
+/// The shape of one K or V slab of a block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BlockShape {
+    /// Tokens in the block.
+    pub tokens: usize,
+    /// KV heads.
+    pub heads: usize,
+    /// Elements per head vector.
+    pub head_dim: usize,
+}
+
+impl BlockShape {
+    /// Elements in the slab.
+    pub fn len(&self) -> usize {
+        self.tokens * self.heads * self.head_dim
+    }
+
+    /// Whether the slab is empty (a zero dimension).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A quantized slab: packed codes and per-group parameters.
+#[derive(Clone, Debug, PartialEq)]
+pub struct QuantizedBlock {
+    /// The slab's shape.
+    pub shape: BlockShape,
+    /// How it was quantized.
+    pub config: QuantConfig,
+    /// Packed codes, groups in storage order.
+    pub packed: Vec<u8>,
+    /// One scale per group.
+    pub scales: Vec<f16>,
+    /// One minimum per group (affine formats; empty for INT8).
+    pub mins: Vec<f16>,
+}
+
+impl QuantizedBlock {
+    /// Bytes this block occupies: codes plus group parameters.
+    pub fn bytes(&self) -> usize {
+        self.packed.len() + 2 * (self.scales.len() + self.mins.len())
+    }
+}
+
+/// Quantizes and dequantizes KV slabs.
+///
+/// Run [`testing::check_quantizer`] against any implementation.
+pub trait Quantizer: Send + Sync {
+    /// A short name for reports (`int4-g64-token`, `hadamard+int4-…`).
+    fn name(&self) -> String;
+
+    /// The configuration.
+    fn config(&self) -> QuantConfig;
+
+    /// Quantizes `x` (`shape.len()` elements, `tokens × heads × head_dim`).
+    fn quantize(&self, shape: BlockShape, x: &[f32]) -> Result<QuantizedBlock>;
+
+    /// Writes the dequantized slab into `out` (`block.shape.len()` elements).
+    fn dequantize(&self, block: &QuantizedBlock, out: &mut [f32]) -> Result<()>;
+
+    /// [`quantize`](Self::quantize) from f16 data.
+    fn quantize_f16(&self, shape: BlockShape, x: &[f16]) -> Result<QuantizedBlock> {
+        let v: Vec<f32> = x.iter().map(|h| h.to_f32()).collect();
+        self.quantize(shape, &v)
+    }
+
+    /// [`quantize`](Self::quantize) from bf16 data.
+    fn quantize_bf16(&self, shape: BlockShape, x: &[bf16]) -> Result<QuantizedBlock> {
+        let v: Vec<f32> = x.iter().map(|h| h.to_f32()).collect();
+        self.quantize(shape, &v)
+    }
+}
+
+/// Checks a shape and a data length against each other.
+pub(crate) fn check_len(shape: BlockShape, len: usize) -> Result<()> {
+    if shape.is_empty() {
+        return Err(QuantError::Shape(format!(
+            "block shape {shape:?} has a zero dimension"
+        )));
+    }
+    if len != shape.len() {
+        return Err(QuantError::Shape(format!(
+            "{len} elements given for a {}x{}x{} block ({} expected)",
+            shape.tokens,
+            shape.heads,
+            shape.head_dim,
+            shape.len()
+        )));
+    }
+    Ok(())
+}
+
+/// The README's example, compiled and run as a doctest.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

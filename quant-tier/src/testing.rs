@@ -1,0 +1,95 @@
+//! The conformance suite every [`Quantizer`] must pass.
+//!
+//! ```
+//! use kvforge_quant::{testing, Axis, GroupQuantizer, QuantConfig, Rotated};
+//! let q = GroupQuantizer::new(QuantConfig::new(4, 32, Axis::PerToken).unwrap());
+//! testing::check_quantizer(&q);
+//! testing::check_quantizer(&Rotated::new(q));
+//! ```
+
+use crate::{BlockShape, QuantError, Quantizer};
+
+/// A deterministic pseudo-random slab with a few outlier channels.
+pub fn sample(shape: BlockShape, seed: u64) -> Vec<f32> {
+    let mut s = seed | 1;
+    (0..shape.len())
+        .map(|i| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let u = (s >> 11) as f32 / (1u64 << 53) as f32 - 0.5;
+            let outlier = if i % shape.head_dim == 3 { 8.0 } else { 1.0 };
+            u * 4.0 * outlier
+        })
+        .collect()
+}
+
+/// Runs the checks: round trip within the format's bound, byte count,
+/// NaN/inf rejection, shape errors, and f16 input.
+pub fn check_quantizer<Q: Quantizer + ?Sized>(q: &Q) {
+    let cfg = q.config();
+    let g = cfg.group_size();
+    let shape = BlockShape {
+        tokens: g.max(4),
+        heads: 2,
+        head_dim: g.max(8).next_power_of_two(),
+    };
+    let x = sample(shape, 7);
+    let b = q.quantize(shape, &x).expect("quantize a valid block");
+    let mut y = vec![0f32; x.len()];
+    q.dequantize(&b, &mut y).expect("dequantize");
+    let range = x.iter().fold(0f32, |m, v| m.max(v.abs())) * 2.0;
+    // A loose, format-level bound; the property tests check the exact one.
+    let levels = ((1u32 << cfg.bits()) - 1) as f32;
+    let bound = range / levels * 1.01 + 1e-3;
+    let worst = x
+        .iter()
+        .zip(&y)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(worst <= bound, "{}: max error {worst} > {bound}", q.name());
+    let groups = shape.len() / g;
+    let params = if cfg.symmetric() {
+        2 * groups
+    } else {
+        4 * groups
+    };
+    assert_eq!(
+        b.bytes(),
+        shape.len() * cfg.bits() as usize / 8 + params,
+        "{}",
+        q.name()
+    );
+    // Bad input is reported, not quantized.
+    let mut bad = x.clone();
+    bad[5] = f32::NAN;
+    assert!(matches!(
+        q.quantize(shape, &bad),
+        Err(QuantError::NonFinite { index: 5, .. })
+    ));
+    bad[5] = f32::INFINITY;
+    assert!(matches!(
+        q.quantize(shape, &bad),
+        Err(QuantError::NonFinite { index: 5, .. })
+    ));
+    assert!(matches!(
+        q.quantize(shape, &x[1..]),
+        Err(QuantError::Shape(_))
+    ));
+    assert!(matches!(
+        q.dequantize(&b, &mut y[1..]),
+        Err(QuantError::Shape(_))
+    ));
+    let mut cut = b.clone();
+    cut.packed.pop();
+    assert!(
+        q.dequantize(&cut, &mut y).is_err(),
+        "a truncated block is an error"
+    );
+    // f16 input quantizes like its f32 widening.
+    let h: Vec<crate::f16> = x.iter().map(|&v| crate::f16::from_f32(v)).collect();
+    let w: Vec<f32> = h.iter().map(|v| v.to_f32()).collect();
+    assert_eq!(
+        q.quantize_f16(shape, &h).expect("f16"),
+        q.quantize(shape, &w).expect("f32")
+    );
+}
