@@ -12,6 +12,7 @@
 //!   owns one K and one V tensor per layer) and [`ContiguousCache`], a test
 //!   oracle.
 //! * [`generate`]: seeded sampling and the generation loop.
+//! * [`ppl`]: window and streaming perplexity over the cache.
 //! * [`manager`]: [`CacheManager`] — prefix reuse across turns, requests and
 //!   sessions through a `kvforge-prefix` index, with metrics.
 //!
@@ -32,6 +33,7 @@ pub mod generate;
 pub mod gguf;
 pub mod manager;
 pub mod model;
+pub mod ppl;
 pub mod tokenizer;
 
 use std::path::Path;
@@ -41,6 +43,7 @@ pub use error::{EngineError, Result};
 pub use generate::{Generation, Sampler, SamplingParams};
 pub use manager::{CacheManager, IndexKind, ReuseConfig, SessionId, TurnReport};
 pub use model::{Llama, LlamaConfig};
+pub use ppl::PplReport;
 pub use tch::{Device, Kind};
 pub use tokenizer::{Message, Tokenizer};
 

@@ -416,3 +416,49 @@ fn real_model_reuse_gives_identical_greedy_outputs_over_16_turns() {
         prompts[0].len()
     );
 }
+
+#[test]
+fn streaming_and_window_perplexity_agree_and_do_not_depend_on_chunking() {
+    let cfg = EngineConfig {
+        block_size: 4,
+        kv_tokens: 256,
+        ..Default::default()
+    };
+    let engine = Engine::new(tiny(), tokenizer(), &cfg).unwrap();
+    let toks: Vec<u32> = user_turns(12, 5).concat().into_iter().take(64).collect();
+    assert_eq!(toks.len(), 64);
+    let w = engine.window_ppl(&toks, 64).unwrap();
+    let mut last = None;
+    for chunk in [1, 7, 32] {
+        let s = engine.streaming_ppl(&toks, 32, chunk).unwrap();
+        assert_eq!(s.scored, 32);
+        assert!(
+            (s.nll_sum - w.nll_sum).abs() < 1e-3 * w.nll_sum.abs().max(1.0),
+            "chunk {chunk}: {} vs {}",
+            s.nll_sum,
+            w.nll_sum
+        );
+        if let Some(prev) = last {
+            assert!(
+                (s.ppl - prev as f64).abs() < 1e-6 * s.ppl,
+                "chunking changed perplexity"
+            );
+        }
+        last = Some(s.ppl as f32 as f64 as f32);
+        assert_eq!(
+            engine.cache.bytes_in_use(),
+            0,
+            "streaming frees its sequence"
+        );
+    }
+    assert!(w.ppl.is_finite() && w.ppl > 1.0);
+    for bad in [
+        engine.streaming_ppl(&toks, 0, 4),
+        engine.streaming_ppl(&toks, 64, 4),
+        engine.streaming_ppl(&toks, 8, 0),
+        engine.window_ppl(&toks, 65),
+    ] {
+        let e = bad.unwrap_err().to_string();
+        assert!(e.contains("perplexity needs") && !e.contains('\n'), "{e}");
+    }
+}

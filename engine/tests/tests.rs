@@ -593,6 +593,39 @@ fn cli_chat_reuses_the_session_and_prints_metrics() {
 }
 
 #[test]
+fn cli_perplexity_on_the_real_model_is_sane() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvforge"))
+        .args([
+            "ppl", "--tokens", "256", "--window", "128", "--prefix", "128", "--chunk", "32",
+        ])
+        .current_dir(root())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2);
+    for l in &lines {
+        let ppl = l["ppl"].as_f64().unwrap();
+        assert!(ppl > 2.0 && ppl < 200.0, "implausible perplexity: {l}");
+        assert_eq!(
+            l["kv_bytes_per_token"].as_f64().unwrap(),
+            46080.0,
+            "f32 KV of SmolLM2"
+        );
+    }
+    let (code, e) = kvforge(&["ppl", "--text", "/nonexistent.txt"]);
+    assert_ne!(code, 0);
+    assert!(e.contains("cannot read"), "{e}");
+}
+
+#[test]
 fn cli_generates_from_the_real_model() {
     let out = Command::new(env!("CARGO_BIN_EXE_kvforge"))
         .args([

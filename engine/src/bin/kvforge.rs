@@ -58,6 +58,28 @@ enum Command {
         #[command(flatten)]
         reuse: Reuse,
     },
+    /// Perplexity of a text file: window (llama.cpp style) and streaming
+    /// through the cache. `<doc …>` files (the setup's wiki.utf8) are split
+    /// into articles and the longest is used. Prints one JSON line per mode.
+    Ppl {
+        /// Text file (default: the setup's Wikipedia calibration text).
+        #[arg(long, default_value = "data/exllamav2/wiki.utf8")]
+        text: PathBuf,
+        /// Tokens scored in total (the article is cut to this length).
+        #[arg(long, default_value_t = 2048)]
+        tokens: usize,
+        /// Window for window perplexity.
+        #[arg(long, default_value_t = 512)]
+        window: usize,
+        /// Streaming: tokens prefilled before scoring starts.
+        #[arg(long, default_value_t = 512)]
+        prefix: usize,
+        /// Streaming: tokens per step after the prefix.
+        #[arg(long, default_value_t = 64)]
+        chunk: usize,
+        #[command(flatten)]
+        common: Common,
+    },
     /// Prefill the first --context tokens of a text file, then decode
     /// --max-tokens greedy tokens; prints one JSON line of speeds.
     Bench {
@@ -325,6 +347,48 @@ fn init_logging() {
         .try_init();
 }
 
+fn ppl(
+    text: &std::path::Path,
+    tokens: usize,
+    window: usize,
+    prefix: usize,
+    chunk: usize,
+    common: &Common,
+) -> Result<(), EngineError> {
+    let body = std::fs::read_to_string(text)
+        .map_err(|e| EngineError::Request(format!("cannot read {}: {e}", text.display())))?;
+    let engine = common.engine()?;
+    let article = kvforge_engine::ppl::articles(&body)
+        .into_iter()
+        .next()
+        .unwrap_or_default();
+    let mut ids = engine.tokenizer.encode(&article)?;
+    if ids.len() < tokens {
+        return Err(EngineError::Request(format!(
+            "the longest article of {} has {} tokens, fewer than --tokens {tokens}",
+            text.display(),
+            ids.len()
+        )));
+    }
+    ids.truncate(tokens);
+    for (mode, r) in [
+        ("window", engine.window_ppl(&ids, window)?),
+        ("stream", engine.streaming_ppl(&ids, prefix, chunk)?),
+    ] {
+        println!(
+            "{}",
+            serde_json::json!({
+                "mode": mode, "tokens": tokens, "window": window, "prefix": prefix, "chunk": chunk,
+                "dtype": common.dtype, "weights": common.weights.as_deref().unwrap_or(&common.dtype),
+                "kv": common.kv_dtype.as_deref().unwrap_or(&common.dtype),
+                "scored": r.scored, "ppl": r.ppl, "kv_bytes": r.kv_bytes,
+                "kv_bytes_per_token": r.kv_bytes_per_token, "tokens_per_sec": r.tokens_per_sec,
+            })
+        );
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     init_logging();
     let cli = match Cli::try_parse() {
@@ -359,6 +423,14 @@ fn main() -> ExitCode {
             context,
             common,
         } => bench(text, *context, common),
+        Command::Ppl {
+            text,
+            tokens,
+            window,
+            prefix,
+            chunk,
+            common,
+        } => ppl(text, *tokens, *window, *prefix, *chunk, common),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

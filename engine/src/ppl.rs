@@ -1,0 +1,155 @@
+//! Perplexity: full-window (llama.cpp style) and streaming through the cache.
+//!
+//! * **Window**: cut the tokens into windows of `window` tokens, run each
+//!   from an empty cache, score the second half of each window (every scored
+//!   token sees at least `window / 2` tokens of context).
+//! * **Streaming**: prefill the first `prefix` tokens, then feed the rest in
+//!   chunks of `chunk` tokens through the same paged cache and score every
+//!   token after the prefix. Whatever the cache does to old tokens (a
+//!   quantized cold tier, eviction) really affects the scored tokens.
+//!
+//! Both report the mean negative log-likelihood as a perplexity, KV bytes,
+//! and tokens per second.
+
+use std::time::Instant;
+
+use tch::{Kind, Tensor};
+
+use crate::cache::Sequence;
+use crate::{Engine, EngineError, Result};
+
+/// One perplexity measurement.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PplReport {
+    /// Tokens whose log-likelihood was scored.
+    pub scored: usize,
+    /// Sum of their negative log-likelihoods (nats).
+    pub nll_sum: f64,
+    /// `exp(nll_sum / scored)`.
+    pub ppl: f64,
+    /// Peak KV bytes held while scoring.
+    pub kv_bytes: u64,
+    /// Peak KV bytes divided by the tokens in the cache at that point.
+    pub kv_bytes_per_token: f64,
+    /// Tokens run through the model per second.
+    pub tokens_per_sec: f64,
+}
+
+/// Sum of `-log p(target)` over rows of `logits` (`[n, vocab]`).
+fn nll(logits: &Tensor, targets: &[u32]) -> Result<f64> {
+    let t: Vec<i64> = targets.iter().map(|&x| i64::from(x)).collect();
+    let idx = Tensor::f_from_slice(&t)?
+        .f_to_device(logits.device())?
+        .f_unsqueeze(1)?;
+    let lp = logits
+        .f_log_softmax(-1, Kind::Double)?
+        .f_gather(1, &idx, false)?;
+    Ok(-lp.f_sum(Kind::Double)?.f_double_value(&[])?)
+}
+
+fn finish(mut r: PplReport, ran: usize, secs: f64) -> PplReport {
+    r.ppl = (r.nll_sum / r.scored.max(1) as f64).exp();
+    r.tokens_per_sec = ran as f64 / secs.max(1e-9);
+    r
+}
+
+impl Engine {
+    /// Streaming perplexity: prefill `prefix` tokens, then score the rest in
+    /// chunks of `chunk` through the cache.
+    pub fn streaming_ppl(&self, tokens: &[u32], prefix: usize, chunk: usize) -> Result<PplReport> {
+        if prefix == 0 || chunk == 0 || prefix >= tokens.len() {
+            return Err(EngineError::Request(format!(
+                "streaming perplexity needs 0 < prefix < {} tokens and chunk > 0 (prefix {prefix}, chunk {chunk})",
+                tokens.len()
+            )));
+        }
+        let mut seq = Sequence::default();
+        let t0 = Instant::now();
+        let out = (|| {
+            let mut r = PplReport::default();
+            let mut last =
+                self.model
+                    .forward(&tokens[..prefix], &mut self.cache.view(&mut seq), false)?;
+            let mut p = prefix;
+            while p < tokens.len() {
+                let end = (p + chunk).min(tokens.len());
+                let piece = &tokens[p..end];
+                // The row before the chunk predicts its first token; each
+                // chunk row predicts the next one.
+                r.nll_sum += nll(&last, &piece[..1])?;
+                let logits = self
+                    .model
+                    .forward(piece, &mut self.cache.view(&mut seq), true)?;
+                if piece.len() > 1 {
+                    let n = piece.len() as i64;
+                    r.nll_sum += nll(&logits.f_narrow(0, 0, n - 1)?, &piece[1..])?;
+                }
+                last = logits.f_narrow(0, piece.len() as i64 - 1, 1)?;
+                r.scored += piece.len();
+                let bytes = self.cache.bytes_in_use();
+                if bytes > r.kv_bytes {
+                    r.kv_bytes = bytes;
+                    r.kv_bytes_per_token = bytes as f64 / seq.len as f64;
+                }
+                p = end;
+            }
+            Ok(r)
+        })();
+        self.cache.free(&mut seq)?;
+        out.map(|r| finish(r, tokens.len(), t0.elapsed().as_secs_f64()))
+    }
+
+    /// Window perplexity: windows of `window` tokens from an empty cache,
+    /// scoring the second half of each.
+    pub fn window_ppl(&self, tokens: &[u32], window: usize) -> Result<PplReport> {
+        if window < 2 || tokens.len() < window {
+            return Err(EngineError::Request(format!(
+                "window perplexity needs a window of at least 2 tokens and at least one full window ({} tokens, window {window})",
+                tokens.len()
+            )));
+        }
+        let t0 = Instant::now();
+        let mut r = PplReport::default();
+        let mut ran = 0;
+        for w in tokens.chunks_exact(window) {
+            let mut seq = Sequence::default();
+            let logits = self.model.forward(w, &mut self.cache.view(&mut seq), true);
+            let bytes = self.cache.bytes_in_use();
+            self.cache.free(&mut seq)?;
+            let logits = logits?;
+            let half = window / 2;
+            let rows = logits.f_narrow(0, half as i64 - 1, (window - half) as i64)?;
+            r.nll_sum += nll(&rows, &w[half..])?;
+            r.scored += window - half;
+            ran += window;
+            if bytes > r.kv_bytes {
+                r.kv_bytes = bytes;
+                r.kv_bytes_per_token = bytes as f64 / window as f64;
+            }
+        }
+        Ok(finish(r, ran, t0.elapsed().as_secs_f64()))
+    }
+}
+
+/// The articles of an exllamav2-style `<doc … title=…>` calibration file
+/// (plain text is one article), longest first.
+pub fn articles(text: &str) -> Vec<String> {
+    let mut docs: Vec<String> = Vec::new();
+    let mut cur = String::new();
+    for line in text.lines() {
+        if line.starts_with("<doc") || line.starts_with("</doc>") {
+            if !cur.trim().is_empty() {
+                docs.push(std::mem::take(&mut cur));
+            }
+            cur.clear();
+            continue;
+        }
+        cur.push_str(line);
+        cur.push('\n');
+    }
+    if !cur.trim().is_empty() {
+        docs.push(cur);
+    }
+    docs.sort_by_key(|d| std::cmp::Reverse(d.len()));
+    docs
+}
