@@ -287,19 +287,36 @@ fn chat(common: &Common, reuse: &Reuse) -> Result<(), EngineError> {
     manager.close_session(session)
 }
 
-fn bench(text: &std::path::Path, context: usize, common: &Common) -> Result<(), EngineError> {
-    let engine = common.engine()?;
-    let body = std::fs::read_to_string(text)
-        .map_err(|e| EngineError::Request(format!("cannot read {}: {e}", text.display())))?;
-    let mut ids = engine.tokenizer.encode(&body)?;
-    if ids.len() < context {
+fn read_text(path: &std::path::Path) -> Result<String, EngineError> {
+    std::fs::read_to_string(path)
+        .map_err(|e| EngineError::Request(format!("cannot read {}: {e}", path.display())))
+}
+
+/// The first `n` tokens of `body`; `what` and `flag` name them in the error
+/// when there are fewer.
+fn first_tokens(
+    engine: &Engine,
+    body: &str,
+    n: usize,
+    what: &str,
+    flag: &str,
+) -> Result<Vec<u32>, EngineError> {
+    let mut ids = engine.tokenizer.encode(body)?;
+    if ids.len() < n {
         return Err(EngineError::Request(format!(
-            "{} holds {} tokens, fewer than --context {context}",
-            text.display(),
+            "{what} holds {} tokens, fewer than {flag} {n}",
             ids.len()
         )));
     }
-    ids.truncate(context);
+    ids.truncate(n);
+    Ok(ids)
+}
+
+fn bench(text: &std::path::Path, context: usize, common: &Common) -> Result<(), EngineError> {
+    let body = read_text(text)?;
+    let engine = common.engine()?;
+    let what = text.display().to_string();
+    let ids = first_tokens(&engine, &body, context, &what, "--context")?;
     // Warm-up, as the transformers side does.
     let mut seq = Sequence::default();
     let _ = engine.model.forward(
@@ -355,22 +372,14 @@ fn ppl(
     chunk: usize,
     common: &Common,
 ) -> Result<(), EngineError> {
-    let body = std::fs::read_to_string(text)
-        .map_err(|e| EngineError::Request(format!("cannot read {}: {e}", text.display())))?;
+    let body = read_text(text)?;
     let engine = common.engine()?;
     let article = kvforge_engine::ppl::articles(&body)
         .into_iter()
         .next()
         .unwrap_or_default();
-    let mut ids = engine.tokenizer.encode(&article)?;
-    if ids.len() < tokens {
-        return Err(EngineError::Request(format!(
-            "the longest article of {} has {} tokens, fewer than --tokens {tokens}",
-            text.display(),
-            ids.len()
-        )));
-    }
-    ids.truncate(tokens);
+    let what = format!("the longest article of {}", text.display());
+    let ids = first_tokens(&engine, &article, tokens, &what, "--tokens")?;
     for (mode, r) in [
         ("window", engine.window_ppl(&ids, window)?),
         ("stream", engine.streaming_ppl(&ids, prefix, chunk)?),
