@@ -11,12 +11,21 @@
 //! * INT8, symmetric: one f16 scale per group, `q = round(x / s)`, `|q| ≤ 127`.
 //! * INT4 and INT2, affine: f16 scale and minimum per group,
 //!   `q = round((x − m) / s)`, `0 ≤ q < 2^bits`; INT4 packs two values per
-//!   byte (low nibble first), INT2 four.
+//!   byte, INT2 four.
 //!
 //! Groups run along the head dimension of each token ([`Axis::PerToken`],
 //! for values) or along the tokens of each channel ([`Axis::PerChannel`],
 //! KIVI's layout for keys, whose outliers sit in fixed channels). Bytes per
 //! block equal `kvforge_pool::KvLayout`'s for the same format (tested).
+//!
+//! Codes are packed in bit planes so that unpacking is a few contiguous,
+//! vectorizable passes: in a run of `n` codes packed into `n·bits/8` bytes,
+//! code `j` sits in byte `j mod (n·bits/8)` at bit `⌊j / (n·bits/8)⌋·bits`
+//! (INT4: first half in the low nibbles, second half in the high ones). A
+//! run is one group per token; per channel, codes are stored token-major and
+//! a run is one token's row of channels (so dequantizing needs no
+//! transpose), with the group parameters channel-major. Dequantization uses
+//! AVX2 code when the CPU has it (runtime detection).
 //!
 //! [`Rotated`] applies a normalized Walsh–Hadamard transform to each head
 //! vector before quantizing: orthogonal, so attention scores are unchanged

@@ -278,3 +278,43 @@ fn bad_configurations_are_named_errors() {
             .is_err()
     );
 }
+
+#[test]
+fn codes_are_packed_in_bit_planes() {
+    // One INT4 group of 16 along head_dim holding 0..15: scale 1, min 0,
+    // codes equal the values; byte i holds code i (low) and code i + 8 (high).
+    let shape = BlockShape {
+        tokens: 1,
+        heads: 1,
+        head_dim: 16,
+    };
+    let x: Vec<f32> = (0..16).map(|v| v as f32).collect();
+    let b = q(4, 16, Axis::PerToken).quantize(shape, &x).unwrap();
+    let want: Vec<u8> = (0..8).map(|i| i | ((i + 8) << 4)).collect();
+    assert_eq!(b.packed, want);
+    // INT2, 0..3 repeated: byte i holds codes i, i+4, i+8, i+12.
+    let shape = BlockShape {
+        tokens: 1,
+        heads: 1,
+        head_dim: 16,
+    };
+    let x: Vec<f32> = (0..16).map(|v| (v / 4) as f32).collect();
+    let b = q(2, 16, Axis::PerToken).quantize(shape, &x).unwrap();
+    assert_eq!(b.packed, vec![0b1110_0100; 4]);
+    // Per channel: groups run along tokens, but codes are stored token-major,
+    // each row packed the same way (channel c low, channel c + C/2 high).
+    let shape = BlockShape {
+        tokens: 16,
+        heads: 1,
+        head_dim: 2,
+    };
+    let x: Vec<f32> = (0..16).flat_map(|t| [t as f32, 15.0 - t as f32]).collect();
+    let b = q(4, 16, Axis::PerChannel).quantize(shape, &x).unwrap();
+    let want: Vec<u8> = (0..16).map(|t| t | ((15 - t) << 4)).collect();
+    assert_eq!(b.packed, want);
+    let mut back = vec![0f32; x.len()];
+    q(4, 16, Axis::PerChannel)
+        .dequantize(&b, &mut back)
+        .unwrap();
+    assert_eq!(back, x);
+}
