@@ -5,6 +5,7 @@
 //! * [`sealing`]: the round-sealing experiment (hit rate gained against
 //!   memory spent), run by `cargo run -p kvforge-bench --release --bin sealing`.
 
+pub mod plot;
 pub mod sealing;
 
 use kvforge_pool::{BlockId, KvLayout, StorageFormat};

@@ -26,7 +26,6 @@ use kvforge_engine::{
     Tokenizer,
 };
 use kvforge_pool::BlockAllocator;
-use plotters::prelude::*;
 
 struct Args {
     chats: usize,
@@ -324,8 +323,6 @@ fn write_outputs(a: &Args, rows: &[Row], sweep: &[sealing::SealRun]) -> Result<(
     std::fs::write(a.out.join("report.md"), &md)?;
     println!("{md}");
 
-    plotters::style::register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular())
-        .map_err(|_| anyhow::anyhow!("embedded font rejected"))?;
     let turns: Vec<usize> = (1..=a.turns).collect();
     let reuse: Vec<(f64, f64)> = turns
         .iter()
@@ -336,13 +333,13 @@ fn write_outputs(a: &Args, rows: &[Row], sweep: &[sealing::SealRun]) -> Result<(
         .map(|&t| (t as f64, mean(t, &|r| r.ttft_recompute * 1e3)))
         .collect();
     let ymax = full.iter().chain(&reuse).map(|p| p.1).fold(1.0, f64::max) * 1.1;
-    line_plot(
+    kvforge_bench::plot::line_plot(
         &a.out.join("ttft.png"),
         "Time to first token per turn",
         "turn",
         "ms",
         (1.0, a.turns as f64),
-        ymax,
+        (0.0, ymax),
         &[("full recompute", full), ("prefix reuse", reuse)],
     )?;
     let xs = |seal: bool| -> Vec<(f64, f64)> {
@@ -352,13 +349,13 @@ fn write_outputs(a: &Args, rows: &[Row], sweep: &[sealing::SealRun]) -> Result<(
             .map(|s| ((s.block_size as f64).log2(), 100.0 * s.replay.hit_rate()))
             .collect()
     };
-    line_plot(
+    kvforge_bench::plot::line_plot(
         &a.out.join("hit_rate.png"),
         "Hit rate of reusable tokens vs log2(block size)",
         "log2(block size)",
         "%",
         (4.0, 9.0),
-        100.0,
+        (0.0, 100.0),
         &[("no seal", xs(false)), ("sealed turns", xs(true))],
     )?;
     println!("written to {}", a.out.display());
@@ -369,51 +366,4 @@ fn kv_mib(s: &sealing::SealRun, chats: usize) -> f64 {
     s.replay.blocks_held as f64 * smollm2_layout(s.block_size as u32).block_bytes() as f64
         / chats as f64
         / (1 << 20) as f64
-}
-
-fn line_plot(
-    path: &Path,
-    title: &str,
-    x_label: &str,
-    y_label: &str,
-    x: (f64, f64),
-    y_max: f64,
-    series: &[(&str, Vec<(f64, f64)>)],
-) -> Result<()> {
-    let root = BitMapBackend::new(path, (800, 480)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| anyhow::anyhow!("{e:?}"))?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(title, ("sans-serif", 24))
-        .margin(16)
-        .x_label_area_size(40)
-        .y_label_area_size(60)
-        .build_cartesian_2d(x.0..x.1, 0.0..y_max)
-        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
-    chart
-        .configure_mesh()
-        .x_desc(x_label)
-        .y_desc(y_label)
-        .draw()
-        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
-    for (i, (name, pts)) in series.iter().enumerate() {
-        let color = Palette99::pick(i).to_rgba();
-        chart
-            .draw_series(LineSeries::new(pts.iter().copied(), color.stroke_width(2)))
-            .map_err(|e| anyhow::anyhow!("{e:?}"))?
-            .label(*name)
-            .legend(move |(x, y)| {
-                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
-            });
-        chart
-            .draw_series(pts.iter().map(|&p| Circle::new(p, 3, color.filled())))
-            .map_err(|e| anyhow::anyhow!("{e:?}"))?;
-    }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()
-        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
-    root.present().map_err(|e| anyhow::anyhow!("{e:?}"))?;
-    Ok(())
 }
