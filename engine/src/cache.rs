@@ -8,10 +8,14 @@
 //! (`index_copy_`) and reads every position back through the table
 //! (`index_select`).
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use kvforge_pool::{BlockAllocator, BlockId, BlockPool, KvLayout, PoolConfig, StorageFormat};
+use kvforge_quant::BlockShape;
 use tch::{Device, Kind, Tensor};
 
 use crate::model::LlamaConfig;
+use crate::tier::{ColdBlock, ColdTier, KvQuant};
 use crate::{EngineError, Result};
 
 /// Where one forward step reads and writes K/V. Implemented by the paged
@@ -38,16 +42,24 @@ pub trait KvStore {
 /// prefix cache that was sealed at a turn boundary, or the sequence's own
 /// last block. Only that last block, when `open`, receives new tokens; blocks
 /// shared with other sequences are never written.
+///
+/// With a cold tier, positions run `[sink blocks | cold | hot]`: the first
+/// `KvQuant::sink` tokens stay in hot blocks, then `cold.len()` quantized
+/// blocks, then the rest of the hot `blocks`.
 #[derive(Clone, Debug, Default)]
 pub struct Sequence {
-    /// Blocks in position order.
+    /// Hot blocks in position order (sink blocks, then those after the
+    /// cold ones).
     pub blocks: Vec<BlockId>,
-    /// Tokens held by each block.
+    /// Tokens held by each hot block.
     pub lens: Vec<u32>,
-    /// Positions stored (the sum of `lens`).
+    /// Positions stored (cold and hot).
     pub len: usize,
     /// Whether the last block is this sequence's own and not full.
     pub open: bool,
+    /// Quantized blocks that left the hot window, oldest first (full
+    /// blocks only).
+    pub cold: Vec<ColdBlock>,
 }
 
 impl Sequence {
@@ -61,7 +73,13 @@ impl Sequence {
             lens,
             len,
             open: false,
+            cold: Vec::new(),
         }
+    }
+
+    /// Bytes held by the sequence's cold tier.
+    pub fn cold_bytes(&self) -> u64 {
+        self.cold.iter().map(ColdBlock::bytes).sum()
     }
 
     /// Stops writing into the last block: the next token starts a new one
@@ -86,8 +104,11 @@ pub struct PagedKvCache {
     pool: BlockPool,
     reclaimed: std::sync::Mutex<Vec<BlockId>>,
     block_size: usize,
+    shape: BlockShape,
     k: Vec<Tensor>,
     v: Vec<Tensor>,
+    cold: Option<ColdTier>,
+    cold_bytes: AtomicU64,
 }
 
 impl PagedKvCache {
@@ -134,9 +155,67 @@ impl PagedKvCache {
             pool,
             reclaimed: Default::default(),
             block_size,
+            shape: BlockShape {
+                tokens: block_size,
+                heads: cfg.n_kv_heads,
+                head_dim: cfg.head_dim,
+            },
             k,
             v,
+            cold: None,
+            cold_bytes: AtomicU64::new(0),
         })
+    }
+
+    /// Installs (or with `None` removes) the quantized cold tier. `spec` is
+    /// checked against the block shape (group sizes, rotation, window).
+    /// Errors, changing nothing, while any sequence holds blocks.
+    pub fn set_cold_tier(&mut self, spec: Option<KvQuant>) -> Result<()> {
+        let tier = spec.map(|s| ColdTier::new(s, self.shape)).transpose()?;
+        if self.pool.stats().in_use > 0 || self.cold_bytes() > 0 {
+            return Err(EngineError::Request(
+                "the cold tier cannot change while sequences hold KV".into(),
+            ));
+        }
+        self.cold = tier;
+        Ok(())
+    }
+
+    /// The cold tier's configuration, if there is one.
+    pub fn cold_tier(&self) -> Option<KvQuant> {
+        self.cold.as_ref().map(ColdTier::spec)
+    }
+
+    /// Bytes held by the cold tiers of this cache's sequences.
+    pub fn cold_bytes(&self) -> u64 {
+        self.cold_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Moves the oldest hot blocks of `seq` that have left the hot window
+    /// into its cold tier and releases them. On error (a non-finite K/V
+    /// value) the failing block stays hot and the sequence stays valid.
+    fn demote(&self, seq: &mut Sequence) -> Result<()> {
+        let Some(tier) = &self.cold else {
+            return Ok(());
+        };
+        let bs = self.block_size;
+        // Hot blocks before the cold ones: the attention sinks.
+        let at = tier.sink_blocks();
+        while seq.cold.len() < tier.cold_blocks(seq.len) {
+            // Only full blocks go cold (a sealed partial block stays hot).
+            let full = |i: usize| seq.lens.get(i).is_some_and(|&l| l as usize == bs);
+            if !(0..=at).all(full) {
+                break;
+            }
+            let b = seq.blocks[at];
+            let block = tier.quantize(&self.k, &self.v, b.index() as usize * bs)?;
+            self.pool.release(b)?;
+            self.cold_bytes.fetch_add(block.bytes(), Ordering::Relaxed);
+            seq.blocks.remove(at);
+            seq.lens.remove(at);
+            seq.cold.push(block);
+        }
+        Ok(())
     }
 
     /// Tokens per block.
@@ -149,14 +228,17 @@ impl PagedKvCache {
         &self.pool
     }
 
-    /// KV bytes held by sequences now.
+    /// Hot-tier KV bytes held by sequences now (pool blocks in use).
     pub fn bytes_in_use(&self) -> u64 {
         self.pool.stats().in_use_bytes
     }
 
-    /// Releases a sequence's blocks (tail first) and empties it.
+    /// Releases a sequence's blocks (tail first) and cold tier, and
+    /// empties it.
     pub fn free(&self, seq: &mut Sequence) -> Result<()> {
         self.pool.release_sequence(&seq.blocks)?;
+        self.cold_bytes
+            .fetch_sub(seq.cold_bytes(), Ordering::Relaxed);
         *seq = Sequence::default();
         Ok(())
     }
@@ -198,6 +280,7 @@ impl KvStore for PagedSeq<'_> {
     fn prepare(&mut self, n: usize) -> Result<()> {
         let c = self.cache;
         let bs = c.block_size;
+        c.demote(self.seq)?;
         let seq = &*self.seq;
         let used = seq.lens.last().copied().unwrap_or(0) as usize;
         let room = if seq.open { bs - used } else { 0 };
@@ -257,7 +340,13 @@ impl KvStore for PagedSeq<'_> {
         let mut vs = self.cache.v[layer].shallow_clone();
         let _ = ks.f_index_copy_(0, new, &k.f_to_kind(ks.kind())?)?;
         let _ = vs.f_index_copy_(0, new, &v.f_to_kind(vs.kind())?)?;
-        Ok((ks.f_index_select(0, all)?, vs.f_index_select(0, all)?))
+        match &self.cache.cold {
+            Some(tier) if !self.seq.cold.is_empty() => Ok((
+                tier.assemble(&self.seq.cold, layer, false, &ks, all)?,
+                tier.assemble(&self.seq.cold, layer, true, &vs, all)?,
+            )),
+            _ => Ok((ks.f_index_select(0, all)?, vs.f_index_select(0, all)?)),
+        }
     }
 
     fn commit(&mut self, n: usize) {

@@ -34,6 +34,9 @@ pub enum EngineError {
     /// An error from the prefix index.
     #[error(transparent)]
     Prefix(#[from] kvforge_prefix::PrefixError),
+    /// A bad quantization setting, or K/V that cannot be quantized.
+    #[error(transparent)]
+    Quant(#[from] kvforge_quant::QuantError),
 }
 
 impl EngineError {
@@ -50,6 +53,7 @@ impl EngineError {
             | EngineError::Torch(s) => s.clone(),
             EngineError::Pool(e) => e.to_string(),
             EngineError::Prefix(e) => e.to_string(),
+            EngineError::Quant(e) => e.to_string(),
         }
     }
 }

@@ -10,7 +10,8 @@
 //! * [`model`]: [`Llama`] — weights and the forward pass over a [`KvStore`].
 //! * [`cache`]: [`PagedKvCache`] (block tables over pool blocks; the engine
 //!   owns one K and one V tensor per layer) and [`ContiguousCache`], a test
-//!   oracle.
+//!   oracle. Optionally a quantized cold tier ([`KvQuant`]): blocks older
+//!   than the hot window are quantized with `kvforge-quant` and released.
 //! * [`generate`]: seeded sampling and the generation loop.
 //! * [`ppl`]: window and streaming perplexity over the cache.
 //! * [`manager`]: [`CacheManager`] — prefix reuse across turns, requests and
@@ -34,6 +35,7 @@ pub mod gguf;
 pub mod manager;
 pub mod model;
 pub mod ppl;
+mod tier;
 pub mod tokenizer;
 
 use std::path::Path;
@@ -41,10 +43,12 @@ use std::path::Path;
 pub use cache::{ContiguousCache, KvStore, PagedKvCache, Sequence};
 pub use error::{EngineError, Result};
 pub use generate::{Generation, Sampler, SamplingParams};
+pub use kvforge_quant::Axis;
 pub use manager::{CacheManager, IndexKind, ReuseConfig, SessionId, TurnReport};
 pub use model::{Llama, LlamaConfig};
 pub use ppl::PplReport;
 pub use tch::{Device, Kind};
+pub use tier::{ColdBlock, KvQuant};
 pub use tokenizer::{Message, Tokenizer};
 
 /// Parses `cpu`, `cuda` or `cuda:N`, checking that CUDA is usable.
@@ -117,6 +121,8 @@ pub struct EngineConfig {
     pub block_size: usize,
     /// KV capacity in tokens (0 = the model's context length).
     pub kv_tokens: usize,
+    /// A quantized cold tier for tokens older than its window.
+    pub kv_quant: Option<KvQuant>,
 }
 
 impl Default for EngineConfig {
@@ -128,6 +134,7 @@ impl Default for EngineConfig {
             kv_kind: None,
             block_size: 16,
             kv_tokens: 0,
+            kv_quant: None,
         }
     }
 }
@@ -161,7 +168,8 @@ impl Engine {
             cfg.kv_tokens
         };
         let kv_kind = cfg.kv_kind.unwrap_or(model.kind());
-        let cache = PagedKvCache::new(&model.cfg, cfg.block_size, kv, model.device(), kv_kind)?;
+        let mut cache = PagedKvCache::new(&model.cfg, cfg.block_size, kv, model.device(), kv_kind)?;
+        cache.set_cold_tier(cfg.kv_quant)?;
         Ok(Engine {
             model,
             tokenizer,

@@ -132,6 +132,11 @@ pub type SessionId = u64;
 impl CacheManager {
     /// Wraps `engine`; the index uses the engine cache's block size.
     pub fn new(engine: Engine, cfg: ReuseConfig) -> Result<Self> {
+        if cfg.enabled && engine.cache.cold_tier().is_some() {
+            return Err(EngineError::Request(
+                "prefix reuse over a quantized cold tier is not supported yet (cold blocks are not shareable); disable one of them".into(),
+            ));
+        }
         let bs = engine.cache.block_size();
         let hasher = cfg
             .seed

@@ -8,8 +8,12 @@
 //!   token after the prefix. Whatever the cache does to old tokens (a
 //!   quantized cold tier, eviction) really affects the scored tokens.
 //!
-//! Both report the mean negative log-likelihood as a perplexity, KV bytes,
-//! and tokens per second.
+//! Both report the mean negative log-likelihood as a perplexity, KV bytes
+//! (hot pool blocks and quantized cold tier), and tokens per second;
+//! streaming can also time greedy decode steps at the final context.
+//!
+//! Window perplexity runs each window in one step from an empty cache, so a
+//! cold tier never engages there: use streaming to judge it.
 
 use std::time::Instant;
 
@@ -27,12 +31,32 @@ pub struct PplReport {
     pub nll_sum: f64,
     /// `exp(nll_sum / scored)`.
     pub ppl: f64,
-    /// Peak KV bytes held while scoring.
+    /// Peak KV bytes held while scoring (hot + cold).
     pub kv_bytes: u64,
+    /// Hot-tier (pool) bytes at that peak.
+    pub hot_bytes: u64,
+    /// Cold-tier (quantized) bytes at that peak.
+    pub cold_bytes: u64,
     /// Peak KV bytes divided by the tokens in the cache at that point.
     pub kv_bytes_per_token: f64,
     /// Tokens run through the model per second.
     pub tokens_per_sec: f64,
+    /// Greedy decode steps timed after scoring (streaming only).
+    pub decode_steps: usize,
+    /// Their rate, tokens per second (0 when none were run).
+    pub decode_tokens_per_sec: f64,
+}
+
+impl PplReport {
+    /// Records the bytes held by `seq` (and the pool) if they are a new peak.
+    fn peak(&mut self, hot: u64, cold: u64, tokens: usize) {
+        if hot + cold > self.kv_bytes {
+            self.kv_bytes = hot + cold;
+            self.hot_bytes = hot;
+            self.cold_bytes = cold;
+            self.kv_bytes_per_token = (hot + cold) as f64 / tokens.max(1) as f64;
+        }
+    }
 }
 
 /// Sum of `-log p(target)` over rows of `logits` (`[n, vocab]`).
@@ -55,8 +79,15 @@ fn finish(mut r: PplReport, ran: usize, secs: f64) -> PplReport {
 
 impl Engine {
     /// Streaming perplexity: prefill `prefix` tokens, then score the rest in
-    /// chunks of `chunk` through the cache.
-    pub fn streaming_ppl(&self, tokens: &[u32], prefix: usize, chunk: usize) -> Result<PplReport> {
+    /// chunks of `chunk` through the cache; then time `decode` greedy
+    /// single-token steps at the final context (not scored).
+    pub fn streaming_ppl(
+        &self,
+        tokens: &[u32],
+        prefix: usize,
+        chunk: usize,
+        decode: usize,
+    ) -> Result<PplReport> {
         if prefix == 0 || chunk == 0 || prefix >= tokens.len() {
             return Err(EngineError::Request(format!(
                 "streaming perplexity needs 0 < prefix < {} tokens and chunk > 0 (prefix {prefix}, chunk {chunk})",
@@ -86,17 +117,26 @@ impl Engine {
                 }
                 last = logits.f_narrow(0, piece.len() as i64 - 1, 1)?;
                 r.scored += piece.len();
-                let bytes = self.cache.bytes_in_use();
-                if bytes > r.kv_bytes {
-                    r.kv_bytes = bytes;
-                    r.kv_bytes_per_token = bytes as f64 / seq.len as f64;
-                }
+                r.peak(self.cache.bytes_in_use(), seq.cold_bytes(), seq.len);
                 p = end;
             }
-            Ok(r)
+            let elapsed = t0.elapsed().as_secs_f64();
+            let t1 = Instant::now();
+            for _ in 0..decode {
+                let next = last.f_argmax(-1, false)?.f_int64_value(&[0])?;
+                let next = u32::try_from(next).unwrap_or(0);
+                last = self
+                    .model
+                    .forward(&[next], &mut self.cache.view(&mut seq), false)?;
+            }
+            r.decode_steps = decode;
+            if decode > 0 {
+                r.decode_tokens_per_sec = decode as f64 / t1.elapsed().as_secs_f64().max(1e-9);
+            }
+            Ok(finish(r, tokens.len(), elapsed))
         })();
         self.cache.free(&mut seq)?;
-        out.map(|r| finish(r, tokens.len(), t0.elapsed().as_secs_f64()))
+        out
     }
 
     /// Window perplexity: windows of `window` tokens from an empty cache,
@@ -122,10 +162,7 @@ impl Engine {
             r.nll_sum += nll(&rows, &w[half..])?;
             r.scored += window - half;
             ran += window;
-            if bytes > r.kv_bytes {
-                r.kv_bytes = bytes;
-                r.kv_bytes_per_token = bytes as f64 / window as f64;
-            }
+            r.peak(bytes, 0, window);
         }
         Ok(finish(r, ran, t0.elapsed().as_secs_f64()))
     }

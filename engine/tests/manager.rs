@@ -430,7 +430,7 @@ fn streaming_and_window_perplexity_agree_and_do_not_depend_on_chunking() {
     let w = engine.window_ppl(&toks, 64).unwrap();
     let mut last = None;
     for chunk in [1, 7, 32] {
-        let s = engine.streaming_ppl(&toks, 32, chunk).unwrap();
+        let s = engine.streaming_ppl(&toks, 32, chunk, 0).unwrap();
         assert_eq!(s.scored, 32);
         assert!(
             (s.nll_sum - w.nll_sum).abs() < 1e-3 * w.nll_sum.abs().max(1.0),
@@ -453,9 +453,9 @@ fn streaming_and_window_perplexity_agree_and_do_not_depend_on_chunking() {
     }
     assert!(w.ppl.is_finite() && w.ppl > 1.0);
     for bad in [
-        engine.streaming_ppl(&toks, 0, 4),
-        engine.streaming_ppl(&toks, 64, 4),
-        engine.streaming_ppl(&toks, 8, 0),
+        engine.streaming_ppl(&toks, 0, 4, 0),
+        engine.streaming_ppl(&toks, 64, 4, 0),
+        engine.streaming_ppl(&toks, 8, 0, 0),
         engine.window_ppl(&toks, 65),
     ] {
         let e = bad.unwrap_err().to_string();

@@ -14,6 +14,7 @@ use kvforge_engine::{
 use tch::Tensor;
 
 mod manager;
+mod tier;
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -596,7 +597,21 @@ fn cli_chat_reuses_the_session_and_prints_metrics() {
 fn cli_perplexity_on_the_real_model_is_sane() {
     let out = Command::new(env!("CARGO_BIN_EXE_kvforge"))
         .args([
-            "ppl", "--tokens", "256", "--window", "128", "--prefix", "128", "--chunk", "32",
+            "ppl",
+            "--tokens",
+            "256",
+            "--window",
+            "128",
+            "--prefix",
+            "128",
+            "--chunk",
+            "32",
+            "--decode",
+            "2",
+            "--kv-quant",
+            "int8",
+            "--kv-window",
+            "32",
         ])
         .current_dir(root())
         .output()
@@ -610,19 +625,57 @@ fn cli_perplexity_on_the_real_model_is_sane() {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    assert_eq!(lines.len(), 2);
+    assert_eq!(lines.len(), 3, "window, stream, stream over the cold tier");
     for l in &lines {
         let ppl = l["ppl"].as_f64().unwrap();
         assert!(ppl > 2.0 && ppl < 200.0, "implausible perplexity: {l}");
+    }
+    for l in &lines[..2] {
+        assert_eq!(l["kv_quant"], "none");
         assert_eq!(
             l["kv_bytes_per_token"].as_f64().unwrap(),
             46080.0,
             "f32 KV of SmolLM2"
         );
     }
+    let q = &lines[2];
+    assert_eq!(q["kv_quant"], "int8-g32-w32-s32-kc");
+    assert!(q["cold_bytes"].as_u64().unwrap() > 0, "{q}");
+    assert!(q["kv_cut"].as_f64().unwrap() > 0.4, "{q}");
+    assert!(q["ppl_change"].as_f64().unwrap().abs() < 0.01, "{q}");
+    assert_eq!(q["decode_steps"], 2);
     let (code, e) = kvforge(&["ppl", "--text", "/nonexistent.txt"]);
     assert_ne!(code, 0);
     assert!(e.contains("cannot read"), "{e}");
+}
+
+#[test]
+fn cli_cold_tier_bad_settings_are_one_line_errors() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["--kv-quant", "fp8"], "unknown format \"fp8\""),
+        (
+            &["--kv-quant", "int4", "--kv-window", "100"],
+            "not a multiple of the block size 16",
+        ),
+        (&["--kv-quant", "int4", "--kv-group", "48"], "group size 48"),
+        (
+            &["--kv-quant", "int4", "--kv-keys", "rows"],
+            "unknown --kv-keys",
+        ),
+        (&["--kv-quant", "int4", "--block-size", "1"], "group size 1"),
+    ];
+    for (extra, needle) in cases {
+        let mut args = vec!["ppl", "--tokens", "64", "--prefix", "32"];
+        args.extend_from_slice(extra);
+        let (code, err) = kvforge(&args);
+        assert_ne!(code, 0, "{args:?} succeeded");
+        let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+        assert_eq!(lines.len(), 1, "{args:?}: not one line: {err}");
+        assert!(lines[0].contains(needle), "{args:?}: {err}");
+    }
+    let (code, err) = kvforge(&["chat", "--kv-quant", "int4", "--block-size", "32"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("not supported"), "{err}");
 }
 
 #[test]

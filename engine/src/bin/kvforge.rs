@@ -18,8 +18,8 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 use kvforge_engine::{
-    CacheManager, Engine, EngineConfig, EngineError, Generation, IndexKind, Message, ReuseConfig,
-    SamplingParams, Sequence, Tokenizer, parse_device, parse_dtype,
+    Axis, CacheManager, Engine, EngineConfig, EngineError, Generation, IndexKind, KvQuant, Message,
+    PplReport, ReuseConfig, SamplingParams, Sequence, Tokenizer, parse_device, parse_dtype,
 };
 use kvforge_pool::BlockAllocator;
 
@@ -60,7 +60,9 @@ enum Command {
     },
     /// Perplexity of a text file: window (llama.cpp style) and streaming
     /// through the cache. `<doc …>` files (the setup's wiki.utf8) are split
-    /// into articles and the longest is used. Prints one JSON line per mode.
+    /// into articles and the longest is used. Prints one JSON line per mode;
+    /// with --kv-quant a third line, streaming over the quantized cold tier,
+    /// with its change against the unquantized cache.
     Ppl {
         /// Text file (default: the setup's Wikipedia calibration text).
         #[arg(long, default_value = "data/exllamav2/wiki.utf8")]
@@ -77,6 +79,9 @@ enum Command {
         /// Streaming: tokens per step after the prefix.
         #[arg(long, default_value_t = 64)]
         chunk: usize,
+        /// Streaming: greedy decode steps timed at the final context.
+        #[arg(long, default_value_t = 16)]
+        decode: usize,
         #[command(flatten)]
         common: Common,
     },
@@ -136,6 +141,58 @@ struct Common {
     /// CPU threads for libtorch (0 = its default).
     #[arg(long, default_value_t = 0)]
     threads: i32,
+    #[command(flatten)]
+    tier: Tier,
+}
+
+/// The quantized cold tier (off unless --kv-quant is given).
+#[derive(Args)]
+struct Tier {
+    /// Quantize KV blocks older than --kv-window: int8, int4 or int2.
+    #[arg(long)]
+    kv_quant: Option<String>,
+    /// Newest tokens kept in full precision (a multiple of --block-size).
+    #[arg(long, default_value_t = 128)]
+    kv_window: usize,
+    /// Quantization group size along the head dim (must divide it).
+    /// Per-channel key groups span one block's tokens.
+    #[arg(long, default_value_t = 32)]
+    kv_group: usize,
+    /// Key groups: channel (KIVI: along a block's tokens) or token.
+    #[arg(long, default_value = "channel")]
+    kv_keys: String,
+    /// Hadamard-rotate keys before quantizing.
+    #[arg(long)]
+    kv_rotate: bool,
+    /// First tokens kept in full precision (attention sinks; a multiple of
+    /// --block-size; 0 = none).
+    #[arg(long, default_value_t = 32)]
+    kv_sink: usize,
+}
+
+impl Tier {
+    fn spec(&self) -> Result<Option<KvQuant>, EngineError> {
+        let Some(format) = &self.kv_quant else {
+            return Ok(None);
+        };
+        let key_axis = match self.kv_keys.as_str() {
+            "channel" => Axis::PerChannel,
+            "token" => Axis::PerToken,
+            other => {
+                return Err(EngineError::Request(format!(
+                    "unknown --kv-keys {other:?}; use channel or token"
+                )));
+            }
+        };
+        Ok(Some(KvQuant {
+            group_size: self.kv_group,
+            window: self.kv_window,
+            rotate: self.kv_rotate,
+            key_axis,
+            sink: self.kv_sink,
+            ..KvQuant::parse(format)?
+        }))
+    }
 }
 
 #[derive(Args)]
@@ -192,6 +249,7 @@ impl Common {
             kv_kind: self.kv_dtype.as_deref().map(parse_dtype).transpose()?,
             block_size: self.block_size,
             kv_tokens: 0,
+            kv_quant: self.tier.spec()?,
         };
         let path = self
             .model
@@ -368,32 +426,51 @@ fn ppl(
     text: &std::path::Path,
     tokens: usize,
     window: usize,
-    prefix: usize,
-    chunk: usize,
+    stream: (usize, usize, usize),
     common: &Common,
 ) -> Result<(), EngineError> {
+    let (prefix, chunk, decode) = stream;
     let body = read_text(text)?;
-    let engine = common.engine()?;
+    let mut engine = common.engine()?;
     let article = kvforge_engine::ppl::articles(&body)
         .into_iter()
         .next()
         .unwrap_or_default();
     let what = format!("the longest article of {}", text.display());
     let ids = first_tokens(&engine, &article, tokens, &what, "--tokens")?;
-    for (mode, r) in [
-        ("window", engine.window_ppl(&ids, window)?),
-        ("stream", engine.streaming_ppl(&ids, prefix, chunk)?),
-    ] {
-        println!(
-            "{}",
-            serde_json::json!({
-                "mode": mode, "tokens": tokens, "window": window, "prefix": prefix, "chunk": chunk,
-                "dtype": common.dtype, "weights": common.weights.as_deref().unwrap_or(&common.dtype),
-                "kv": common.kv_dtype.as_deref().unwrap_or(&common.dtype),
-                "scored": r.scored, "ppl": r.ppl, "kv_bytes": r.kv_bytes,
-                "kv_bytes_per_token": r.kv_bytes_per_token, "tokens_per_sec": r.tokens_per_sec,
-            })
-        );
+    let tier = engine.cache.cold_tier();
+    let line = |mode: &str, quant: Option<KvQuant>, r: &PplReport| {
+        serde_json::json!({
+            "mode": mode, "tokens": tokens, "window": window, "prefix": prefix, "chunk": chunk,
+            "dtype": common.dtype, "weights": common.weights.as_deref().unwrap_or(&common.dtype),
+            "kv": common.kv_dtype.as_deref().unwrap_or(&common.dtype),
+            "kv_quant": quant.map_or_else(|| "none".to_string(), |q| q.name()),
+            "scored": r.scored, "ppl": r.ppl, "kv_bytes": r.kv_bytes,
+            "hot_bytes": r.hot_bytes, "cold_bytes": r.cold_bytes,
+            "kv_bytes_per_token": r.kv_bytes_per_token, "tokens_per_sec": r.tokens_per_sec,
+            "decode_steps": r.decode_steps, "decode_tok_s": r.decode_tokens_per_sec,
+        })
+    };
+    // Window perplexity runs each window in one step: the cold tier never
+    // engages, so it is reported once, for the unquantized cache.
+    engine.cache.set_cold_tier(None)?;
+    println!(
+        "{}",
+        line("window", None, &engine.window_ppl(&ids, window)?)
+    );
+    let base = engine.streaming_ppl(&ids, prefix, chunk, decode)?;
+    println!("{}", line("stream", None, &base));
+    if let Some(q) = tier {
+        engine.cache.set_cold_tier(Some(q))?;
+        let r = engine.streaming_ppl(&ids, prefix, chunk, decode)?;
+        let mut out = line("stream", Some(q), &r);
+        out["ppl_change"] = (r.ppl / base.ppl - 1.0).into();
+        out["kv_cut"] = (1.0 - r.kv_bytes as f64 / base.kv_bytes.max(1) as f64).into();
+        if decode > 0 {
+            out["decode_ratio"] =
+                (r.decode_tokens_per_sec / base.decode_tokens_per_sec.max(1e-9)).into();
+        }
+        println!("{out}");
     }
     Ok(())
 }
@@ -438,8 +515,9 @@ fn main() -> ExitCode {
             window,
             prefix,
             chunk,
+            decode,
             common,
-        } => ppl(text, *tokens, *window, *prefix, *chunk, common),
+        } => ppl(text, *tokens, *window, (*prefix, *chunk, *decode), common),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,273 @@
+//! The quantized cold tier: what it keeps, what it frees, how close it stays
+//! to the unquantized cache, and every bad setting.
+
+use kvforge_engine::gguf::GgufFile;
+use kvforge_engine::{
+    Axis, CacheManager, ContiguousCache, Device, Engine, EngineConfig, Kind, KvQuant, PagedKvCache,
+    ReuseConfig, Sequence, Tokenizer,
+};
+use kvforge_pool::BlockAllocator;
+
+use super::{max_diff, model_path, run, tiny};
+
+const BS: usize = 8;
+
+fn spec(bits: u32, window: usize, rotate: bool, key_axis: Axis) -> KvQuant {
+    KvQuant {
+        bits,
+        group_size: 8,
+        window,
+        rotate,
+        key_axis,
+        sink: 0,
+    }
+}
+
+fn tokens(n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| (i * 37 + 11) % 97).collect()
+}
+
+fn tiered(q: Option<KvQuant>) -> PagedKvCache {
+    let model = tiny();
+    let mut cache = PagedKvCache::new(&model.cfg, BS, 256, Device::Cpu, Kind::Float).unwrap();
+    cache.set_cold_tier(q).unwrap();
+    cache
+}
+
+#[test]
+fn a_window_covering_the_sequence_changes_nothing() {
+    let model = tiny();
+    let toks = tokens(60);
+    let mut oracle = ContiguousCache::new(model.cfg.n_layers);
+    let want = run(&model, &mut oracle, &toks, &[20]);
+    let cache = tiered(Some(spec(2, 64, false, Axis::PerChannel)));
+    let mut seq = Sequence::default();
+    let got = run(&model, &mut cache.view(&mut seq), &toks, &[20]);
+    assert!(seq.cold.is_empty());
+    assert!(max_diff(&got, &want) < 1e-5);
+    cache.free(&mut seq).unwrap();
+}
+
+#[test]
+fn old_blocks_go_cold_and_their_pool_blocks_are_freed() {
+    let model = tiny();
+    let toks = tokens(100);
+    for window in [0, 16, 32] {
+        let cache = tiered(Some(spec(4, window, false, Axis::PerChannel)));
+        let block_bytes = cache.pool().layout().block_bytes();
+        let mut seq = Sequence::default();
+        for chunk in toks.chunks(7) {
+            let before = seq.len;
+            let _ = model
+                .forward(chunk, &mut cache.view(&mut seq), false)
+                .unwrap();
+            // Demotion runs when a step starts: every whole block older than
+            // the window at that point is cold.
+            assert_eq!(seq.cold.len(), before.saturating_sub(window) / BS);
+            assert_eq!(
+                seq.len,
+                seq.cold.len() * BS + seq.lens.iter().sum::<u32>() as usize
+            );
+            let s = cache.pool().stats();
+            assert_eq!(
+                s.in_use,
+                seq.blocks.len(),
+                "hot blocks = pool blocks in use"
+            );
+            assert_eq!(cache.bytes_in_use(), seq.blocks.len() as u64 * block_bytes);
+            assert_eq!(cache.cold_bytes(), seq.cold_bytes());
+        }
+        assert!(!seq.cold.is_empty());
+        // INT4 at 8-element groups: 4 bits + 4 bytes of f16 scale and min per
+        // group of 8 = 1 byte per element, a quarter of f32.
+        let per_block = seq.cold[0].bytes();
+        assert_eq!(per_block, block_bytes / 4, "window {window}");
+        cache.free(&mut seq).unwrap();
+        assert_eq!(cache.bytes_in_use(), 0);
+        assert_eq!(cache.cold_bytes(), 0);
+        assert_eq!(cache.pool().stats().in_use, 0);
+    }
+}
+
+#[test]
+fn sink_blocks_stay_hot_in_front_of_the_cold_ones() {
+    let model = tiny();
+    let toks = tokens(90);
+    let mut oracle = ContiguousCache::new(model.cfg.n_layers);
+    let want = run(&model, &mut oracle, &toks, &[30]);
+    // A sink covering the whole sequence: nothing goes cold, nothing changes.
+    let cache = tiered(Some(KvQuant {
+        sink: 96,
+        ..spec(2, 0, false, Axis::PerChannel)
+    }));
+    let mut seq = Sequence::default();
+    let got = run(&model, &mut cache.view(&mut seq), &toks, &[30]);
+    assert!(seq.cold.is_empty());
+    assert!(max_diff(&got, &want) < 1e-5);
+    cache.free(&mut seq).unwrap();
+    // Sink of two blocks, window of one: [2 hot | cold | hot].
+    let cache = tiered(Some(KvQuant {
+        sink: 16,
+        ..spec(8, 8, false, Axis::PerChannel)
+    }));
+    let mut seq = Sequence::default();
+    let _ = model
+        .forward(&toks[..30], &mut cache.view(&mut seq), false)
+        .unwrap();
+    let first = seq.blocks[..2].to_vec();
+    let got = run(&model, &mut cache.view(&mut seq), &toks[30..], &[]);
+    assert_eq!(&seq.blocks[..2], &first[..], "sink blocks never move");
+    // Demotion ran before the last step, at 89 tokens.
+    assert_eq!(seq.cold.len(), (89 - 16 - 8) / BS);
+    assert_eq!(seq.len, 90);
+    let want_tail = want.narrow(0, 30, 60);
+    let d = max_diff(&got, &want_tail);
+    assert!(d > 0.0 && d < 0.1, "int8 with a sink: max logit diff {d}");
+    cache.free(&mut seq).unwrap();
+    assert_eq!(cache.pool().stats().in_use, 0);
+}
+
+#[test]
+fn quantized_attention_stays_close_to_full_precision() {
+    let model = tiny();
+    let toks = tokens(120);
+    let mut oracle = ContiguousCache::new(model.cfg.n_layers);
+    let want = run(&model, &mut oracle, &toks, &[40]);
+    // Logits of this random model span about ±4.
+    let mut errs = Vec::new();
+    for (bits, bound) in [(8u32, 0.1), (4, 1.0), (2, 4.0)] {
+        for rotate in [false, true] {
+            for axis in [Axis::PerChannel, Axis::PerToken] {
+                let cache = tiered(Some(spec(bits, 0, rotate, axis)));
+                let mut seq = Sequence::default();
+                let got = run(&model, &mut cache.view(&mut seq), &toks, &[40]);
+                assert_eq!(seq.cold.len(), 118 / BS);
+                let d = max_diff(&got, &want);
+                assert!(
+                    d < bound,
+                    "int{bits} rotate {rotate} {axis:?}: max logit diff {d}"
+                );
+                errs.push((bits, d));
+                cache.free(&mut seq).unwrap();
+            }
+        }
+    }
+    // More bits, less error (worst case over the variants).
+    let worst = |b: u32| {
+        errs.iter()
+            .filter(|e| e.0 == b)
+            .map(|e| e.1)
+            .fold(0.0, f64::max)
+    };
+    assert!(worst(8) < worst(4) && worst(4) < worst(2), "{errs:?}");
+    assert!(worst(8) > 0.0, "the cold tier was never read");
+}
+
+#[test]
+fn bad_tier_settings_are_errors_that_change_nothing() {
+    let model = tiny();
+    let mut cache = PagedKvCache::new(&model.cfg, BS, 256, Device::Cpu, Kind::Float).unwrap();
+    let bad = [
+        (
+            KvQuant {
+                group_size: 3,
+                ..spec(4, 0, false, Axis::PerToken)
+            },
+            "group size 3",
+        ),
+        (
+            KvQuant {
+                group_size: 16,
+                ..spec(4, 0, false, Axis::PerToken)
+            },
+            "head_dim length 8",
+        ),
+        (
+            spec(4, 12, false, Axis::PerChannel),
+            "not a multiple of the block size 8",
+        ),
+        (
+            KvQuant {
+                bits: 3,
+                ..spec(4, 0, false, Axis::PerChannel)
+            },
+            "3-bit",
+        ),
+    ];
+    for (q, needle) in bad {
+        let e = cache.set_cold_tier(Some(q)).unwrap_err().to_string();
+        assert!(e.contains(needle), "{q:?}: {e}");
+        assert_eq!(e.lines().count(), 1);
+        assert!(cache.cold_tier().is_none());
+    }
+    let e = KvQuant::parse("fp8").unwrap_err().to_string();
+    assert!(e.contains("unknown format \"fp8\""), "{e}");
+    // Block size 1 with per-channel INT4 keys: half-byte groups.
+    let mut one = PagedKvCache::new(&model.cfg, 1, 64, Device::Cpu, Kind::Float).unwrap();
+    assert!(
+        one.set_cold_tier(Some(spec(4, 0, false, Axis::PerChannel)))
+            .is_err()
+    );
+    // Changing the tier under a live sequence is refused.
+    cache
+        .set_cold_tier(Some(spec(8, 0, false, Axis::PerChannel)))
+        .unwrap();
+    let mut seq = Sequence::default();
+    let _ = model
+        .forward(&tokens(20), &mut cache.view(&mut seq), false)
+        .unwrap();
+    let e = cache.set_cold_tier(None).unwrap_err().to_string();
+    assert!(e.contains("cannot change"), "{e}");
+    assert!(cache.cold_tier().is_some());
+    cache.free(&mut seq).unwrap();
+    cache.set_cold_tier(None).unwrap();
+}
+
+#[test]
+fn non_finite_kv_is_reported_and_the_block_stays_hot() {
+    let model = tiny();
+    // Poison one value projection: every V of layer 0 becomes NaN.
+    for (name, t) in model.named_weights() {
+        if name == "model.layers.0.self_attn.v_proj.weight" {
+            let _ = t.shallow_clone().fill_(f64::NAN);
+        }
+    }
+    let cache = tiered(Some(spec(4, 0, false, Axis::PerToken)));
+    let mut seq = Sequence::default();
+    let toks = tokens(20);
+    let _ = model
+        .forward(&toks[..10], &mut cache.view(&mut seq), false)
+        .unwrap();
+    let (len, hot) = (seq.len, seq.blocks.clone());
+    let e = model
+        .forward(&toks[10..], &mut cache.view(&mut seq), false)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("non-finite") && e.contains("layer 0"), "{e}");
+    assert!(e.contains("stays in the hot tier"), "{e}");
+    assert_eq!(e.lines().count(), 1);
+    assert_eq!((seq.len, &seq.blocks), (len, &hot));
+    assert!(seq.cold.is_empty());
+    assert_eq!(cache.cold_bytes(), 0);
+    cache.free(&mut seq).unwrap();
+    assert_eq!(cache.pool().stats().in_use, 0);
+}
+
+#[test]
+fn prefix_reuse_over_a_cold_tier_is_refused() {
+    let cfg = EngineConfig {
+        block_size: BS,
+        kv_quant: Some(spec(4, 16, false, Axis::PerChannel)),
+        ..Default::default()
+    };
+    let tokenizer = Tokenizer::from_gguf(&GgufFile::open(&model_path()).unwrap()).unwrap();
+    let engine = Engine::new(tiny(), tokenizer, &cfg);
+    let Ok(engine) = engine else {
+        panic!("engine with a cold tier: {:?}", engine.err())
+    };
+    let e = CacheManager::new(engine, ReuseConfig::default())
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(e.contains("not supported"), "{e}");
+}
