@@ -1,0 +1,346 @@
+//! Tiered KV quantization on real text (`cargo xtask quant-sweep`).
+//!
+//! For each context length, streams the longest article of `wiki.utf8`
+//! through the engine (prefill `--prefix` tokens, then score the rest in
+//! chunks of `--chunk`), first with the unquantized cache, then with a
+//! quantized cold tier for every hot window N × format × key rotation; then
+//! times `--decode` greedy steps at the final context. Reports perplexity
+//! and its change, peak KV bytes per tier, and decode speed.
+//!
+//! Writes `sweep.csv`, `report.md` and `pareto_<context>.png` (perplexity
+//! change against KV bytes) to the output directory.
+
+#![allow(clippy::print_stdout)] // a report printer
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use indicatif::{ProgressBar, ProgressStyle};
+use kvforge_engine::{Axis, Engine, EngineConfig, KvQuant, PplReport};
+
+struct Args {
+    contexts: Vec<usize>,
+    windows: Vec<usize>,
+    formats: Vec<String>,
+    rotations: Vec<bool>,
+    block_size: usize,
+    group: usize,
+    keys: Axis,
+    sink: usize,
+    prefix: usize,
+    chunk: usize,
+    decode: usize,
+    weights: String,
+    model: PathBuf,
+    text: PathBuf,
+    out: PathBuf,
+}
+
+fn list(flag: &str, value: &str) -> Result<Vec<usize>> {
+    value
+        .split(',')
+        .map(|v| {
+            v.trim()
+                .parse()
+                .with_context(|| format!("{flag}: {v:?} is not a count"))
+        })
+        .collect()
+}
+
+fn parse_args() -> Result<Args> {
+    let mut a = Args {
+        contexts: vec![4096, 8192],
+        windows: vec![0, 128, 512, 1024, 2048, 4096],
+        formats: vec!["int8".into(), "int4".into(), "int2".into()],
+        rotations: vec![false, true],
+        block_size: 32,
+        group: 32,
+        keys: Axis::PerChannel,
+        sink: 32,
+        prefix: 512,
+        chunk: 64,
+        decode: 16,
+        weights: "f32".into(),
+        model: PathBuf::from("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+        text: PathBuf::from("data/exllamav2/wiki.utf8"),
+        out: PathBuf::from("target/quant-sweep"),
+    };
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut it = args.iter();
+    while let Some(flag) = it.next() {
+        let value = it.next().with_context(|| format!("{flag} needs a value"))?;
+        let num = || -> Result<usize> {
+            value
+                .parse()
+                .with_context(|| format!("{flag}: {value:?} is not a count"))
+        };
+        match flag.as_str() {
+            "--contexts" => a.contexts = list(flag, value)?,
+            "--windows" => a.windows = list(flag, value)?,
+            "--formats" => a.formats = value.split(',').map(|s| s.trim().into()).collect(),
+            "--rotate" => {
+                a.rotations = match value.as_str() {
+                    "off" => vec![false],
+                    "on" => vec![true],
+                    "both" => vec![false, true],
+                    _ => bail!("--rotate takes off, on or both, not {value:?}"),
+                }
+            }
+            "--keys" => {
+                a.keys = match value.as_str() {
+                    "channel" => Axis::PerChannel,
+                    "token" => Axis::PerToken,
+                    _ => bail!("--keys takes channel or token, not {value:?}"),
+                }
+            }
+            "--block-size" => a.block_size = num()?,
+            "--group" => a.group = num()?,
+            "--sink" => a.sink = num()?,
+            "--prefix" => a.prefix = num()?,
+            "--chunk" => a.chunk = num()?,
+            "--decode" => a.decode = num()?,
+            "--weights" => a.weights = value.clone(),
+            "--model" => a.model = value.into(),
+            "--text" => a.text = value.into(),
+            "--out" => a.out = value.into(),
+            _ => bail!(
+                "unknown flag {flag}; flags: --contexts --windows --formats --rotate --keys --sink --block-size --group --prefix --chunk --decode --weights --model --text --out"
+            ),
+        }
+    }
+    if let Some(&c) = a.contexts.iter().find(|&&c| c <= a.prefix + a.decode) {
+        bail!(
+            "context {c} leaves nothing to score after --prefix {} and --decode {}",
+            a.prefix,
+            a.decode
+        );
+    }
+    Ok(a)
+}
+
+/// One measured configuration.
+struct Row {
+    context: usize,
+    quant: Option<KvQuant>,
+    r: PplReport,
+}
+
+impl Row {
+    fn format(&self) -> String {
+        self.quant
+            .map_or_else(|| "none".into(), |q| format!("int{}", q.bits))
+    }
+    fn window(&self) -> String {
+        self.quant
+            .map_or_else(|| "all".into(), |q| q.window.to_string())
+    }
+    fn rotate(&self) -> bool {
+        self.quant.is_some_and(|q| q.rotate)
+    }
+}
+
+fn main() -> std::process::ExitCode {
+    kvforge_bench::main_with("quant-sweep", run)
+}
+
+fn run() -> Result<()> {
+    let a = parse_args()?;
+    let body = std::fs::read_to_string(&a.text)
+        .with_context(|| format!("cannot read {}", a.text.display()))?;
+    let cfg = EngineConfig {
+        weight_kind: Some(kvforge_engine::parse_dtype(&a.weights)?),
+        block_size: a.block_size,
+        ..Default::default()
+    };
+    let mut engine =
+        Engine::load(&a.model, &cfg).with_context(|| format!("loading {}", a.model.display()))?;
+    let article = kvforge_engine::ppl::articles(&body)
+        .into_iter()
+        .next()
+        .unwrap_or_default();
+    let all = engine.tokenizer.encode(&article)?;
+    // Every configuration is checked before the long runs start.
+    let mut plan: Vec<(usize, Option<KvQuant>)> = Vec::new();
+    for &ctx in &a.contexts {
+        if all.len() < ctx {
+            bail!(
+                "the longest article of {} holds {} tokens, fewer than context {ctx}",
+                a.text.display(),
+                all.len()
+            );
+        }
+        plan.push((ctx, None));
+        for &window in &a.windows {
+            // A window that keeps every token hot is the baseline itself.
+            if a.sink + window + a.block_size > ctx {
+                continue;
+            }
+            for f in &a.formats {
+                for &rotate in &a.rotations {
+                    let q = KvQuant {
+                        window,
+                        group_size: a.group,
+                        rotate,
+                        key_axis: a.keys,
+                        sink: a.sink,
+                        ..KvQuant::parse(f)?
+                    };
+                    engine.cache.set_cold_tier(Some(q))?;
+                    plan.push((ctx, Some(q)));
+                }
+            }
+        }
+    }
+    std::fs::create_dir_all(&a.out)?;
+    let bar = ProgressBar::new(plan.len() as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40} {pos}/{len} runs {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let mut rows: Vec<Row> = Vec::new();
+    for (ctx, quant) in plan {
+        bar.set_message(format!(
+            "{ctx} tokens, {}",
+            quant.map_or_else(|| "unquantized".into(), |q| q.name())
+        ));
+        engine.cache.set_cold_tier(quant)?;
+        // The last `decode` positions are decoded, not scored.
+        let r = engine.streaming_ppl(&all[..ctx - a.decode], a.prefix, a.chunk, a.decode)?;
+        rows.push(Row {
+            context: ctx,
+            quant,
+            r,
+        });
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    write_outputs(&a, &rows)
+}
+
+fn write_outputs(a: &Args, rows: &[Row]) -> Result<()> {
+    let base = |ctx: usize| rows.iter().find(|r| r.context == ctx && r.quant.is_none());
+    let mut csv = String::from(
+        "context,format,window,rotate,ppl,ppl_change,kv_bytes,hot_bytes,cold_bytes,kv_bytes_per_token,kv_cut_vs_f32,kv_cut_vs_f16,decode_tok_s,decode_ratio,tok_s\n",
+    );
+    let mut md = format!(
+        "Streaming perplexity of the longest `wiki.utf8` article (SmolLM2-135M, {} weights, f32 compute and hot tier, \
+         block {}, prefix {}, chunk {}; values per token in groups of {}, keys {}; first {} tokens kept hot; then {} greedy decode steps). \
+         KV bytes are the peak held (hot pool blocks + quantized cold tier); the f16 column compares with an \
+         unquantized f16 cache (half the f32 bytes).\n",
+        a.weights,
+        a.block_size,
+        a.prefix,
+        a.chunk,
+        a.group,
+        match a.keys {
+            Axis::PerChannel => "per channel over each block's tokens (KIVI)",
+            Axis::PerToken => "per token like values",
+        },
+        a.sink,
+        a.decode
+    );
+    for &ctx in &a.contexts {
+        let Some(b) = base(ctx) else { continue };
+        md.push_str(&format!(
+            "\n### Context {ctx} (unquantized: ppl {:.4}, {:.1} MiB KV, decode {:.2} tok/s)\n\n\
+             | format | window N | rotate | ppl | change | KV MiB (hot + cold) | B/token | cut vs f32 | cut vs f16 | decode tok/s | × unquantized |\n\
+             |---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+            b.r.ppl,
+            mib(b.r.kv_bytes),
+            b.r.decode_tokens_per_sec
+        ));
+        for row in rows.iter().filter(|r| r.context == ctx) {
+            let r = &row.r;
+            let change = r.ppl / b.r.ppl - 1.0;
+            let cut32 = 1.0 - r.kv_bytes as f64 / b.r.kv_bytes as f64;
+            let cut16 = 1.0 - r.kv_bytes as f64 / (b.r.kv_bytes as f64 / 2.0);
+            let ratio = r.decode_tokens_per_sec / b.r.decode_tokens_per_sec.max(1e-9);
+            csv.push_str(&format!(
+                "{ctx},{},{},{},{:.6},{:.6},{},{},{},{:.1},{:.4},{:.4},{:.3},{:.3},{:.1}\n",
+                row.format(),
+                row.window(),
+                row.rotate(),
+                r.ppl,
+                change,
+                r.kv_bytes,
+                r.hot_bytes,
+                r.cold_bytes,
+                r.kv_bytes_per_token,
+                cut32,
+                cut16,
+                r.decode_tokens_per_sec,
+                ratio,
+                r.tokens_per_sec
+            ));
+            md.push_str(&format!(
+                "| {} | {} | {} | {:.4} | {:+.3}% | {:.1} ({:.1} + {:.1}) | {:.0} | {:.1}% | {:.1}% | {:.2} | {:.2} |\n",
+                row.format(),
+                row.window(),
+                if row.rotate() { "yes" } else { "no" },
+                r.ppl,
+                100.0 * change,
+                mib(r.kv_bytes),
+                mib(r.hot_bytes),
+                mib(r.cold_bytes),
+                r.kv_bytes_per_token,
+                100.0 * cut32,
+                100.0 * cut16,
+                r.decode_tokens_per_sec,
+                ratio
+            ));
+        }
+        pareto(a, rows, ctx, b)?;
+    }
+    std::fs::write(a.out.join("sweep.csv"), csv)?;
+    std::fs::write(a.out.join("report.md"), &md)?;
+    println!("{md}");
+    println!("written to {}", a.out.display());
+    Ok(())
+}
+
+fn mib(b: u64) -> f64 {
+    b as f64 / (1u64 << 20) as f64
+}
+
+/// Perplexity change (%) against KV bytes (% of the unquantized f32
+/// cache), one line per format × rotation through its windows.
+fn pareto(a: &Args, rows: &[Row], ctx: usize, base: &Row) -> Result<()> {
+    let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+    for f in &a.formats {
+        for &rot in &a.rotations {
+            let mut pts: Vec<(f64, f64)> = rows
+                .iter()
+                .filter(|r| r.context == ctx && r.format() == *f && r.rotate() == rot)
+                .map(|r| {
+                    (
+                        100.0 * r.r.kv_bytes as f64 / base.r.kv_bytes as f64,
+                        100.0 * (r.r.ppl / base.r.ppl - 1.0),
+                    )
+                })
+                .collect();
+            pts.sort_by(|p, q| p.0.total_cmp(&q.0));
+            let name = if rot {
+                format!("{f} + rotation")
+            } else {
+                f.clone()
+            };
+            series.push((name, pts));
+        }
+    }
+    let ys = series.iter().flat_map(|s| s.1.iter().map(|p| p.1));
+    let (lo, hi) = ys.fold((0.0f64, 0.0f64), |(l, h), y| (l.min(y), h.max(y)));
+    let pad = (hi - lo).max(0.1) * 0.05;
+    let named: Vec<(&str, Vec<(f64, f64)>)> = series
+        .iter()
+        .map(|(n, p)| (n.as_str(), p.clone()))
+        .collect();
+    kvforge_bench::plot::line_plot(
+        &a.out.join(format!("pareto_{ctx}.png")),
+        &format!("Perplexity change vs KV bytes, {ctx}-token context"),
+        "KV bytes, % of the unquantized f32 cache",
+        "perplexity change, %",
+        (0.0, 100.0),
+        (lo - pad, hi + pad),
+        &named,
+    )
+}
