@@ -503,6 +503,33 @@ fn kvforge(args: &[&str]) -> (i32, String) {
     )
 }
 
+/// Runs the CLI expecting success; returns its stdout and stderr.
+fn kvforge_ok(args: &[&str]) -> (String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvforge"))
+        .args(args)
+        .current_dir(root())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Runs the CLI expecting a non-zero exit and one stderr line naming `needle`.
+fn assert_one_line_error(args: &[&str], needle: &str) {
+    let (code, err) = kvforge(args);
+    assert_ne!(code, 0, "{args:?} succeeded");
+    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "{args:?}: not one line: {err}");
+    assert!(lines[0].contains(needle), "{args:?}: {err}");
+}
+
 #[test]
 fn cli_bad_inputs_exit_non_zero_with_one_line() {
     let cases: &[(&[&str], &str)] = &[
@@ -548,11 +575,7 @@ fn cli_bad_inputs_exit_non_zero_with_one_line() {
         })
         .collect();
     for (args, needle) in cases {
-        let (code, err) = kvforge(args);
-        assert_ne!(code, 0, "{args:?} succeeded");
-        let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
-        assert_eq!(lines.len(), 1, "{args:?}: not one line: {err}");
-        assert!(lines[0].contains(needle), "{args:?}: {err}");
+        assert_one_line_error(args, needle);
     }
 }
 
@@ -595,33 +618,24 @@ fn cli_chat_reuses_the_session_and_prints_metrics() {
 
 #[test]
 fn cli_perplexity_on_the_real_model_is_sane() {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvforge"))
-        .args([
-            "ppl",
-            "--tokens",
-            "256",
-            "--window",
-            "128",
-            "--prefix",
-            "128",
-            "--chunk",
-            "32",
-            "--decode",
-            "2",
-            "--kv-quant",
-            "int8",
-            "--kv-window",
-            "32",
-        ])
-        .current_dir(root())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+    let (stdout, _) = kvforge_ok(&[
+        "ppl",
+        "--tokens",
+        "256",
+        "--window",
+        "128",
+        "--prefix",
+        "128",
+        "--chunk",
+        "32",
+        "--decode",
+        "2",
+        "--kv-quant",
+        "int8",
+        "--kv-window",
+        "32",
+    ]);
+    let lines: Vec<serde_json::Value> = stdout
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
@@ -667,36 +681,23 @@ fn cli_cold_tier_bad_settings_are_one_line_errors() {
     for (extra, needle) in cases {
         let mut args = vec!["ppl", "--tokens", "64", "--prefix", "32"];
         args.extend_from_slice(extra);
-        let (code, err) = kvforge(&args);
-        assert_ne!(code, 0, "{args:?} succeeded");
-        let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
-        assert_eq!(lines.len(), 1, "{args:?}: not one line: {err}");
-        assert!(lines[0].contains(needle), "{args:?}: {err}");
+        assert_one_line_error(&args, needle);
     }
-    let (code, err) = kvforge(&["chat", "--kv-quant", "int4", "--block-size", "32"]);
-    assert_ne!(code, 0);
-    assert!(err.contains("not supported"), "{err}");
+    assert_one_line_error(
+        &["chat", "--kv-quant", "int4", "--block-size", "32"],
+        "not supported",
+    );
 }
 
 #[test]
 fn cli_generates_from_the_real_model() {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvforge"))
-        .args([
-            "generate",
-            "--prompt",
-            "What is the capital of France?",
-            "--max-tokens",
-            "12",
-        ])
-        .current_dir(root())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("Paris"), "{text}");
-    assert!(String::from_utf8_lossy(&out.stderr).contains("decode"));
+    let (stdout, stderr) = kvforge_ok(&[
+        "generate",
+        "--prompt",
+        "What is the capital of France?",
+        "--max-tokens",
+        "12",
+    ]);
+    assert!(stdout.contains("Paris"), "{stdout}");
+    assert!(stderr.contains("decode"), "{stderr}");
 }
