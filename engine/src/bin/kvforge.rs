@@ -266,13 +266,14 @@ impl Common {
 
 fn report(engine: &Engine, g: &Generation) {
     eprintln!(
-        "[{} prompt tokens, prefill {:.1} tok/s | {} new tokens, decode {:.1} tok/s | KV {} bytes in {} blocks]",
+        "[{} prompt tokens, prefill {:.1} tok/s | {} new tokens, decode {:.1} tok/s | KV {} bytes in {} blocks + {} cold bytes]",
         g.prompt_tokens,
         g.prompt_tokens as f64 / g.prefill_secs.max(1e-9),
         g.tokens.len(),
         g.decode_tokens_per_sec(),
         engine.cache.bytes_in_use(),
         engine.cache.pool().stats().in_use,
+        engine.cache.cold_bytes(),
     );
 }
 
@@ -389,7 +390,7 @@ fn bench(text: &std::path::Path, context: usize, common: &Common) -> Result<(), 
     };
     let g = engine.generate(&mut seq, &ids, &params, &mut |_, _| true)?;
     println!(
-        "{{\"engine\":\"kvforge\",\"dtype\":\"{}\",\"weights\":\"{}\",\"kv\":\"{}\",\"context\":{},\"prefill_tok_s\":{:.3},\"decode_tok_s\":{:.3},\"threads\":{},\"kv_bytes\":{}}}",
+        "{{\"engine\":\"kvforge\",\"dtype\":\"{}\",\"weights\":\"{}\",\"kv\":\"{}\",\"context\":{},\"prefill_tok_s\":{:.3},\"decode_tok_s\":{:.3},\"threads\":{},\"kv_bytes\":{},\"cold_bytes\":{},\"kv_quant\":\"{}\"}}",
         common.dtype,
         common.weights.as_deref().unwrap_or(&common.dtype),
         common.kv_dtype.as_deref().unwrap_or(&common.dtype),
@@ -397,7 +398,9 @@ fn bench(text: &std::path::Path, context: usize, common: &Common) -> Result<(), 
         g.prompt_tokens as f64 / g.prefill_secs.max(1e-9),
         g.decode_tokens_per_sec(),
         tch::get_num_threads(),
-        engine.cache.bytes_in_use(),
+        engine.cache.bytes_in_use() + engine.cache.cold_bytes(),
+        engine.cache.cold_bytes(),
+        engine.cache.cold_tier().map_or_else(|| "none".into(), |q| q.name()),
     );
     engine.cache.free(&mut seq)
 }
