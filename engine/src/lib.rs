@@ -47,7 +47,7 @@ pub use kvforge_quant::Axis;
 pub use manager::{CacheManager, IndexKind, ReuseConfig, SessionId, TurnReport};
 pub use model::{Llama, LlamaConfig};
 pub use ppl::PplReport;
-pub use tch::{Device, Kind};
+pub use tch::{Device, Kind, Tensor};
 pub use tier::{ColdBlock, KvQuant};
 pub use tokenizer::{Message, Tokenizer};
 

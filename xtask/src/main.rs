@@ -11,6 +11,8 @@
 //! * `quant-sweep ARGS` — tiered KV quantization: streaming perplexity, KV
 //!   bytes and decode speed over hot window × format × rotation at 4k and 8k
 //!   context (CSV / Markdown / Pareto PNG in `target/quant-sweep`).
+//! * `decode-ab ARGS` — decode speed of the cold tier's formats against the
+//!   unquantized cache, interleaved rounds in one process.
 //! * `bench` — the criterion benches, then a Markdown summary of their
 //!   medians in `target/kvforge-bench.md`.
 //! * `tidy`  — source hygiene checks (also run by `cargo test`).
@@ -24,7 +26,7 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 
 const USAGE: &str = "usage: cargo xtask <setup [--reference] | ci | bench [FILTER] | \
-                     kvforge ARGS... | prefix-bench ARGS... | quant-sweep ARGS... | engine-bench [CONTEXT] [DECODE] | tidy>";
+                     kvforge ARGS... | prefix-bench ARGS... | quant-sweep ARGS... | decode-ab ARGS... | engine-bench [CONTEXT] [DECODE] | tidy>";
 
 fn main() {
     if let Err(e) = run() {
@@ -45,6 +47,7 @@ fn run() -> Result<()> {
         Some("kvforge") => run_after_setup(&root, "kvforge-engine", "kvforge", &args[1..]),
         Some("prefix-bench") => run_after_setup(&root, "kvforge-bench", "prefix_bench", &args[1..]),
         Some("quant-sweep") => run_after_setup(&root, "kvforge-bench", "quant_sweep", &args[1..]),
+        Some("decode-ab") => run_after_setup(&root, "kvforge-bench", "decode_ab", &args[1..]),
         Some("engine-bench") if args.len() <= 3 => {
             let num = |i: usize, d: usize| -> Result<usize> {
                 match args.get(i) {

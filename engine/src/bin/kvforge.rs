@@ -400,7 +400,10 @@ fn bench(text: &std::path::Path, context: usize, common: &Common) -> Result<(), 
         tch::get_num_threads(),
         engine.cache.bytes_in_use() + engine.cache.cold_bytes(),
         engine.cache.cold_bytes(),
-        engine.cache.cold_tier().map_or_else(|| "none".into(), |q| q.name()),
+        engine
+            .cache
+            .cold_tier()
+            .map_or_else(|| "none".into(), |q| q.name()),
     );
     engine.cache.free(&mut seq)
 }
