@@ -27,7 +27,9 @@ pub trait KvStore {
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
-    /// Makes room for `n` more positions; errors leave the store unchanged.
+    /// Makes room for `n` more positions (and, with a cold tier, first moves
+    /// blocks that left the hot window); errors leave the stored positions
+    /// unchanged — at most some older blocks have gone cold.
     fn prepare(&mut self, n: usize) -> Result<()>;
     /// Stores `k`, `v` (`[n, kv_heads, head_dim]`) for the prepared positions
     /// of `layer`; returns keys and values of all positions `[len + n, ..]`.

@@ -175,9 +175,9 @@ impl ColdTier {
         Ok(block)
     }
 
-    /// `[sink | cold | hot]` positions of one layer's K or V: the cold blocks
-    /// dequantized between the sink's and the rest's slots of `hot` (the
-    /// cache tensor) gathered from `slots`.
+    /// All positions of one layer's K or V, `[sink | cold | hot]`: `slots`
+    /// are the hot positions' slots in `hot` (the cache tensor), the sink's
+    /// first; the cold blocks are dequantized in between.
     pub(crate) fn assemble(
         &self,
         cold: &[ColdBlock],
