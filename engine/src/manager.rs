@@ -130,11 +130,14 @@ pub struct CacheManager {
 pub type SessionId = u64;
 
 impl CacheManager {
-    /// Wraps `engine`; the index uses the engine cache's block size.
+    /// Wraps `engine`; the index uses the engine cache's block size. An
+    /// engine with a quantized cold tier is refused: cold blocks cannot be
+    /// shared through the index, and a failed session turn could not undo a
+    /// demotion (its rollback restores the block table).
     pub fn new(engine: Engine, cfg: ReuseConfig) -> Result<Self> {
-        if cfg.enabled && engine.cache.cold_tier().is_some() {
+        if engine.cache.cold_tier().is_some() {
             return Err(EngineError::Request(
-                "prefix reuse over a quantized cold tier is not supported yet (cold blocks are not shareable); disable one of them".into(),
+                "the cache manager (chat sessions, prefix reuse) does not support a quantized cold tier yet: cold blocks are not shareable and a failed turn cannot undo a demotion".into(),
             ));
         }
         let bs = engine.cache.block_size();

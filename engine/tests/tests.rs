@@ -685,7 +685,18 @@ fn cli_cold_tier_bad_settings_are_one_line_errors() {
     }
     assert_one_line_error(
         &["chat", "--kv-quant", "int4", "--block-size", "32"],
-        "not supported",
+        "does not support a quantized cold tier",
+    );
+    assert_one_line_error(
+        &[
+            "chat",
+            "--no-reuse",
+            "--kv-quant",
+            "int4",
+            "--block-size",
+            "32",
+        ],
+        "does not support a quantized cold tier",
     );
 }
 

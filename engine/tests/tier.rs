@@ -254,20 +254,31 @@ fn non_finite_kv_is_reported_and_the_block_stays_hot() {
 }
 
 #[test]
-fn prefix_reuse_over_a_cold_tier_is_refused() {
-    let cfg = EngineConfig {
-        block_size: BS,
-        kv_quant: Some(spec(4, 16, false, Axis::PerChannel)),
-        ..Default::default()
-    };
-    let tokenizer = Tokenizer::from_gguf(&GgufFile::open(&model_path()).unwrap()).unwrap();
-    let engine = Engine::new(tiny(), tokenizer, &cfg);
-    let Ok(engine) = engine else {
-        panic!("engine with a cold tier: {:?}", engine.err())
-    };
-    let e = CacheManager::new(engine, ReuseConfig::default())
-        .err()
-        .map(|e| e.to_string())
-        .unwrap_or_default();
-    assert!(e.contains("not supported"), "{e}");
+fn the_cache_manager_refuses_a_cold_tier() {
+    // With reuse on (shared blocks) and off (sessions roll back a failed turn
+    // by restoring the block table, which a demotion would invalidate).
+    for enabled in [true, false] {
+        let cfg = EngineConfig {
+            block_size: BS,
+            kv_quant: Some(spec(4, 16, false, Axis::PerChannel)),
+            ..Default::default()
+        };
+        let tokenizer = Tokenizer::from_gguf(&GgufFile::open(&model_path()).unwrap()).unwrap();
+        let engine = Engine::new(tiny(), tokenizer, &cfg);
+        let Ok(engine) = engine else {
+            panic!("engine with a cold tier: {:?}", engine.err())
+        };
+        let reuse = ReuseConfig {
+            enabled,
+            ..Default::default()
+        };
+        let e = CacheManager::new(engine, reuse)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            e.contains("does not support a quantized cold tier"),
+            "reuse {enabled}: {e}"
+        );
+    }
 }
