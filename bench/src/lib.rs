@@ -4,10 +4,15 @@
 //!   the criterion benches in `benches/`.
 //! * [`sealing`]: the round-sealing experiment (hit rate gained against
 //!   memory spent), run by `cargo run -p kvforge-bench --release --bin sealing`.
+//! * [`flag_pairs`], [`count`], [`positive`], [`longest_article`]: command
+//!   lines and inputs of the experiment binaries; [`plot`]: their PNGs.
 
 pub mod plot;
 pub mod sealing;
 
+use std::path::Path;
+
+use anyhow::{Context, bail};
 use kvforge_pool::{BlockId, KvLayout, StorageFormat};
 use kvforge_prefix::{BlockRef, ExtraKeys, PrefixMatcher};
 
@@ -21,6 +26,43 @@ pub fn main_with(name: &str, run: impl FnOnce() -> anyhow::Result<()>) -> std::p
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+/// The command line's `--flag value` pairs, in order; a flag without a
+/// value is an error.
+pub fn flag_pairs() -> anyhow::Result<Vec<(String, String)>> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut it = args.into_iter();
+    let mut pairs = Vec::new();
+    while let Some(flag) = it.next() {
+        let value = it.next().with_context(|| format!("{flag} needs a value"))?;
+        pairs.push((flag, value));
+    }
+    Ok(pairs)
+}
+
+/// `value`, given for `flag`, as a count.
+pub fn count(flag: &str, value: &str) -> anyhow::Result<usize> {
+    value
+        .parse()
+        .with_context(|| format!("{flag}: {value:?} is not a count"))
+}
+
+/// `value`, given for `flag`, as a count of at least 1.
+pub fn positive(flag: &str, value: &str) -> anyhow::Result<usize> {
+    let v = count(flag, value)?;
+    if v == 0 {
+        bail!("{flag} must be at least 1");
+    }
+    Ok(v)
+}
+
+/// The longest article of a text file (`<doc …>` files such as the setup's
+/// `wiki.utf8` are split into articles; plain text is one).
+pub fn longest_article(path: &Path) -> anyhow::Result<String> {
+    let body =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    Ok(kvforge_engine::ppl::longest_article(&body))
 }
 
 /// SmolLM2-135M's KV cache in f16 (30 layers, 3 KV heads, head dim 64).

@@ -123,8 +123,7 @@ impl Engine {
             let elapsed = t0.elapsed().as_secs_f64();
             let t1 = Instant::now();
             for _ in 0..decode {
-                let next = last.f_argmax(-1, false)?.f_int64_value(&[0])?;
-                let next = u32::try_from(next).unwrap_or(0);
+                let next = greedy_token(&last)?;
                 last = self
                     .model
                     .forward(&[next], &mut self.cache.view(&mut seq), false)?;
@@ -166,6 +165,17 @@ impl Engine {
         }
         Ok(finish(r, ran, t0.elapsed().as_secs_f64()))
     }
+}
+
+/// The longest article of `text` (see [`articles`]); empty if there is none.
+pub fn longest_article(text: &str) -> String {
+    articles(text).into_iter().next().unwrap_or_default()
+}
+
+/// The greedy next token of a `[1, vocab]` row of logits.
+pub fn greedy_token(logits: &Tensor) -> Result<u32> {
+    let t = logits.f_argmax(-1, false)?.f_int64_value(&[0])?;
+    u32::try_from(t).map_err(|_| EngineError::Torch(format!("argmax {t} is not a token id")))
 }
 
 /// The articles of an exllamav2-style `<doc … title=…>` calibration file

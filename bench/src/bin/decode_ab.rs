@@ -16,6 +16,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use kvforge_engine::ppl::greedy_token;
 use kvforge_engine::{Engine, EngineConfig, KvQuant, PagedKvCache, Sequence, Tensor};
 
 struct Args {
@@ -38,16 +39,8 @@ fn parse_args() -> Result<Args> {
         model: PathBuf::from("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
         text: PathBuf::from("data/exllamav2/wiki.utf8"),
     };
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let mut it = args.iter();
-    while let Some(flag) = it.next() {
-        let value = it.next().with_context(|| format!("{flag} needs a value"))?;
-        let num = || -> Result<usize> {
-            match value.parse::<usize>() {
-                Ok(v) if v > 0 => Ok(v),
-                _ => bail!("{flag}: {value:?} is not a positive count"),
-            }
-        };
+    for (flag, value) in kvforge_bench::flag_pairs()? {
+        let num = || kvforge_bench::positive(&flag, &value);
         match flag.as_str() {
             "--context" => a.context = num()?,
             "--steps" => a.steps = num()?,
@@ -79,18 +72,13 @@ struct Arm {
 
 fn run() -> Result<()> {
     let a = parse_args()?;
-    let body = std::fs::read_to_string(&a.text)
-        .with_context(|| format!("cannot read {}", a.text.display()))?;
+    let article = kvforge_bench::longest_article(&a.text)?;
     let cfg = EngineConfig {
         block_size: a.block_size,
         ..Default::default()
     };
     let engine =
         Engine::load(&a.model, &cfg).with_context(|| format!("loading {}", a.model.display()))?;
-    let article = kvforge_engine::ppl::articles(&body)
-        .into_iter()
-        .next()
-        .unwrap_or_default();
     let mut ids = engine.tokenizer.encode(&article)?;
     if ids.len() < a.context {
         bail!(
@@ -129,7 +117,7 @@ fn run() -> Result<()> {
         for arm in &mut arms {
             let t = Instant::now();
             for _ in 0..a.steps {
-                let next = u32::try_from(arm.last.f_argmax(-1, false)?.f_int64_value(&[0])?)?;
+                let next = greedy_token(&arm.last)?;
                 arm.last = model.forward(&[next], &mut arm.cache.view(&mut arm.seq), false)?;
             }
             arm.time += t.elapsed();

@@ -49,26 +49,15 @@ fn parse_args() -> Result<Args> {
         data: PathBuf::from("data/chitchat/dataset.json"),
         out: PathBuf::from("target/prefix-bench"),
     };
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let mut it = args.iter();
-    while let Some(flag) = it.next() {
-        let value = it.next().with_context(|| format!("{flag} needs a value"))?;
-        let num = || -> Result<usize> {
-            let v: usize = value
-                .parse()
-                .with_context(|| format!("{flag}: {value:?} is not a count"))?;
-            if v == 0 {
-                bail!("{flag} must be at least 1");
-            }
-            Ok(v)
-        };
+    for (flag, value) in kvforge_bench::flag_pairs()? {
+        let num = || kvforge_bench::positive(&flag, &value);
         match flag.as_str() {
             "--chats" => a.chats = num()?,
             "--turns" => a.turns = num()?,
             "--answer-tokens" => a.answer_tokens = num()?,
             "--block-size" => a.block_size = num()?,
             "--model" => a.model = value.into(),
-            "--weights" => a.weights = value.clone(),
+            "--weights" => a.weights = value,
             "--data" => a.data = value.into(),
             "--out" => a.out = value.into(),
             _ => bail!(

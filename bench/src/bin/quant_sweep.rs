@@ -16,6 +16,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
+use kvforge_bench::{count, longest_article};
 use kvforge_engine::{Axis, Engine, EngineConfig, KvQuant, PplReport};
 
 struct Args {
@@ -37,14 +38,7 @@ struct Args {
 }
 
 fn list(flag: &str, value: &str) -> Result<Vec<usize>> {
-    value
-        .split(',')
-        .map(|v| {
-            v.trim()
-                .parse()
-                .with_context(|| format!("{flag}: {v:?} is not a count"))
-        })
-        .collect()
+    value.split(',').map(|v| count(flag, v.trim())).collect()
 }
 
 fn parse_args() -> Result<Args> {
@@ -65,18 +59,11 @@ fn parse_args() -> Result<Args> {
         text: PathBuf::from("data/exllamav2/wiki.utf8"),
         out: PathBuf::from("target/quant-sweep"),
     };
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let mut it = args.iter();
-    while let Some(flag) = it.next() {
-        let value = it.next().with_context(|| format!("{flag} needs a value"))?;
-        let num = || -> Result<usize> {
-            value
-                .parse()
-                .with_context(|| format!("{flag}: {value:?} is not a count"))
-        };
+    for (flag, value) in kvforge_bench::flag_pairs()? {
+        let num = || count(&flag, &value);
         match flag.as_str() {
-            "--contexts" => a.contexts = list(flag, value)?,
-            "--windows" => a.windows = list(flag, value)?,
+            "--contexts" => a.contexts = list(&flag, &value)?,
+            "--windows" => a.windows = list(&flag, &value)?,
             "--formats" => a.formats = value.split(',').map(|s| s.trim().into()).collect(),
             "--rotate" => {
                 a.rotations = match value.as_str() {
@@ -99,7 +86,7 @@ fn parse_args() -> Result<Args> {
             "--prefix" => a.prefix = num()?,
             "--chunk" => a.chunk = num()?,
             "--decode" => a.decode = num()?,
-            "--weights" => a.weights = value.clone(),
+            "--weights" => a.weights = value,
             "--model" => a.model = value.into(),
             "--text" => a.text = value.into(),
             "--out" => a.out = value.into(),
@@ -145,8 +132,7 @@ fn main() -> std::process::ExitCode {
 
 fn run() -> Result<()> {
     let a = parse_args()?;
-    let body = std::fs::read_to_string(&a.text)
-        .with_context(|| format!("cannot read {}", a.text.display()))?;
+    let article = longest_article(&a.text)?;
     let cfg = EngineConfig {
         weight_kind: Some(kvforge_engine::parse_dtype(&a.weights)?),
         block_size: a.block_size,
@@ -154,10 +140,6 @@ fn run() -> Result<()> {
     };
     let mut engine =
         Engine::load(&a.model, &cfg).with_context(|| format!("loading {}", a.model.display()))?;
-    let article = kvforge_engine::ppl::articles(&body)
-        .into_iter()
-        .next()
-        .unwrap_or_default();
     let all = engine.tokenizer.encode(&article)?;
     // Every configuration is checked before the long runs start.
     let mut plan: Vec<(usize, Option<KvQuant>)> = Vec::new();

@@ -438,10 +438,7 @@ fn ppl(
     let (prefix, chunk, decode) = stream;
     let body = read_text(text)?;
     let mut engine = common.engine()?;
-    let article = kvforge_engine::ppl::articles(&body)
-        .into_iter()
-        .next()
-        .unwrap_or_default();
+    let article = kvforge_engine::ppl::longest_article(&body);
     let what = format!("the longest article of {}", text.display());
     let ids = first_tokens(&engine, &article, tokens, &what, "--tokens")?;
     let tier = engine.cache.cold_tier();
