@@ -114,7 +114,9 @@ impl KvLayout {
                     elements,
                 });
             }
-            let params = (elements / u64::from(group_size)) * u64::from(param_bytes);
+            let params = (elements / u64::from(group_size))
+                .checked_mul(u64::from(param_bytes))
+                .ok_or(overflow("group parameter bytes"))?;
             slab = slab.checked_add(params).ok_or(overflow("bytes per slab"))?;
         }
         let block_bytes = slab
@@ -245,5 +247,15 @@ mod tests {
         assert!(matches!(e, PoolError::Overflow { .. }));
         let l = KvLayout::new(1, 1, 1, 1, StorageFormat::F32).unwrap();
         assert!(l.bytes_for_blocks(u64::MAX).is_err());
+        // 2^62 groups of one element, 4 parameter bytes each: 2^64 bytes.
+        let e = KvLayout::new(
+            1,
+            1 << 31,
+            1 << 31,
+            1,
+            StorageFormat::Int2 { group_size: 1 },
+        )
+        .unwrap_err();
+        assert!(matches!(e, PoolError::Overflow { .. }), "{e:?}");
     }
 }

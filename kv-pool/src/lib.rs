@@ -30,6 +30,12 @@
 //!   counts never underflow.
 //! * A block with count > 0 is never handed out by `allocate`.
 //! * Blocks never move: growth adds whole batches and existing ids stay valid.
+//! * An epoch never repeats: a slot whose content reached the last epoch
+//!   (`u32::MAX`) is retired when freed instead of wrapping to 0, so a stale
+//!   handle can never equal a live one.
+//! * `allocate` returns `None` only when the pool is at its cap and its free
+//!   blocks, cached or not, that no other call has already claimed are too
+//!   few; growth adds only the batches a reservation's shortfall needs.
 //! * `stats().in_use_bytes == stats().in_use * layout.block_bytes()` exactly.
 //!
 //! # Origin
@@ -48,7 +54,7 @@ pub mod testing;
 
 pub use error::{PoolError, Result};
 pub use layout::{KvLayout, StorageFormat};
-pub use pool::{BlockPool, PoolConfig};
+pub use pool::{BlockPool, MAX_REF_COUNT, PoolConfig};
 
 use std::fmt;
 
@@ -130,18 +136,30 @@ pub enum Retained {
 
 /// A point-in-time view of an allocator's occupancy.
 ///
-/// Fields are read from independent atomics, so under concurrent use they
-/// may be a few operations apart; they are exact when the pool is quiescent.
+/// Exact when the pool is quiescent. Under concurrent use (for
+/// [`BlockPool`]): `capacity`, `in_use`, `cached_free` and `retired` come
+/// from one consistent reading of the pool's counters, so
+/// `in_use + cached_free + retired <= capacity <= max_blocks` always holds,
+/// and `in_use` is off from the number of held blocks by at most the blocks
+/// named by calls still in flight: it already counts the blocks an
+/// `allocate` or revival has claimed but not yet returned, and still counts
+/// a block whose last `release` has not returned. Never a wrapped value,
+/// never a whole growth batch that is not yet published.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PoolStats {
     /// Blocks that exist now (grows in batches up to `max_blocks`).
     pub capacity: usize,
     /// Hard cap on `capacity`.
     pub max_blocks: usize,
-    /// Blocks with reference count > 0 (or reserved by an allocation in flight).
+    /// Blocks with reference count > 0 (or claimed by an allocation or a
+    /// revival in flight).
     pub in_use: usize,
-    /// Free blocks that still hold reusable cached content.
+    /// Free blocks that still hold reusable cached content (and that no
+    /// allocation in flight has claimed).
     pub cached_free: usize,
+    /// Slots retired after their last epoch: they exist but are never
+    /// handed out again (one per 2^32 reuses of a slot).
+    pub retired: usize,
     /// Bytes of one block, from the [`KvLayout`].
     pub block_bytes: u64,
     /// `in_use * block_bytes`.
@@ -153,7 +171,7 @@ pub struct PoolStats {
 impl PoolStats {
     /// Free blocks, cached or not.
     pub fn free(&self) -> usize {
-        self.capacity.saturating_sub(self.in_use)
+        self.capacity.saturating_sub(self.in_use + self.retired)
     }
 
     /// Fraction of the hard cap in use, in `[0, 1]`: what a memory watermark
@@ -181,7 +199,9 @@ pub trait BlockAllocator: Send + Sync {
     ///
     /// Errors: unknown index, a free block that was never marked cached, or a
     /// count overflow. A handle whose content was reclaimed is
-    /// [`Retained::Reclaimed`], not an error.
+    /// [`Retained::Reclaimed`], not an error; a handle whose content is
+    /// still there (same epoch, held or cached) is never `Reclaimed`, however
+    /// many threads retain it at once.
     fn retain(&self, id: BlockId) -> Result<Retained>;
 
     /// Drops one reference; returns the remaining count. At zero the block

@@ -1,11 +1,19 @@
-//! Atomics and the free queue, swapped for loom's models under `cfg(loom)`.
+//! Atomics, the growth lock and the free queue, swapped for loom's models
+//! under `cfg(loom)`.
 
 #[cfg(loom)]
-pub(crate) use loom::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+pub(crate) use loom::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering, fence};
 #[cfg(not(loom))]
-pub(crate) use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+pub(crate) use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering, fence};
 
-/// Lets another thread make progress while we wait for a queue entry.
+#[cfg(loom)]
+pub(crate) use loom::sync::Mutex;
+#[cfg(not(loom))]
+pub(crate) use std::sync::Mutex;
+
+/// Lets another thread make progress while we wait for it to finish a step
+/// (a queue entry being pushed, a revival being committed, a growth batch
+/// being published).
 pub(crate) fn spin_wait() {
     #[cfg(loom)]
     loom::thread::yield_now();

@@ -6,7 +6,7 @@
 
 mod util;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use kvforge_pool::{
     Allocation, BlockAllocator, BlockId, BlockPool, KvLayout, PoolConfig, PoolError, Retained,
@@ -222,88 +222,219 @@ impl Rng {
     }
 }
 
-/// ≥ 8 threads, ≥ 10^6 random operations on a small pool with shared,
-/// cached and revived blocks; ends with zero leaked blocks.
+/// Monotonic event counters of the stress test, for bounding `stats()`.
+#[derive(Default)]
+struct Events {
+    /// Blocks an `allocate` or a revival was asked for / got / did not get.
+    claim_started: AtomicU64,
+    claim_done: AtomicU64,
+    claim_aborted: AtomicU64,
+    /// Blocks whose last reference is being / has been released.
+    free_started: AtomicU64,
+    free_done: AtomicU64,
+    /// Outcomes that must never happen in this workload.
+    spurious_none: AtomicU64,
+    spurious_reclaimed: AtomicU64,
+    ops: AtomicU64,
+    checks: AtomicU64,
+}
+
+fn bump(c: &AtomicU64, n: usize) {
+    c.fetch_add(n as u64, Ordering::SeqCst);
+}
+
+/// Releases every reference in `mine` (tail first) and records the blocks
+/// that go free (a block listed once is held by this thread alone).
+fn release_all(pool: &BlockPool, mine: &mut Vec<BlockId>, shared: &[BlockId], ev: &Events) {
+    let mut distinct: Vec<BlockId> = mine
+        .iter()
+        .copied()
+        .filter(|b| !shared.contains(b))
+        .collect();
+    distinct.sort_unstable();
+    distinct.dedup();
+    bump(&ev.free_started, distinct.len());
+    pool.release_sequence(mine).unwrap();
+    bump(&ev.free_done, distinct.len());
+    mine.clear();
+}
+
+/// ≥ 8 threads, ≥ 10^6 random operations, with shared, cached and revived
+/// blocks, on a pool whose cap covers the largest possible demand, so every
+/// `None` is spurious, and so is every `Reclaimed` whose epoch still matches:
+/// both are counted and must be zero. Every 32 of its operations each
+/// worker checks `stats()` against the event counters, mid-run. Ends with
+/// zero leaked blocks.
+///
+/// With a roomy cap, cached blocks pile up and the pool grows throughout the
+/// run; with a tight one it reaches the cap early and reclaims cached blocks
+/// for the rest.
 #[test]
-fn stress_eight_threads_a_million_ops_leak_nothing() {
-    const THREADS: u64 = 8;
-    const OPS_PER_THREAD: u64 = 125_000;
-    let cfg = PoolConfig::fixed(16)
-        .with_growth_batch(16)
-        .with_max_blocks(64);
+fn stress_eight_threads_a_million_ops_growing_throughout() {
+    let growth = stress(1 << 20);
+    let late = growth
+        .iter()
+        .filter(|&&(op, _)| op > STRESS_OPS * 3 / 4)
+        .count();
+    assert!(late > 0, "no growth in the last quarter: {growth:?}");
+}
+
+#[test]
+fn stress_eight_threads_a_million_ops_reclaiming_at_the_cap() {
+    let growth = stress(STRESS_CAP);
+    assert_eq!(
+        growth.last().map(|g| g.1),
+        Some(STRESS_CAP),
+        "reached the cap"
+    );
+}
+
+const THREADS: u64 = 8;
+const OPS_PER_THREAD: u64 = 125_000;
+const STRESS_OPS: u64 = THREADS * OPS_PER_THREAD;
+const MAX_HELD: usize = 32;
+/// Per thread at most `MAX_HELD - 1 + 4` distinct blocks, plus 4 shared.
+const STRESS_CAP: usize = THREADS as usize * (MAX_HELD + 4) + 4 + 28;
+
+/// Runs the workload; returns `(operations done, capacity)` at each growth
+/// the checks saw.
+fn stress(cap: usize) -> Vec<(u64, usize)> {
+    let cfg = PoolConfig::fixed(4)
+        .with_growth_batch(4)
+        .with_max_blocks(cap);
     let pool = BlockPool::new(layout(), cfg).unwrap();
     // A few long-lived shared blocks every thread retains and releases.
     let shared = pool.allocate(4).unwrap().blocks;
     for &b in &shared {
         pool.mark_cached(b).unwrap();
     }
-    let failed = AtomicBool::new(false);
-    let revived_total = std::sync::atomic::AtomicU64::new(0);
+    let ev = Events::default();
+    let revived_total = AtomicU64::new(0);
+    let growth = std::sync::Mutex::new(Vec::new());
+    let seen_capacity = AtomicUsize::new(0);
+    // Called by every worker between its own operations, so only the other
+    // threads' calls are in flight.
+    let check_stats = || {
+        let claimed = ev.claim_done.load(Ordering::SeqCst);
+        let aborted = ev.claim_aborted.load(Ordering::SeqCst);
+        let freed = ev.free_done.load(Ordering::SeqCst);
+        let st = pool.stats();
+        let started = ev.claim_started.load(Ordering::SeqCst);
+        let freeing = ev.free_started.load(Ordering::SeqCst);
+        let lo = (4 + claimed).saturating_sub(freeing);
+        let hi = 4 + started - aborted - freed;
+        assert!(
+            lo <= st.in_use as u64 && st.in_use as u64 <= hi,
+            "in_use {} outside [{lo}, {hi}]: {st:?}",
+            st.in_use
+        );
+        assert!(st.in_use + st.cached_free <= st.capacity, "{st:?}");
+        assert!(st.capacity <= cap, "{st:?}");
+        if seen_capacity.fetch_max(st.capacity, Ordering::SeqCst) < st.capacity {
+            let op = ev.ops.load(Ordering::SeqCst);
+            growth.lock().unwrap().push((op, st.capacity));
+        }
+        ev.checks.fetch_add(1, Ordering::Relaxed);
+    };
     std::thread::scope(|s| {
-        for t in 0..THREADS {
-            let (pool, shared, failed, revived_total) = (&pool, &shared, &failed, &revived_total);
-            s.spawn(move || {
-                let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ (t + 1));
-                let mut mine: Vec<BlockId> = Vec::new();
-                let mut dropped_cached: Vec<BlockId> = Vec::new();
-                let mut revived = 0u64;
-                for _ in 0..OPS_PER_THREAD {
-                    let r = rng.next();
-                    match r % 8 {
-                        0 | 1 => {
-                            if let Some(a) = pool.allocate(1 + (r >> 8) as usize % 4) {
-                                mine.extend(a.blocks);
-                            }
+        let workers: Vec<_> = (0..THREADS)
+            .map(|t| {
+                let (pool, shared, ev, revived_total) = (&pool, &shared, &ev, &revived_total);
+                let check_stats = &check_stats;
+                s.spawn(move || {
+                    let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ (t + 1));
+                    let mut mine: Vec<BlockId> = Vec::new();
+                    let mut dropped_cached: Vec<BlockId> = Vec::new();
+                    let mut revived = 0u64;
+                    for i in 0..OPS_PER_THREAD {
+                        ev.ops.fetch_add(1, Ordering::Relaxed);
+                        if i % 32 == 0 {
+                            check_stats();
                         }
-                        2 | 3 if !mine.is_empty() => {
-                            let b = mine.swap_remove((r >> 8) as usize % mine.len());
-                            let cached = pool.ref_count(b).is_ok() && (r >> 20) % 2 == 0;
-                            if cached {
-                                pool.mark_cached(b).unwrap();
-                            }
-                            if pool.release(b).unwrap() == 0 && cached {
-                                dropped_cached.push(b);
-                            }
-                        }
-                        4 => {
-                            let b = shared[(r >> 8) as usize % shared.len()];
-                            assert!(matches!(pool.retain(b), Ok(Retained::Held(_))));
-                            mine.push(b);
-                        }
-                        5 if !dropped_cached.is_empty() => {
-                            let b = dropped_cached
-                                .swap_remove((r >> 8) as usize % dropped_cached.len());
-                            match pool.retain(b) {
-                                Ok(Retained::Held(_)) => {
-                                    revived += 1;
-                                    mine.push(b);
-                                }
-                                Ok(Retained::Reclaimed) => {}
-                                Err(e) => {
-                                    failed.store(true, Ordering::Relaxed);
-                                    panic!("retain of a cached handle failed: {e}");
+                        // The working set grows over the run, so does the pool.
+                        let limit = 2 + (MAX_HELD - 2) * i as usize / OPS_PER_THREAD as usize;
+                        let r = rng.next();
+                        match r % 8 {
+                            0 | 1 if mine.len() < limit => {
+                                let n = 1 + (r >> 8) as usize % 4;
+                                bump(&ev.claim_started, n);
+                                match pool.allocate(n) {
+                                    Some(a) => {
+                                        bump(&ev.claim_done, n);
+                                        mine.extend(a.blocks);
+                                    }
+                                    None => {
+                                        bump(&ev.claim_aborted, n);
+                                        bump(&ev.spurious_none, 1);
+                                    }
                                 }
                             }
-                        }
-                        6 if !mine.is_empty() => {
-                            let b = mine[(r >> 8) as usize % mine.len()];
-                            assert!(matches!(pool.retain(b), Ok(Retained::Held(_))));
-                            mine.push(b);
-                        }
-                        _ => {
-                            if mine.len() > 32 {
-                                pool.release_sequence(&mine).unwrap();
-                                mine.clear();
+                            2 | 3 if !mine.is_empty() => {
+                                let b = mine.swap_remove((r >> 8) as usize % mine.len());
+                                let last = !shared.contains(&b) && !mine.contains(&b);
+                                if last && (r >> 20) % 2 == 0 {
+                                    pool.mark_cached(b).unwrap();
+                                }
+                                bump(&ev.free_started, usize::from(last));
+                                let left = pool.release(b).unwrap();
+                                bump(&ev.free_done, usize::from(last));
+                                assert_eq!(left == 0, last);
+                                if last && (r >> 20) % 2 == 0 {
+                                    dropped_cached.push(b);
+                                }
                             }
+                            4 => {
+                                let b = shared[(r >> 8) as usize % shared.len()];
+                                assert!(matches!(pool.retain(b), Ok(Retained::Held(_))));
+                                mine.push(b);
+                            }
+                            5 if !dropped_cached.is_empty() && mine.len() < limit => {
+                                let b = dropped_cached
+                                    .swap_remove((r >> 8) as usize % dropped_cached.len());
+                                bump(&ev.claim_started, 1);
+                                match pool.retain(b) {
+                                    Ok(Retained::Held(1)) => {
+                                        bump(&ev.claim_done, 1);
+                                        revived += 1;
+                                        mine.push(b);
+                                    }
+                                    Ok(Retained::Reclaimed) => {
+                                        bump(&ev.claim_aborted, 1);
+                                        if pool.ref_count(b).is_ok() {
+                                            bump(&ev.spurious_reclaimed, 1);
+                                        }
+                                    }
+                                    other => panic!("revival of a private cached block: {other:?}"),
+                                }
+                            }
+                            6 if !mine.is_empty() => {
+                                let b = mine[(r >> 8) as usize % mine.len()];
+                                assert!(matches!(pool.retain(b), Ok(Retained::Held(_))));
+                                mine.push(b);
+                            }
+                            7 if mine.len() >= limit => release_all(pool, &mut mine, shared, ev),
+                            _ => {}
                         }
                     }
-                }
-                pool.release_sequence(&mine).unwrap();
-                revived_total.fetch_add(revived, Ordering::Relaxed);
-            });
+                    release_all(pool, &mut mine, shared, ev);
+                    revived_total.fetch_add(revived, Ordering::Relaxed);
+                })
+            })
+            .collect();
+        for w in workers {
+            w.join().unwrap();
         }
     });
-    assert!(!failed.load(Ordering::Relaxed));
+    assert_eq!(
+        ev.spurious_none.load(Ordering::SeqCst),
+        0,
+        "allocate failed below the cap's demand"
+    );
+    assert_eq!(
+        ev.spurious_reclaimed.load(Ordering::SeqCst),
+        0,
+        "retain answered Reclaimed for a block whose epoch still matched"
+    );
     for &b in &shared {
         assert_eq!(pool.ref_count(b), Ok(1), "shared blocks back to one owner");
     }
@@ -311,7 +442,7 @@ fn stress_eight_threads_a_million_ops_leak_nothing() {
     let s = pool.stats();
     assert_eq!(s.in_use, 0, "leaked blocks: {s:?}");
     assert_eq!(s.in_use_bytes, 0);
-    assert!(s.capacity <= 64);
+    assert!(s.capacity <= cap);
     // Every block must be allocatable again: nothing was lost from the free lists.
     let all = pool
         .allocate(s.capacity)
@@ -321,4 +452,144 @@ fn stress_eight_threads_a_million_ops_leak_nothing() {
         revived_total.load(Ordering::Relaxed) > 0,
         "the revive path was exercised"
     );
+    assert!(ev.checks.load(Ordering::Relaxed) >= STRESS_OPS / 32);
+    growth.into_inner().unwrap()
+}
+
+/// Threads only retain and release the one cached block of a one-block pool:
+/// nothing is ever allocated, so its content can never be reclaimed, and
+/// `Reclaimed` is always wrong.
+#[test]
+fn retain_and_release_alone_never_report_reclaimed() {
+    let pool = BlockPool::new(layout(), PoolConfig::fixed(1)).unwrap();
+    let b = pool.allocate(1).unwrap().blocks[0];
+    pool.mark_cached(b).unwrap();
+    pool.release(b).unwrap();
+    let reclaimed = AtomicU64::new(0);
+    std::thread::scope(|s| {
+        for _ in 0..4 {
+            s.spawn(|| {
+                for _ in 0..100_000 {
+                    match pool.retain(b).unwrap() {
+                        Retained::Held(_) => {
+                            pool.release(b).unwrap();
+                        }
+                        Retained::Reclaimed => {
+                            reclaimed.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+            });
+        }
+    });
+    assert_eq!(reclaimed.load(Ordering::Relaxed), 0, "spurious Reclaimed");
+    assert_eq!(pool.ref_count(b), Ok(0));
+    assert_eq!(pool.stats().cached_free, 1);
+}
+
+/// Two threads revive and release a cached block while a third allocates
+/// and releases one block: a fresh block is free throughout, so the
+/// allocation never fails and never takes the cached block.
+#[test]
+fn revivals_never_starve_an_allocation() {
+    let pool = BlockPool::new(layout(), PoolConfig::fixed(2)).unwrap();
+    let b = pool.allocate(1).unwrap().blocks[0];
+    pool.mark_cached(b).unwrap();
+    pool.release(b).unwrap();
+    let (none, reclaimed) = (AtomicU64::new(0), AtomicU64::new(0));
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        for _ in 0..2 {
+            s.spawn(|| {
+                while !stop.load(Ordering::Relaxed) {
+                    match pool.retain(b).unwrap() {
+                        Retained::Held(_) => {
+                            pool.release(b).unwrap();
+                        }
+                        Retained::Reclaimed => {
+                            reclaimed.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+            });
+        }
+        s.spawn(|| {
+            for _ in 0..200_000 {
+                match pool.allocate(1) {
+                    Some(a) => {
+                        assert!(a.reclaimed.is_empty());
+                        pool.release(a.blocks[0]).unwrap();
+                    }
+                    None => {
+                        none.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+            stop.store(true, Ordering::Relaxed);
+        });
+    });
+    assert_eq!(none.load(Ordering::Relaxed), 0, "spurious None");
+    assert_eq!(reclaimed.load(Ordering::Relaxed), 0, "spurious Reclaimed");
+}
+
+/// 3,000 trials of four threads each allocating one block from an empty
+/// growable pool: never `None`, and never more than the one batch needed.
+#[test]
+fn concurrent_first_allocations_grow_exactly_one_batch() {
+    let (mut none, mut overshoot) = (0, 0);
+    for _ in 0..3_000 {
+        let cfg = PoolConfig::fixed(0)
+            .with_growth_batch(64)
+            .with_max_blocks(256);
+        let pool = BlockPool::new(layout(), cfg).unwrap();
+        let barrier = std::sync::Barrier::new(4);
+        let got: Vec<Option<Allocation>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..4)
+                .map(|_| {
+                    s.spawn(|| {
+                        barrier.wait();
+                        pool.allocate(1)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        none += got.iter().filter(|a| a.is_none()).count();
+        overshoot += usize::from(pool.stats().capacity != 64);
+    }
+    assert_eq!(
+        (none, overshoot),
+        (0, 0),
+        "(spurious None, trials over one batch)"
+    );
+}
+
+/// Same, at a cap of exactly one batch: growth in flight is not exhaustion.
+#[test]
+fn growth_in_flight_is_not_exhaustion() {
+    let mut none = 0;
+    for _ in 0..3_000 {
+        let cfg = PoolConfig::fixed(0)
+            .with_growth_batch(64)
+            .with_max_blocks(64);
+        let pool = BlockPool::new(layout(), cfg).unwrap();
+        let barrier = std::sync::Barrier::new(4);
+        std::thread::scope(|s| {
+            let hs: Vec<_> = (0..4)
+                .map(|_| {
+                    s.spawn(|| {
+                        barrier.wait();
+                        pool.allocate(1).is_none()
+                    })
+                })
+                .collect();
+            none += hs
+                .into_iter()
+                .filter(|_| true)
+                .map(|h| h.join().unwrap())
+                .filter(|&n| n)
+                .count();
+        });
+    }
+    assert_eq!(none, 0, "spurious None while a batch was being published");
 }

@@ -155,6 +155,7 @@ impl BlockAllocator for ReferenceAllocator {
             max_blocks: capacity,
             in_use,
             cached_free: st.evictable.len(),
+            retired: 0,
             block_bytes: self.block_bytes,
             in_use_bytes: in_use as u64 * self.block_bytes,
             capacity_bytes: capacity as u64 * self.block_bytes,
