@@ -1,13 +1,38 @@
 //! [`HashChainIndex`]: a flat map from chained block key to block (vLLM v1's
 //! `BlockHashToBlockMap`), with verification of every hit.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+
+use xxhash_rust::xxh3::Xxh3DefaultBuilder;
 
 use crate::hash::{FoldHash, block_key, root_key};
+use crate::walk::{SealedLens, Walk};
 use crate::{
-    BlockHash, BlockHasher, BlockId, BlockRef, ExtraKeys, Inserted, MatchStats, PrefixError,
-    PrefixMatch, PrefixMatcher, Result, Xxh3Hasher, trace_block, validate_insert,
+    BlockHash, BlockHasher, BlockId, BlockRef, ExtraKeys, Inserted, MatchStats, PrefixMatch,
+    PrefixMatcher, Result, Xxh3Hasher, check_block_size, trace_block, validate_insert,
 };
+
+/// The keys of a node's child entries and the lengths of its sealed ones.
+#[derive(Default)]
+struct Children {
+    keys: HashSet<BlockHash, FoldHash>,
+    sealed: SealedLens,
+}
+
+impl Children {
+    fn add(&mut self, key: BlockHash, len: usize, block_size: usize) {
+        self.keys.insert(key);
+        if len < block_size {
+            self.sealed.add(len as u32);
+        }
+    }
+
+    fn remove(&mut self, key: BlockHash, len: usize, block_size: usize) {
+        if self.keys.remove(&key) && len < block_size {
+            self.sealed.remove(len as u32);
+        }
+    }
+}
 
 /// One indexed block.
 struct Entry {
@@ -17,15 +42,14 @@ struct Entry {
     parent_serial: u64,
     parent_key: BlockHash,
     tokens: Box<[u32]>,
-    /// Lengths of sealed (short) children, longest first.
-    sealed: Vec<u32>,
+    children: Children,
 }
 
-/// The start of every chain in one namespace.
+/// The start of every chain in one namespace; exists while it has children.
 struct Root {
     extra: ExtraKeys,
     serial: u64,
-    sealed: Vec<u32>,
+    children: Children,
 }
 
 /// Prefix index as a flat hash map of chained xxh3-128 keys.
@@ -33,14 +57,15 @@ struct Root {
 /// Lookup costs one hash of `16 + 4 × block_size` bytes, one map probe and one
 /// token comparison per block. A hit must match the stored tokens *and* the
 /// serial of the entry it was inserted under, so neither a collision nor a
-/// re-inserted parent can hand out KV computed for another prefix.
+/// re-inserted parent can hand out KV computed for another prefix. Each entry
+/// knows its children, so forgetting one removes its subtree at once.
 pub struct HashChainIndex<H: BlockHasher = Xxh3Hasher> {
     block_size: usize,
     hasher: H,
     entries: HashMap<BlockHash, Entry, FoldHash>,
     roots: HashMap<BlockHash, Root, FoldHash>,
-    /// Block index -> (handle, key) of the entry that holds it.
-    slots: Vec<Option<(BlockId, BlockHash)>>,
+    /// Block slot index -> (handle, key) of the entry that holds it.
+    slots: HashMap<u32, (BlockId, BlockHash), Xxh3DefaultBuilder>,
     next_serial: u64,
     stats: MatchStats,
     scratch: Vec<u8>,
@@ -58,21 +83,29 @@ impl HashChainIndex<Xxh3Hasher> {
     }
 }
 
+/// One node of the depth-first match: an entry (or the root) reached at
+/// `pos` tokens, `depth` blocks deep, trying its candidate `next`.
+struct Frame {
+    key: BlockHash,
+    serial: u64,
+    pos: usize,
+    depth: usize,
+    next: usize,
+}
+
 impl<H: BlockHasher> HashChainIndex<H> {
     /// An index with any hasher (tests use a colliding one).
     pub fn with_hasher(block_size: usize, hasher: H) -> Result<Self> {
-        if block_size == 0 {
-            return Err(PrefixError::ZeroBlockSize);
-        }
+        check_block_size(block_size)?;
         Ok(HashChainIndex {
             block_size,
             hasher,
             entries: HashMap::default(),
             roots: HashMap::default(),
-            slots: Vec::new(),
+            slots: HashMap::default(),
             next_serial: 1,
             stats: MatchStats::default(),
-            scratch: Vec::with_capacity(16 + 4 * block_size),
+            scratch: Vec::new(),
         })
     }
 
@@ -87,28 +120,36 @@ impl<H: BlockHasher> HashChainIndex<H> {
         s
     }
 
-    /// Whether the entry (or root) that was stored under `key` with `serial`
-    /// is still in the index.
-    fn is_live(&self, key: BlockHash, serial: u64) -> bool {
-        self.roots.get(&key).is_some_and(|r| r.serial == serial)
-            || self.entries.get(&key).is_some_and(|e| e.serial == serial)
-    }
-
-    /// Removes the entry at `key` and its slot record.
-    fn remove_entry(&mut self, key: BlockHash) {
-        if let Some(e) = self.entries.remove(&key) {
-            let slot = &mut self.slots[e.block.index() as usize];
-            if *slot == Some((e.block, key)) {
-                *slot = None;
+    /// Removes the entry at `key` and everything below it; detaches it from
+    /// its parent and drops a root left without children.
+    fn remove_subtree(&mut self, key: BlockHash) {
+        let Some(top) = self.entries.remove(&key) else {
+            return;
+        };
+        let (bs, len) = (self.block_size, top.tokens.len());
+        match self.entries.get_mut(&top.parent_key) {
+            Some(p) if p.serial == top.parent_serial => p.children.remove(key, len, bs),
+            _ => {
+                if let Some(r) = self.roots.get_mut(&top.parent_key) {
+                    r.children.remove(key, len, bs);
+                    if r.children.keys.is_empty() {
+                        self.roots.remove(&top.parent_key);
+                    }
+                }
+            }
+        }
+        let mut stack = vec![(key, top)];
+        while let Some((k, e)) = stack.pop() {
+            if self.slots.get(&e.block.index()) == Some(&(e.block, k)) {
+                self.slots.remove(&e.block.index());
             }
             self.stats.forgotten_blocks += 1;
+            for c in e.children.keys {
+                if let Some(child) = self.entries.remove(&c) {
+                    stack.push((c, child));
+                }
+            }
         }
-    }
-}
-
-fn add_sealed(list: &mut Vec<u32>, len: u32) {
-    if let Err(pos) = list.binary_search_by(|x| len.cmp(x)) {
-        list.insert(pos, len);
     }
 }
 
@@ -130,40 +171,61 @@ impl<H: BlockHasher> PrefixMatcher for HashChainIndex<H> {
         let bs = *block_size;
         stats.queries += 1;
         stats.query_tokens += tokens.len() as u64;
-        let mut m = PrefixMatch::default();
         let rk = root_key(hasher, extra);
         let Some(root) = roots.get(&rk).filter(|r| r.extra == *extra) else {
             trace_block(0, Some(rk), false);
-            return m;
+            return PrefixMatch::default();
         };
-        let (mut parent_key, mut parent_serial, mut sealed) = (rk, root.serial, &root.sealed);
-        let mut p = 0;
-        loop {
-            let rest = &tokens[p..];
-            let full = (rest.len() >= bs).then_some(bs as u32);
-            let candidates = full
-                .into_iter()
-                .chain(sealed.iter().copied().filter(|&l| l as usize <= rest.len()));
-            let mut found = None;
-            for len in candidates {
-                let toks = &rest[..len as usize];
-                let key = block_key(hasher, parent_key, toks, scratch);
-                let hit = entries
-                    .get(&key)
-                    .filter(|e| e.parent_serial == parent_serial && *e.tokens == *toks);
-                trace_block(m.blocks.len(), Some(key), hit.is_some());
-                if let Some(e) = hit {
-                    found = Some((key, len, e));
-                    break;
+        let mut walk = Walk::default();
+        let mut stack = vec![Frame {
+            key: rk,
+            serial: root.serial,
+            pos: 0,
+            depth: 0,
+            next: 0,
+        }];
+        while let Some(f) = stack.last_mut() {
+            let children = if f.depth == 0 {
+                &root.children
+            } else {
+                match entries.get(&f.key) {
+                    Some(e) => &e.children,
+                    None => unreachable!("a frame's entry is in the map"),
                 }
+            };
+            let rest = &tokens[f.pos..];
+            let Some((len, after)) = children.sealed.candidate(rest.len(), bs, f.next) else {
+                stack.pop();
+                continue;
+            };
+            f.next = after;
+            let toks = &rest[..len as usize];
+            let key = block_key(hasher, f.key, toks, scratch);
+            let hit = entries
+                .get(&key)
+                .filter(|e| e.parent_serial == f.serial && *e.tokens == *toks);
+            trace_block(f.depth, Some(key), hit.is_some());
+            let Some(e) = hit else { continue };
+            let (pos, depth) = (f.pos + len as usize, f.depth + 1);
+            walk.descend(f.depth, BlockRef::new(e.block, len), pos);
+            if pos == tokens.len() {
+                break;
             }
-            let Some((key, len, e)) = found else { break };
-            m.blocks.push(BlockRef::new(e.block, len));
-            p += len as usize;
-            (parent_key, parent_serial, sealed) = (key, e.serial, &e.sealed);
+            // No alternative left here: do not come back (keeps one frame
+            // on a plain chain).
+            if children.sealed.candidate(rest.len(), bs, after).is_none() {
+                stack.pop();
+            }
+            stack.push(Frame {
+                key,
+                serial: e.serial,
+                pos,
+                depth,
+                next: 0,
+            });
         }
-        m.tokens = p;
-        stats.hit_tokens += p as u64;
+        let m = walk.finish();
+        stats.hit_tokens += m.tokens as u64;
         stats.hit_blocks += m.blocks.len() as u64;
         m
     }
@@ -177,102 +239,94 @@ impl<H: BlockHasher> PrefixMatcher for HashChainIndex<H> {
         validate_insert(tokens, blocks, self.block_size)?;
         // Slots handed out again since they were indexed: their old content is gone.
         for b in blocks {
-            if let Some(&Some((old, key))) = self.slots.get(b.block.index() as usize) {
-                if old != b.block {
-                    self.remove_entry(key);
+            if let Some(&(old, key)) = self.slots.get(&b.block.index()) {
+                if old.epoch() < b.block.epoch() {
+                    self.remove_subtree(key);
                 }
             }
         }
         let mut out = Inserted::default();
         let rk = root_key(&self.hasher, extra);
-        let root_serial = match self.roots.get(&rk) {
+        // The parent's (key, serial); `None` while the root does not exist.
+        let mut parent: (BlockHash, Option<u64>) = match self.roots.get(&rk) {
             Some(r) if r.extra != *extra => {
                 out.collisions += 1;
                 self.stats.collisions += 1;
                 return Ok(out);
             }
-            Some(r) => r.serial,
-            None => {
-                let serial = self.serial();
-                self.roots.insert(
-                    rk,
-                    Root {
-                        extra: extra.clone(),
-                        serial,
-                        sealed: Vec::new(),
-                    },
-                );
-                serial
-            }
+            Some(r) => (rk, Some(r.serial)),
+            None => (rk, None),
         };
-        let (mut parent_key, mut parent_serial) = (rk, root_serial);
-        let mut at_root = true;
         let mut p = 0;
         for b in blocks {
             let toks = &tokens[p..p + b.len as usize];
-            let key = block_key(&self.hasher, parent_key, toks, &mut self.scratch);
+            let key = block_key(&self.hasher, parent.0, toks, &mut self.scratch);
             if let Some(e) = self.entries.get(&key) {
-                if e.parent_serial == parent_serial && *e.tokens == *toks {
+                if Some(e.parent_serial) == parent.1 && *e.tokens == *toks {
                     out.already_cached += 1;
                     self.stats.duplicate_blocks += 1;
-                    (parent_key, parent_serial) = (key, e.serial);
-                    at_root = false;
+                    parent = (key, Some(e.serial));
                     p += b.len as usize;
                     continue;
                 }
-                if !self.is_live(e.parent_key, e.parent_serial) {
-                    // Its parent entry is gone: an orphan nobody can reach.
-                    self.remove_entry(key);
-                } else {
-                    out.collisions += 1;
-                    self.stats.collisions += 1;
-                    break;
+                // Every entry is reachable: another prefix owns this key.
+                out.collisions += 1;
+                self.stats.collisions += 1;
+                break;
+            }
+            if self.slots.contains_key(&b.block.index()) {
+                // The same handle is indexed elsewhere, or the slot holds a
+                // newer epoch than the caller's (older ones were removed).
+                out.already_indexed += 1;
+                break;
+            }
+            let parent_serial = match parent.1 {
+                Some(s) => s,
+                None => {
+                    let serial = self.serial();
+                    let root = Root {
+                        extra: extra.clone(),
+                        serial,
+                        children: Children::default(),
+                    };
+                    self.roots.insert(rk, root);
+                    serial
+                }
+            };
+            let serial = self.serial();
+            let (bs, len) = (self.block_size, toks.len());
+            match self.entries.get_mut(&parent.0) {
+                Some(pe) if pe.serial == parent_serial => pe.children.add(key, len, bs),
+                _ => {
+                    if let Some(r) = self.roots.get_mut(&parent.0) {
+                        r.children.add(key, len, bs);
+                    }
                 }
             }
-            let idx = b.block.index() as usize;
-            if idx >= self.slots.len() {
-                self.slots.resize(idx + 1, None);
-            }
-            if let Some((_, old_key)) = self.slots[idx] {
-                // The slot was handed out again: its old content is gone.
-                self.remove_entry(old_key);
-            }
-            let serial = self.serial();
             self.entries.insert(
                 key,
                 Entry {
                     block: b.block,
                     serial,
                     parent_serial,
-                    parent_key,
+                    parent_key: parent.0,
                     tokens: toks.into(),
-                    sealed: Vec::new(),
+                    children: Children::default(),
                 },
             );
-            self.slots[idx] = Some((b.block, key));
-            if (b.len as usize) < self.block_size {
-                let list = if at_root {
-                    self.roots.get_mut(&rk).map(|r| &mut r.sealed)
-                } else {
-                    self.entries.get_mut(&parent_key).map(|e| &mut e.sealed)
-                };
-                if let Some(list) = list {
-                    add_sealed(list, b.len);
-                }
-            }
+            self.slots.insert(b.block.index(), (b.block, key));
             out.new += 1;
             self.stats.inserted_blocks += 1;
-            (parent_key, parent_serial) = (key, serial);
-            at_root = false;
+            parent = (key, Some(serial));
             p += b.len as usize;
         }
         Ok(out)
     }
 
     fn forget(&mut self, block: BlockId) -> bool {
-        match self.slots.get(block.index() as usize) {
-            Some(&Some((id, key))) if id == block => {
-                self.remove_entry(key);
+        match self.slots.get(&block.index()) {
+            Some(&(id, key)) if id == block => {
+                self.remove_subtree(key);
                 true
             }
             _ => false,
@@ -282,7 +336,17 @@ impl<H: BlockHasher> PrefixMatcher for HashChainIndex<H> {
     fn stats(&self) -> MatchStats {
         MatchStats {
             cached_blocks: self.entries.len() as u64,
+            namespaces: self.roots.len() as u64,
             ..self.stats
         }
+    }
+}
+
+impl<H: BlockHasher> std::fmt::Debug for HashChainIndex<H> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HashChainIndex")
+            .field("block_size", &self.block_size)
+            .field("stats", &self.stats())
+            .finish()
     }
 }

@@ -8,6 +8,14 @@ pub enum PrefixError {
     /// Block size zero.
     #[error("prefix index: block size must be greater than zero")]
     ZeroBlockSize,
+    /// Block size above [`MAX_BLOCK_SIZE`](crate::MAX_BLOCK_SIZE).
+    #[error("prefix index: block size {block_size} exceeds the maximum of {max} tokens")]
+    BlockSizeTooLarge {
+        /// The size asked for.
+        block_size: usize,
+        /// The largest supported.
+        max: usize,
+    },
     /// A block passed to `insert` holds no token or more than `block_size`.
     #[error("prefix index: block {block} holds {len} tokens; expected 1..={block_size}")]
     BlockLength {

@@ -15,7 +15,9 @@
 //! * **A hit is verified.** On every hit the stored token ids and the identity
 //!   of the parent entry are compared before a block is handed out: a hash
 //!   collision can cost a miss, never the wrong KV.
-//! * **Lookup walks from the first block and stops at the first miss.**
+//! * **Lookup walks from the first block and stops at the first miss** on
+//!   each path; where sealed and full blocks compete at one place, every
+//!   verified path is followed and the longest wins.
 //! * **Round-aligned blocks.** A caller may *seal* the partial last block of a
 //!   turn (a [`BlockRef`] shorter than the block size). The next turn, whose
 //!   prompt extends this one, hits it; later blocks start after it, so rounds
@@ -29,8 +31,13 @@
 //! * `match_prefix` returns blocks whose tokens equal the query's, in order,
 //!   each verified against its parent; `tokens` is the sum of their lengths.
 //! * An entry forgotten (its block reclaimed) is never returned again, and
-//!   neither is anything that was inserted below it.
-//! * Statistics count tokens: `hit_tokens <= query_tokens`.
+//!   neither is anything that was inserted below it: both are removed at
+//!   once, so memory is bounded by the reachable entries, and a namespace
+//!   with no entry left has no root.
+//! * A block handle is indexed at most once: registering it at a second
+//!   place is refused ([`Inserted::already_indexed`]).
+//! * Statistics count tokens: `hit_tokens <= query_tokens`; `cached_blocks`
+//!   counts reachable entries, the same in every implementation.
 //!
 //! # Observability
 //!
@@ -45,6 +52,7 @@ mod error;
 mod hash;
 mod radix;
 pub mod testing;
+mod walk;
 
 pub use chain::HashChainIndex;
 pub use error::{PrefixError, Result};
@@ -126,6 +134,10 @@ pub struct Inserted {
     /// Blocks not indexed because a different prefix owns their key (a hash
     /// collision); insertion stops there.
     pub collisions: usize,
+    /// Blocks not indexed because the same handle is already indexed at
+    /// another place (a block holds one content, so the first registration
+    /// stays); insertion stops there.
+    pub already_indexed: usize,
 }
 
 /// Counters in tokens and blocks since the index was built.
@@ -145,10 +157,13 @@ pub struct MatchStats {
     pub duplicate_blocks: u64,
     /// Keys found occupied by a different prefix.
     pub collisions: u64,
-    /// Entries removed by `forget` (and by re-use of their block slot).
+    /// Entries removed by `forget` (and by re-use of their block slot),
+    /// including those below a forgotten one.
     pub forgotten_blocks: u64,
-    /// Blocks indexed now.
+    /// Blocks indexed now, every one of them reachable by some query.
     pub cached_blocks: u64,
+    /// Namespaces (root chains) with at least one indexed block.
+    pub namespaces: u64,
 }
 
 impl MatchStats {
@@ -170,13 +185,18 @@ pub trait PrefixMatcher: Send {
     fn block_size(&self) -> usize;
 
     /// The longest verified cached prefix of `tokens` in namespace `extra`.
-    /// Full blocks are preferred; a sealed (shorter) block matches where a
-    /// full one does not.
+    /// Where full and sealed (shorter) blocks compete, every verified path
+    /// is followed and the one covering the most tokens wins; among equally
+    /// long paths, the first in depth-first order with longer blocks tried
+    /// first (so full blocks win ties).
     fn match_prefix(&mut self, tokens: &[u32], extra: &ExtraKeys) -> PrefixMatch;
 
     /// Registers `blocks`, which hold `tokens` from the start in order
     /// (block `i` holds the `len_i` tokens after blocks `0..i`). Blocks
-    /// already indexed are kept; their chain is followed.
+    /// already indexed at their place are kept; their chain is followed. A
+    /// handle already indexed at another place is refused and insertion
+    /// stops there ([`Inserted::already_indexed`]); a handle of a slot that
+    /// holds an older epoch in the index replaces it (the pool reused it).
     ///
     /// Errors (nothing is changed): a block length of 0 or above the block
     /// size, blocks covering more tokens than given, a block listed twice.
@@ -187,10 +207,10 @@ pub trait PrefixMatcher: Send {
         blocks: &[BlockRef],
     ) -> Result<Inserted>;
 
-    /// The pool reclaimed (or freed for good) this block: drop its entry,
-    /// which makes everything inserted below it unreachable. A handle whose
-    /// epoch differs from the indexed one is ignored. Returns whether an
-    /// entry was removed.
+    /// The pool reclaimed (or freed for good) this block: drop its entry
+    /// and everything inserted below it. A handle whose epoch differs from
+    /// the indexed one is ignored. Returns whether the handle was indexed
+    /// (its entry was removed). Cost: the entries removed, plus O(1).
     fn forget(&mut self, block: BlockId) -> bool;
 
     /// Counters.
@@ -269,6 +289,23 @@ where
         }
     }
     Ok(m)
+}
+
+/// Largest block size an index accepts, in tokens.
+pub const MAX_BLOCK_SIZE: usize = 1 << 20;
+
+/// Checks a block size (shared by both indexes).
+pub(crate) fn check_block_size(block_size: usize) -> Result<()> {
+    if block_size == 0 {
+        return Err(PrefixError::ZeroBlockSize);
+    }
+    if block_size > MAX_BLOCK_SIZE {
+        return Err(PrefixError::BlockSizeTooLarge {
+            block_size,
+            max: MAX_BLOCK_SIZE,
+        });
+    }
+    Ok(())
 }
 
 /// Checks an insertion's arguments before anything changes (shared by both

@@ -8,9 +8,10 @@ use std::collections::HashMap;
 
 use xxhash_rust::xxh3::Xxh3DefaultBuilder;
 
+use crate::walk::{SealedLens, Walk};
 use crate::{
-    BlockId, BlockRef, ExtraKeys, Inserted, MatchStats, PrefixError, PrefixMatch, PrefixMatcher,
-    Result, trace_block, validate_insert,
+    BlockId, BlockRef, ExtraKeys, Inserted, MatchStats, PrefixMatch, PrefixMatcher, Result,
+    check_block_size, trace_block, validate_insert,
 };
 
 type NodeId = u32;
@@ -24,8 +25,10 @@ struct Node {
     tokens: Vec<u32>,
     /// Children keyed by the tokens of their first block.
     children: HashMap<Box<[u32]>, NodeId, Xxh3DefaultBuilder>,
-    /// Lengths of sealed (short) first blocks among the children, longest first.
-    sealed: Vec<u32>,
+    /// Lengths of sealed (short) first blocks among the children.
+    sealed: SealedLens,
+    /// For a root: its namespace (to remove it once it has no children).
+    namespace: Option<Box<ExtraKeys>>,
 }
 
 impl Node {
@@ -45,27 +48,40 @@ pub struct RadixIndex {
     nodes: Vec<Node>,
     free_nodes: Vec<NodeId>,
     roots: HashMap<ExtraKeys, NodeId, Xxh3DefaultBuilder>,
-    /// Block index -> (handle, node whose edge holds it).
-    slots: Vec<Option<(BlockId, NodeId)>>,
+    /// Block slot index -> (handle, node whose edge holds it).
+    slots: HashMap<u32, (BlockId, NodeId), Xxh3DefaultBuilder>,
     cached: u64,
     stats: MatchStats,
+}
+
+/// One node of the depth-first match: reached at `pos` tokens, `depth`
+/// blocks deep, trying its candidate `next`.
+struct Frame {
+    node: NodeId,
+    pos: usize,
+    depth: usize,
+    next: usize,
 }
 
 impl RadixIndex {
     /// An empty tree.
     pub fn new(block_size: usize) -> Result<Self> {
-        if block_size == 0 {
-            return Err(PrefixError::ZeroBlockSize);
-        }
+        check_block_size(block_size)?;
         Ok(RadixIndex {
             block_size,
             nodes: Vec::new(),
             free_nodes: Vec::new(),
             roots: HashMap::default(),
-            slots: Vec::new(),
+            slots: HashMap::default(),
             cached: 0,
             stats: MatchStats::default(),
         })
+    }
+
+    /// Nodes in use (roots included): bounded by the indexed blocks plus the
+    /// namespaces that have any.
+    pub fn live_nodes(&self) -> usize {
+        self.nodes.len() - self.free_nodes.len()
     }
 
     fn alloc_node(&mut self, node: Node) -> NodeId {
@@ -81,6 +97,11 @@ impl RadixIndex {
         }
     }
 
+    fn free_node(&mut self, id: NodeId) {
+        *self.node_mut(id) = Node::default();
+        self.free_nodes.push(id);
+    }
+
     fn node(&self, id: NodeId) -> &Node {
         &self.nodes[id as usize]
     }
@@ -90,42 +111,47 @@ impl RadixIndex {
     }
 
     fn set_slot(&mut self, b: BlockRef, node: NodeId) {
-        let idx = b.block.index() as usize;
-        if idx >= self.slots.len() {
-            self.slots.resize(idx + 1, None);
-        }
-        self.slots[idx] = Some((b.block, node));
+        self.slots.insert(b.block.index(), (b.block, node));
     }
 
     fn clear_slot(&mut self, b: BlockRef) {
-        if let Some(slot) = self.slots.get_mut(b.block.index() as usize) {
-            if matches!(*slot, Some((id, _)) if id == b.block) {
-                *slot = None;
-            }
+        if matches!(self.slots.get(&b.block.index()), Some(&(id, _)) if id == b.block) {
+            self.slots.remove(&b.block.index());
         }
         self.cached -= 1;
         self.stats.forgotten_blocks += 1;
     }
 
-    /// Recomputes a node's sealed-length list from its children's keys.
-    fn refresh_sealed(&mut self, id: NodeId) {
+    /// Adds `child` (whose first block has `len` tokens) under `parent`.
+    fn attach(&mut self, parent: NodeId, key: Box<[u32]>, child: NodeId) {
+        let (bs, len) = (self.block_size, key.len());
+        let p = self.node_mut(parent);
+        p.children.insert(key, child);
+        if len < bs {
+            p.sealed.add(len as u32);
+        }
+    }
+
+    /// Removes the child keyed `key` from `parent`; a root left without
+    /// children is removed too.
+    fn detach(&mut self, parent: NodeId, key: &[u32]) {
         let bs = self.block_size;
-        let n = self.node_mut(id);
-        let mut lens: Vec<u32> = n
-            .children
-            .keys()
-            .map(|k| k.len() as u32)
-            .filter(|&l| (l as usize) < bs)
-            .collect();
-        lens.sort_unstable_by(|a, b| b.cmp(a));
-        lens.dedup();
-        n.sealed = lens;
+        let p = self.node_mut(parent);
+        if p.children.remove(key).is_some() && key.len() < bs {
+            p.sealed.remove(key.len() as u32);
+        }
+        if p.parent == NO_PARENT && p.children.is_empty() {
+            if let Some(ns) = p.namespace.take() {
+                self.roots.remove(&*ns);
+            }
+            self.free_node(parent);
+        }
     }
 
     /// Frees every node below `id` (not `id` itself) and their slots.
     fn drop_subtree(&mut self, id: NodeId) {
         let mut stack: Vec<NodeId> = self.node_mut(id).children.drain().map(|(_, c)| c).collect();
-        self.node_mut(id).sealed.clear();
+        self.node_mut(id).sealed = SealedLens::default();
         while let Some(c) = stack.pop() {
             let node = std::mem::take(self.node_mut(c));
             stack.extend(node.children.into_values());
@@ -149,17 +175,15 @@ impl RadixIndex {
             )
         };
         let tail_key: Box<[u32]> = self.node(child).first_key().into();
-        let mut children = HashMap::default();
-        children.insert(tail_key, child);
         let mid = self.alloc_node(Node {
             parent,
             blocks: head_blocks,
             tokens: head_tokens,
-            children,
-            sealed: Vec::new(),
+            ..Node::default()
         });
-        self.refresh_sealed(mid);
+        self.attach(mid, tail_key, child);
         self.node_mut(child).parent = mid;
+        // Same first block, same key and length: the parent's sealed counts hold.
         if let Some(slot) = self.node_mut(parent).children.get_mut(&key) {
             *slot = mid;
         }
@@ -179,48 +203,61 @@ impl PrefixMatcher for RadixIndex {
         let bs = self.block_size;
         self.stats.queries += 1;
         self.stats.query_tokens += tokens.len() as u64;
-        let mut m = PrefixMatch::default();
         let Some(&root) = self.roots.get(extra) else {
             trace_block(0, None, false);
-            return m;
+            return PrefixMatch::default();
         };
-        let mut node = self.node(root);
-        let mut p = 0;
-        'walk: loop {
-            let rest = &tokens[p..];
-            let full = (rest.len() >= bs).then_some(bs as u32);
-            let child = full
-                .into_iter()
-                .chain(
-                    node.sealed
-                        .iter()
-                        .copied()
-                        .filter(|&l| l as usize <= rest.len()),
-                )
-                .find_map(|len| node.children.get(&rest[..len as usize]));
-            trace_block(m.blocks.len(), None, child.is_some());
-            let Some(&c) = child else { break };
-            node = self.node(c);
+        let mut walk = Walk::default();
+        let mut stack = vec![Frame {
+            node: root,
+            pos: 0,
+            depth: 0,
+            next: 0,
+        }];
+        'frames: while let Some(f) = stack.last_mut() {
+            let node = self.node(f.node);
+            let rest = &tokens[f.pos..];
+            let Some((len, after)) = node.sealed.candidate(rest.len(), bs, f.next) else {
+                stack.pop();
+                continue;
+            };
+            f.next = after;
+            let child = node.children.get(&rest[..len as usize]).copied();
+            trace_block(f.depth, None, child.is_some());
+            let Some(c) = child else { continue };
+            let (start, depth0) = (f.pos, f.depth);
+            let more = node.sealed.candidate(rest.len(), bs, after).is_some();
+            let edge = self.node(c);
             let mut off = 0;
-            for (j, b) in node.blocks.iter().enumerate() {
+            for (j, b) in edge.blocks.iter().enumerate() {
                 let l = b.len as usize;
                 // The first block was verified by the child lookup.
                 let same = j == 0
-                    || (rest.len() >= off + l && rest[off..off + l] == node.tokens[off..off + l]);
+                    || (rest.len() >= off + l && rest[off..off + l] == edge.tokens[off..off + l]);
                 if j > 0 {
-                    trace_block(m.blocks.len(), None, same);
+                    trace_block(depth0 + j, None, same);
                 }
                 if !same {
-                    p += off;
-                    break 'walk;
+                    continue 'frames;
                 }
-                m.blocks.push(*b);
                 off += l;
+                walk.descend(depth0 + j, *b, start + off);
             }
-            p += off;
+            if start + off == tokens.len() {
+                break;
+            }
+            if !more {
+                stack.pop();
+            }
+            stack.push(Frame {
+                node: c,
+                pos: start + off,
+                depth: depth0 + edge.blocks.len(),
+                next: 0,
+            });
         }
-        m.tokens = p;
-        self.stats.hit_tokens += p as u64;
+        let m = walk.finish();
+        self.stats.hit_tokens += m.tokens as u64;
         self.stats.hit_blocks += m.blocks.len() as u64;
         m
     }
@@ -234,32 +271,42 @@ impl PrefixMatcher for RadixIndex {
         validate_insert(tokens, blocks, self.block_size)?;
         // Slots handed out again since they were indexed: their old content is gone.
         for b in blocks {
-            if let Some(Some((old, _))) = self.slots.get(b.block.index() as usize) {
-                if *old != b.block {
-                    let old = *old;
+            if let Some(&(old, _)) = self.slots.get(&b.block.index()) {
+                if old.epoch() < b.block.epoch() {
                     self.forget(old);
                 }
             }
         }
         let mut out = Inserted::default();
-        let mut node = match self.roots.get(extra) {
+        let root = match self.roots.get(extra) {
             Some(&r) => r,
             None => {
                 let r = self.alloc_node(Node {
                     parent: NO_PARENT,
+                    namespace: Some(Box::new(extra.clone())),
                     ..Node::default()
                 });
                 self.roots.insert(extra.clone(), r);
                 r
             }
         };
-        let (mut i, mut p) = (0, 0);
+        let (mut node, mut i, mut p) = (root, 0, 0);
         while i < blocks.len() {
             let len = blocks[i].len as usize;
             let child = self.node(node).children.get(&tokens[p..p + len]).copied();
             let Some(c) = child else {
-                // A new leaf with every remaining block.
+                // A new leaf with the remaining blocks, up to the first one
+                // whose handle is indexed elsewhere (or newer in the index).
                 let rest = &blocks[i..];
+                let keep = rest
+                    .iter()
+                    .position(|b| self.slots.contains_key(&b.block.index()))
+                    .unwrap_or(rest.len());
+                out.already_indexed += usize::from(keep < rest.len());
+                if keep == 0 {
+                    break;
+                }
+                let rest = &rest[..keep];
                 let end = p + rest.iter().map(|b| b.len as usize).sum::<usize>();
                 let leaf = self.alloc_node(Node {
                     parent: node,
@@ -267,12 +314,7 @@ impl PrefixMatcher for RadixIndex {
                     tokens: tokens[p..end].to_vec(),
                     ..Node::default()
                 });
-                self.node_mut(node)
-                    .children
-                    .insert(tokens[p..p + len].into(), leaf);
-                if len < self.block_size {
-                    self.refresh_sealed(node);
-                }
+                self.attach(node, tokens[p..p + len].into(), leaf);
                 for &b in rest {
                     self.set_slot(b, leaf);
                 }
@@ -302,13 +344,18 @@ impl PrefixMatcher for RadixIndex {
                 break;
             }
         }
+        if self.node(root).children.is_empty() {
+            // Nothing was added to a new namespace.
+            self.roots.remove(extra);
+            self.free_node(root);
+        }
         self.stats.inserted_blocks += out.new as u64;
         self.stats.duplicate_blocks += out.already_cached as u64;
         Ok(out)
     }
 
     fn forget(&mut self, block: BlockId) -> bool {
-        let Some(&Some((id, node))) = self.slots.get(block.index() as usize) else {
+        let Some(&(id, node)) = self.slots.get(&block.index()) else {
             return false;
         };
         if id != block {
@@ -333,10 +380,8 @@ impl PrefixMatcher for RadixIndex {
         }
         if pos == 0 {
             let parent = self.node(node).parent;
-            self.node_mut(parent).children.remove(&key);
-            self.refresh_sealed(parent);
-            *self.node_mut(node) = Node::default();
-            self.free_nodes.push(node);
+            self.free_node(node);
+            self.detach(parent, &key);
         }
         true
     }
@@ -344,7 +389,44 @@ impl PrefixMatcher for RadixIndex {
     fn stats(&self) -> MatchStats {
         MatchStats {
             cached_blocks: self.cached,
+            namespaces: self.roots.len() as u64,
             ..self.stats
         }
+    }
+}
+
+impl std::fmt::Debug for RadixIndex {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RadixIndex")
+            .field("block_size", &self.block_size)
+            .field("live_nodes", &self.live_nodes())
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nodes_are_bounded_by_live_entries_across_many_namespaces() {
+        let mut idx = RadixIndex::new(4).unwrap();
+        let t: Vec<u32> = (0..4).collect();
+        for i in 0..100_000u32 {
+            // 8 pool slots, each reused with a new epoch by the next tenant.
+            let b = BlockId::new(i % 8, i / 8 + 1);
+            let e = ExtraKeys::namespace(format!("tenant-{i}"));
+            idx.insert(&t, &e, &[BlockRef::new(b, 4)]).unwrap();
+        }
+        assert_eq!(idx.stats().namespaces, 8);
+        assert_eq!(idx.stats().cached_blocks, 8);
+        assert_eq!(idx.live_nodes(), 16, "8 roots and 8 leaves");
+        assert!(
+            idx.nodes.len() <= 18,
+            "freed nodes are reused: {}",
+            idx.nodes.len()
+        );
     }
 }

@@ -24,6 +24,12 @@ pub fn check_matcher<M: PrefixMatcher>(make: impl Fn(usize) -> M) {
     a_reused_slot_replaces_its_old_content(make(4));
     bad_insertions_are_errors_and_change_nothing(make(4));
     block_size_one_works(make(1));
+    a_handle_is_indexed_at_most_once(make(4));
+    a_stale_handle_never_replaces_a_newer_one(make(4));
+    forget_removes_the_subtree_and_counts_agree(make(4));
+    empty_namespaces_leave_nothing_behind(make(4));
+    the_longest_path_wins_when_sealed_and_full_blocks_compete(make(8));
+    equal_paths_prefer_full_blocks(make(4));
 }
 
 /// A handle for tests: slot `i`, epoch `e`.
@@ -137,10 +143,15 @@ fn forgotten_blocks_end_the_match<M: PrefixMatcher>(mut m: M) {
         vec![block(0), block(1)],
         "block 3 hangs below the forgotten one"
     );
-    // Whether entries below a forgotten one are dropped now or when their own
-    // block is reclaimed is up to the index; they are unreachable either way.
-    assert!(m.forget_all(&[block(0), block(1)]) >= 1);
+    assert!(!m.forget(block(3)), "removed with the entry above it");
+    assert_eq!(m.stats().cached_blocks, 2);
+    assert_eq!(
+        m.forget_all(&[block(0), block(1)]),
+        1,
+        "block 1 went with block 0"
+    );
     assert_eq!(m.match_prefix(&seq(0..16), &e).tokens, 0);
+    assert_eq!(m.stats().cached_blocks, 0);
 }
 
 fn reinsertion_after_forget_is_reachable_again<M: PrefixMatcher>(mut m: M) {
@@ -179,15 +190,20 @@ fn sealed_blocks_hit_on_the_next_turn<M: PrefixMatcher>(mut m: M) {
     m.insert(&turn2, &e, &blocks).expect("insert");
     let turn3 = seq(0..20);
     assert_eq!(m.match_prefix(&turn3, &e).blocks, blocks);
-    // A full block wins over a sealed one at the same place.
+    // A competing full block at the same place does not cut the match
+    // short: the sealed path is longer.
     m.insert(
         &turn3,
         &e,
         &[BlockRef::new(block(0), 4), BlockRef::new(block(9), 4)],
     )
     .expect("insert");
-    let r = m.match_prefix(&turn3, &e);
-    assert_eq!(ids(&r)[..2], [block(0), block(9)]);
+    assert_eq!(m.match_prefix(&turn3, &e).blocks, blocks);
+    // Where the full block's path is the longer one, it wins.
+    assert_eq!(
+        ids(&m.match_prefix(&seq(0..9), &e)),
+        vec![block(0), block(9)]
+    );
     // A sealed block needs all its tokens.
     assert_eq!(m.match_prefix(&seq(0..5), &e).tokens, 4);
 }
@@ -266,4 +282,133 @@ fn block_size_one_works<M: PrefixMatcher>(mut m: M) {
         .expect("insert");
     assert_eq!(m.match_prefix(&[7, 8, 1], &e).tokens, 2);
     assert_eq!(m.match_prefix(&[8], &e).tokens, 0);
+}
+
+fn a_handle_is_indexed_at_most_once<M: PrefixMatcher>(mut m: M) {
+    let e = ExtraKeys::default();
+    m.insert(&seq(0..8), &e, &full_blocks(0, 2, 4))
+        .expect("insert");
+    // Block 1 again, under another first block: refused, insertion stops.
+    let other = [
+        BlockRef::new(block(5), 4),
+        BlockRef::new(block(1), 4),
+        BlockRef::new(block(6), 4),
+    ];
+    let ins = m.insert(&seq(100..112), &e, &other).expect("insert");
+    assert_eq!((ins.new, ins.already_indexed), (1, 1), "{ins:?}");
+    assert_eq!(ids(&m.match_prefix(&seq(100..112), &e)), vec![block(5)]);
+    assert_eq!(m.stats().cached_blocks, 3);
+    // Forgetting it removes its one entry, and the first path ends there.
+    assert!(m.forget(block(1)));
+    assert_eq!(ids(&m.match_prefix(&seq(0..8), &e)), vec![block(0)]);
+    assert!(!m.forget(block(1)), "it was indexed once");
+    assert_eq!(m.stats().cached_blocks, 2);
+}
+
+fn a_stale_handle_never_replaces_a_newer_one<M: PrefixMatcher>(mut m: M) {
+    let e = ExtraKeys::default();
+    let newer = BlockId::new(3, 7);
+    m.insert(&seq(0..4), &e, &[BlockRef::new(newer, 4)])
+        .expect("insert");
+    let stale = BlockId::new(3, 6);
+    let ins = m
+        .insert(&seq(50..54), &e, &[BlockRef::new(stale, 4)])
+        .expect("insert");
+    assert_eq!((ins.new, ins.already_indexed), (0, 1));
+    assert_eq!(ids(&m.match_prefix(&seq(0..4), &e)), vec![newer]);
+    assert_eq!(m.match_prefix(&seq(50..54), &e).tokens, 0);
+}
+
+fn forget_removes_the_subtree_and_counts_agree<M: PrefixMatcher>(mut m: M) {
+    let e = ExtraKeys::default();
+    // A tree: 0 -> 1 -> {2 -> 3, 4}.
+    m.insert(&seq(0..16), &e, &full_blocks(0, 4, 4))
+        .expect("insert");
+    let mut t = seq(0..8);
+    t.extend(100..104);
+    m.insert(
+        &t,
+        &e,
+        &[
+            BlockRef::new(block(0), 4),
+            BlockRef::new(block(1), 4),
+            BlockRef::new(block(4), 4),
+        ],
+    )
+    .expect("insert");
+    assert_eq!(m.stats().cached_blocks, 5);
+    let before = m.stats().forgotten_blocks;
+    assert!(m.forget(block(1)));
+    let s = m.stats();
+    assert_eq!(s.cached_blocks, 1, "1, 2, 3 and 4 are gone");
+    assert_eq!(s.forgotten_blocks - before, 4);
+    for b in [1, 2, 3, 4] {
+        assert!(!m.forget(block(b)), "block {b} is no longer indexed");
+    }
+    // Its slots are free for other content at once.
+    let ins = m
+        .insert(&seq(200..204), &e, &[BlockRef::new(block(3), 4)])
+        .expect("insert");
+    assert_eq!(ins.new, 1);
+}
+
+fn empty_namespaces_leave_nothing_behind<M: PrefixMatcher>(mut m: M) {
+    for i in 0..100u32 {
+        let e = ExtraKeys::namespace(format!("tenant-{i}"));
+        // Eight pool slots, reused with a new epoch by each tenant.
+        let b = BlockId::new(i % 8, i + 1);
+        m.insert(&seq(0..4), &e, &[BlockRef::new(b, 4)])
+            .expect("insert");
+    }
+    let s = m.stats();
+    assert_eq!((s.cached_blocks, s.namespaces), (8, 8), "{s:?}");
+    for i in 92..100u32 {
+        assert!(m.forget(BlockId::new(i % 8, i + 1)));
+    }
+    let s = m.stats();
+    assert_eq!((s.cached_blocks, s.namespaces), (0, 0), "{s:?}");
+    // An insertion that adds nothing leaves no namespace behind either.
+    let e = ExtraKeys::namespace("empty");
+    m.insert(&seq(0..2), &e, &[]).expect("insert");
+    assert_eq!(m.stats().namespaces, 0);
+}
+
+fn the_longest_path_wins_when_sealed_and_full_blocks_compete<M: PrefixMatcher>(mut m: M) {
+    let e = ExtraKeys::default();
+    // Turn 1, sealed: [0..8) full, [8..10) sealed, [10..18) full.
+    let turn = seq(0..18);
+    let sealed = [
+        BlockRef::new(block(0), 8),
+        BlockRef::new(block(1), 2),
+        BlockRef::new(block(2), 8),
+    ];
+    m.insert(&turn, &e, &sealed).expect("insert");
+    // Another request cached [8..16) as a full block after the same first one.
+    m.insert(
+        &seq(0..16),
+        &e,
+        &[BlockRef::new(block(0), 8), BlockRef::new(block(3), 8)],
+    )
+    .expect("insert");
+    let r = m.match_prefix(&seq(0..30), &e);
+    assert_eq!(r.tokens, 18, "{r:?}");
+    assert_eq!(r.blocks, sealed);
+}
+
+fn equal_paths_prefer_full_blocks<M: PrefixMatcher>(mut m: M) {
+    let e = ExtraKeys::default();
+    m.insert(&seq(0..8), &e, &full_blocks(0, 2, 4))
+        .expect("insert");
+    let halves = [
+        BlockRef::new(block(0), 4),
+        BlockRef::new(block(5), 2),
+        BlockRef::new(block(6), 2),
+    ];
+    m.insert(&seq(0..8), &e, &halves).expect("insert");
+    assert_eq!(
+        ids(&m.match_prefix(&seq(0..8), &e)),
+        vec![block(0), block(1)]
+    );
+    assert!(m.forget(block(1)));
+    assert_eq!(m.match_prefix(&seq(0..8), &e).blocks, halves);
 }

@@ -32,9 +32,32 @@ fn boxed_dyn_matchers_pass_the_conformance_suite() {
 }
 
 #[test]
-fn zero_block_size_is_rejected() {
+fn bad_block_sizes_are_rejected() {
     assert!(HashChainIndex::new(0).is_err());
     assert!(RadixIndex::new(0).is_err());
+    for bs in [kvforge_prefix::MAX_BLOCK_SIZE + 1, usize::MAX / 8] {
+        let e = HashChainIndex::with_seed(bs, 1).unwrap_err();
+        assert!(e.to_string().contains("exceeds the maximum"), "{e}");
+        assert!(RadixIndex::new(bs).is_err());
+    }
+}
+
+#[test]
+fn a_block_slot_near_u32_max_costs_one_entry() {
+    // Slot tables are maps: memory follows live entries, not the largest slot.
+    for mut idx in [
+        Box::new(HashChainIndex::with_seed(2, 1).unwrap()) as Box<dyn PrefixMatcher>,
+        Box::new(RadixIndex::new(2).unwrap()),
+    ] {
+        let e = ExtraKeys::default();
+        let b = BlockId::new(u32::MAX - 1, 1);
+        idx.insert(&[1, 2], &e, &[BlockRef::new(b, 2)]).unwrap();
+        assert_eq!(
+            idx.match_prefix(&[1, 2], &e).blocks,
+            vec![BlockRef::new(b, 2)]
+        );
+        assert!(idx.forget(b));
+    }
 }
 
 /// Every key is the same: the worst possible hash function.
@@ -117,31 +140,48 @@ struct Model {
 }
 
 impl Model {
+    /// The longest path, trying longer blocks first; ties keep the first.
     fn match_prefix(&self, tokens: &[u32], e: &ExtraKeys) -> PrefixMatch {
-        let mut m = PrefixMatch::default();
-        let mut path: Vec<Vec<u32>> = Vec::new();
-        'walk: loop {
-            let rest = &tokens[m.tokens..];
-            for len in (1..=self.bs.min(rest.len())).rev() {
-                path.push(rest[..len].to_vec());
-                if let Some(&b) = self.paths.get(&(e.clone(), path.clone())) {
-                    m.blocks.push(BlockRef::new(b, len as u32));
-                    m.tokens += len;
-                    continue 'walk;
+        let mut best = PrefixMatch::default();
+        self.walk(tokens, e, &mut Vec::new(), &mut Vec::new(), &mut best);
+        best
+    }
+
+    fn walk(
+        &self,
+        tokens: &[u32],
+        e: &ExtraKeys,
+        path: &mut Vec<Vec<u32>>,
+        refs: &mut Vec<BlockRef>,
+        best: &mut PrefixMatch,
+    ) {
+        let pos: usize = refs.iter().map(|b| b.len as usize).sum();
+        let rest = &tokens[pos..];
+        for len in (1..=self.bs.min(rest.len())).rev() {
+            path.push(rest[..len].to_vec());
+            if let Some(&b) = self.paths.get(&(e.clone(), path.clone())) {
+                refs.push(BlockRef::new(b, len as u32));
+                if pos + len > best.tokens {
+                    *best = PrefixMatch {
+                        blocks: refs.clone(),
+                        tokens: pos + len,
+                    };
                 }
-                path.pop();
+                self.walk(tokens, e, path, refs, best);
+                refs.pop();
             }
-            return m;
+            path.pop();
         }
     }
 
-    fn insert(&mut self, tokens: &[u32], e: &ExtraKeys, blocks: &[BlockRef]) {
-        // A reused slot drops whatever it held before.
+    /// Returns whether a block was refused (its handle indexed elsewhere).
+    fn insert(&mut self, tokens: &[u32], e: &ExtraKeys, blocks: &[BlockRef]) -> bool {
+        // A reused slot (newer epoch) drops whatever it held before.
         for b in blocks {
             let stale: Vec<BlockId> = self
                 .paths
                 .values()
-                .filter(|v| v.index() == b.block.index() && **v != b.block)
+                .filter(|v| v.index() == b.block.index() && v.epoch() < b.block.epoch())
                 .copied()
                 .collect();
             for s in stale {
@@ -153,10 +193,17 @@ impl Model {
         for b in blocks {
             path.push(tokens[p..p + b.len as usize].to_vec());
             p += b.len as usize;
-            self.paths
-                .entry((e.clone(), path.clone()))
-                .or_insert(b.block);
+            let key = (e.clone(), path.clone());
+            if self.paths.contains_key(&key) {
+                continue;
+            }
+            if self.paths.values().any(|v| v.index() == b.block.index()) {
+                // Indexed elsewhere (or newer): refused, insertion stops.
+                return true;
+            }
+            self.paths.insert(key, b.block);
         }
+        false
     }
 
     fn forget(&mut self, block: BlockId) {
@@ -170,6 +217,13 @@ impl Model {
         };
         self.paths
             .retain(|(e, p), _| !(*e == key.0 && p.starts_with(&key.1)));
+    }
+
+    fn namespaces(&self) -> usize {
+        let mut ns: Vec<&ExtraKeys> = self.paths.keys().map(|(e, _)| e).collect();
+        ns.sort_by(|a, b| a.namespace.cmp(&b.namespace));
+        ns.dedup();
+        ns.len()
     }
 }
 
@@ -190,6 +244,13 @@ enum Op {
     },
     Forget {
         slot: u32,
+    },
+    /// Insert a sequence whose first new block reuses a handle the index
+    /// already holds elsewhere (must be refused).
+    Alias {
+        ns: u8,
+        parts: Vec<u8>,
+        pick: usize,
     },
 }
 
@@ -215,6 +276,8 @@ fn op() -> impl Strategy<Value = Op> {
         (0u8..2, parts, prop::collection::vec(0u32..3, 0..3))
             .prop_map(|(ns, parts, extra)| Op::Match { ns, parts, extra }),
         (0u32..60).prop_map(|slot| Op::Forget { slot }),
+        (0u8..2, prop::collection::vec(0u8..4, 1..6), any::<usize>())
+            .prop_map(|(ns, parts, pick)| Op::Alias { ns, parts, pick }),
     ]
 }
 
@@ -258,9 +321,35 @@ proptest! {
                     epoch += 1;
                     let mut blocks = hit.blocks.clone();
                     blocks.extend(layout_blocks(t.len() - hit.tokens, bs, seal, first + 100, epoch, &hit.blocks));
-                    chain.insert(&t, &e, &blocks).unwrap();
-                    radix.insert(&t, &e, &blocks).unwrap();
-                    model.insert(&t, &e, &blocks);
+                    let (c, r) = (chain.insert(&t, &e, &blocks).unwrap(), radix.insert(&t, &e, &blocks).unwrap());
+                    prop_assert_eq!(c, r);
+                    prop_assert!(!model.insert(&t, &e, &blocks));
+                }
+                Op::Alias { ns, parts, pick } => {
+                    let e = ExtraKeys::namespace(format!("ns{ns}"));
+                    let t = tokens_of(&parts);
+                    let held: Vec<BlockId> = model.paths.values().copied().collect();
+                    if held.is_empty() || t.len() < bs {
+                        continue;
+                    }
+                    let hit = model.match_prefix(&t, &e);
+                    let alias = held[pick % held.len()];
+                    if hit.blocks.iter().any(|h| h.block == alias) {
+                        continue;
+                    }
+                    epoch += 1;
+                    let mut avoid = hit.blocks.clone();
+                    avoid.push(BlockRef::new(alias, 1));
+                    let mut fresh = layout_blocks(t.len() - hit.tokens, bs, true, 140, epoch, &avoid);
+                    let Some(first) = fresh.first_mut() else { continue };
+                    first.block = alias;
+                    let mut blocks = hit.blocks.clone();
+                    blocks.extend(fresh);
+                    let (c, r) = (chain.insert(&t, &e, &blocks).unwrap(), radix.insert(&t, &e, &blocks).unwrap());
+                    prop_assert_eq!(c, r);
+                    // Refused unless reusing a slot removed the alias first.
+                    let refused = model.insert(&t, &e, &blocks);
+                    prop_assert_eq!(c.already_indexed, usize::from(refused));
                 }
                 Op::Match { ns, parts, extra } => {
                     let e = ExtraKeys::namespace(format!("ns{ns}"));
@@ -280,6 +369,9 @@ proptest! {
                 }
             }
             prop_assert_eq!(radix.stats().cached_blocks as usize, model.paths.len());
+            prop_assert_eq!(chain.stats().cached_blocks as usize, model.paths.len());
+            prop_assert_eq!(radix.stats().namespaces as usize, model.namespaces());
+            prop_assert_eq!(chain.stats().namespaces as usize, model.namespaces());
         }
     }
 }
@@ -359,49 +451,179 @@ fn acquire_prefix_gives_back_references_on_error() {
     );
 }
 
-/// A `MakeWriter` that collects log output in memory.
-#[derive(Clone, Default)]
-struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+// ----------------------------------------------------------------------------
+// Safety against the true block contents, through a real pool.
 
-impl std::io::Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
+/// One request of the content test.
+#[derive(Clone, Debug)]
+struct Request {
+    ns: u8,
+    parts: Vec<u8>,
+    seal: bool,
+    /// Forget a random indexed block too (as if freed for good).
+    forget: Option<usize>,
+}
+
+fn request() -> impl Strategy<Value = Request> {
+    (
+        0u8..4,
+        prop::collection::vec(0u8..4, 1..7),
+        any::<bool>(),
+        prop::option::weighted(0.1, any::<usize>()),
+    )
+        .prop_map(|(ns, parts, seal, forget)| Request {
+            ns,
+            parts,
+            seal,
+            forget,
+        })
+}
+
+/// Serves `reqs` through `idx` over a small pool, as an engine would:
+/// acquire the cached prefix, allocate the rest, register, release. Every
+/// acquired block must hold exactly the query's tokens at its place in the
+/// query's namespace (its true content, tracked here per handle). With
+/// `strict`, reclaimed blocks are forwarded to `forget`; without, the index
+/// learns of them only through `acquire_prefix` (stale epochs).
+/// Returns the tokens reused per request.
+fn serve(idx: &mut dyn PrefixMatcher, reqs: &[Request], strict: bool) -> Vec<usize> {
+    let bs = idx.block_size();
+    let pool = pool(12);
+    let mut truth: HashMap<BlockId, (u8, Vec<u32>)> = HashMap::new();
+    let mut indexed: Vec<BlockId> = Vec::new();
+    let mut reused = Vec::new();
+    for r in reqs {
+        let e = ExtraKeys::namespace(format!("ns{}", r.ns));
+        let t = tokens_of(&r.parts);
+        let m = acquire_prefix(idx, &pool, &t, &e).unwrap();
+        let mut end = 0;
+        for b in &m.blocks {
+            end += b.len as usize;
+            let want = (r.ns, t[..end].to_vec());
+            assert_eq!(
+                truth.get(&b.block),
+                Some(&want),
+                "wrong KV for {:?}",
+                b.block
+            );
+        }
+        let mut lens = vec![bs; (t.len() - m.tokens) / bs];
+        if r.seal && (t.len() - m.tokens) % bs > 0 {
+            lens.push((t.len() - m.tokens) % bs);
+        }
+        let mut held: Vec<BlockId> = m.blocks.iter().map(|b| b.block).collect();
+        let Some(a) = pool.allocate(lens.len()) else {
+            pool.release_sequence(&held).unwrap();
+            reused.push(0);
+            continue;
+        };
+        if strict {
+            idx.forget_all(&a.reclaimed);
+        }
+        let mut blocks = m.blocks.clone();
+        for (&b, &len) in a.blocks.iter().zip(&lens) {
+            end += len;
+            truth.insert(b, (r.ns, t[..end].to_vec()));
+            blocks.push(BlockRef::new(b, len as u32));
+        }
+        idx.insert(&t, &e, &blocks).unwrap();
+        held.extend(&a.blocks);
+        for &b in &held {
+            pool.mark_cached(b).unwrap();
+        }
+        indexed.extend(&a.blocks);
+        if let (Some(k), false) = (r.forget, indexed.is_empty()) {
+            idx.forget(indexed[k % indexed.len()]);
+        }
+        pool.release_sequence(&held).unwrap();
+        reused.push(m.tokens);
     }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
+    assert_eq!(pool.stats().in_use, 0, "every reference was given back");
+    reused
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    #[test]
+    fn no_wrong_kv_and_both_indexes_agree(
+        bs in 1usize..5,
+        strict in any::<bool>(),
+        reqs in prop::collection::vec(request(), 1..50),
+    ) {
+        let mut chain = HashChainIndex::with_seed(bs, 9).unwrap();
+        let mut radix = RadixIndex::new(bs).unwrap();
+        let a = serve(&mut chain, &reqs, strict);
+        let b = serve(&mut radix, &reqs, strict);
+        prop_assert_eq!(a, b);
     }
 }
 
-impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Captured {
-    type Writer = Captured;
-    fn make_writer(&'a self) -> Captured {
-        self.clone()
+/// An index shared by threads: every call takes the lock, so two
+/// `acquire_prefix` calls run their retains at the same time.
+struct Shared(std::sync::Arc<std::sync::Mutex<Box<dyn PrefixMatcher>>>);
+
+impl PrefixMatcher for Shared {
+    fn block_size(&self) -> usize {
+        self.0.lock().unwrap().block_size()
+    }
+    fn match_prefix(&mut self, tokens: &[u32], extra: &ExtraKeys) -> PrefixMatch {
+        self.0.lock().unwrap().match_prefix(tokens, extra)
+    }
+    fn insert(
+        &mut self,
+        tokens: &[u32],
+        extra: &ExtraKeys,
+        blocks: &[BlockRef],
+    ) -> kvforge_prefix::Result<kvforge_prefix::Inserted> {
+        self.0.lock().unwrap().insert(tokens, extra, blocks)
+    }
+    fn forget(&mut self, block: BlockId) -> bool {
+        self.0.lock().unwrap().forget(block)
+    }
+    fn stats(&self) -> kvforge_prefix::MatchStats {
+        self.0.lock().unwrap().stats()
     }
 }
 
+/// Two threads acquire and release the same cached prefix (a shared system
+/// prompt) 20,000 times each, in a pool that holds just that prefix, so
+/// their revivals of its free blocks overlap: every acquisition gets the
+/// whole match, and nothing is forgotten from the index.
 #[test]
-fn debug_log_has_one_event_per_block_with_its_hash_and_outcome() {
-    let out = Captured::default();
-    let subscriber = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::DEBUG)
-        .with_writer(out.clone())
-        .with_ansi(false)
-        .finish();
-    tracing::subscriber::with_default(subscriber, || {
-        let mut idx = HashChainIndex::with_seed(4, 1).unwrap();
+fn concurrent_acquirers_of_one_prefix_both_get_it_whole() {
+    use std::sync::{Arc, Mutex};
+    for kind in ["chain", "radix"] {
+        let idx: Box<dyn PrefixMatcher> = match kind {
+            "chain" => Box::new(HashChainIndex::with_seed(4, 1).unwrap()),
+            _ => Box::new(RadixIndex::new(4).unwrap()),
+        };
+        let idx = Arc::new(Mutex::new(idx));
+        let p = pool(2);
         let e = ExtraKeys::default();
-        let t: Vec<u32> = (0..12).collect();
-        idx.insert(&t, &e, &testing::full_blocks(0, 2, 4)).unwrap();
-        assert_eq!(idx.match_prefix(&t, &e).tokens, 8);
-    });
-    let log = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
-    let lines: Vec<&str> = log.lines().filter(|l| l.contains("block lookup")).collect();
-    assert_eq!(lines.len(), 3, "two hits, then the miss on block 2:\n{log}");
-    assert!(
-        lines[0].contains("position=0")
-            && lines[0].contains("hit=true")
-            && lines[0].contains("hash=Some(BlockHash(")
-    );
-    assert!(lines[2].contains("position=2") && lines[2].contains("hit=false"));
+        let t: Vec<u32> = (0..8).collect();
+        cache_sequence(&p, idx.lock().unwrap().as_mut(), &t, &e);
+        let short: Vec<usize> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..2)
+                .map(|_| {
+                    let (mut shared, p, e, t) = (Shared(idx.clone()), &p, &e, &t);
+                    s.spawn(move || {
+                        let mut short = 0;
+                        for _ in 0..20_000 {
+                            let m = acquire_prefix(&mut shared, p, t, e).unwrap();
+                            short += usize::from(m.tokens != 8);
+                            let held: Vec<BlockId> = m.blocks.iter().map(|b| b.block).collect();
+                            p.release_sequence(&held).unwrap();
+                        }
+                        short
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(short, vec![0, 0], "{kind}: acquisitions cut short");
+        let s = idx.lock().unwrap().stats();
+        assert_eq!((s.cached_blocks, s.forgotten_blocks), (2, 0), "{kind}");
+        assert_eq!(p.stats().in_use, 0);
+    }
 }
