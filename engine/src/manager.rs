@@ -17,9 +17,14 @@
 //!
 //! All state sits behind one mutex: requests from many threads are served
 //! one step at a time (the CPU forward pass is the bottleneck anyway), and a
-//! failed request leaves the pool and the index as they were.
+//! failed request leaves the pool and the index as they were. So does a
+//! request that panics (in the model, or in the caller's `on_token`): its
+//! blocks are given back (a session is rolled back to before the turn)
+//! before the panic continues, so the state behind the lock stays whole.
 
+use std::any::Any;
 use std::collections::BTreeMap;
+use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::sync::Mutex;
 use std::time::Instant;
 
@@ -185,7 +190,7 @@ impl CacheManager {
         let extra = ExtraKeys::namespace(namespace);
         let mut seq = self.acquire(inner, tokens, &extra)?;
         let reused = seq.len;
-        let (result, ttft) = generate_timed(
+        let timed = generate_timed(
             &inner.engine,
             &mut seq,
             &tokens[reused..],
@@ -193,11 +198,16 @@ impl CacheManager {
             on_token,
             start,
         );
-        let generation = match result {
-            Ok(g) => g,
-            Err(e) => {
+        let (generation, ttft) = match timed {
+            Timed::Done(g, ttft) => (g, ttft),
+            Timed::Failed(e) => {
                 inner.engine.cache.free(&mut seq)?;
                 return Err(e);
+            }
+            Timed::Panicked(payload) => {
+                inner.engine.cache.free(&mut seq)?;
+                drop(guard);
+                resume_unwind(payload);
             }
         };
         let mut held = tokens.to_vec();
@@ -237,6 +247,7 @@ impl CacheManager {
         let mut s = take_session(inner, id)?;
         let mut input = s.pending.clone();
         input.extend_from_slice(new_tokens);
+        let mut panicked = None;
         let out = (|| {
             if new_tokens.is_empty() {
                 return Err(EngineError::Request("empty prompt".into()));
@@ -248,7 +259,7 @@ impl CacheManager {
             }
             let before = s.seq.clone();
             let skip = s.seq.len - s.tokens.len();
-            let (result, ttft) = generate_timed(
+            let timed = generate_timed(
                 &inner.engine,
                 &mut s.seq,
                 &input[skip..],
@@ -256,15 +267,16 @@ impl CacheManager {
                 on_token,
                 start,
             );
-            let generation = match result {
-                Ok(g) => g,
-                Err(e) => {
-                    rollback(&inner.engine, &mut s.seq, &before)?;
-                    if first_turn {
-                        // Give back the prefix this turn acquired.
-                        inner.engine.cache.free(&mut s.seq)?;
-                    }
+            let (generation, ttft) = match timed {
+                Timed::Done(g, ttft) => (g, ttft),
+                Timed::Failed(e) => {
+                    rollback(&inner.engine, &mut s.seq, &before, first_turn)?;
                     return Err(e);
+                }
+                Timed::Panicked(payload) => {
+                    rollback(&inner.engine, &mut s.seq, &before, first_turn)?;
+                    panicked = Some(payload);
+                    return Err(EngineError::Request("the turn panicked".into()));
                 }
             };
             let reused = skip.min(input.len());
@@ -279,6 +291,10 @@ impl CacheManager {
             Ok(self.account(inner, prompt_len, prior + reused, ttft, generation))
         })();
         inner.sessions.insert(id, s);
+        if let Some(payload) = panicked {
+            drop(guard);
+            resume_unwind(payload);
+        }
         out
     }
 
@@ -328,6 +344,7 @@ impl CacheManager {
                 "hit_tokens": i.hit_tokens,
                 "hit_rate": i.hit_rate(),
                 "cached_blocks": i.cached_blocks,
+                "namespaces": i.namespaces,
                 "inserted_blocks": i.inserted_blocks,
                 "duplicate_blocks": i.duplicate_blocks,
                 "collisions": i.collisions,
@@ -452,8 +469,18 @@ fn check_request(
     Ok(())
 }
 
-/// `Engine::generate`, also returning the seconds from `start` to the first
-/// new token.
+/// How a generation ended.
+enum Timed {
+    /// With the seconds from the request to its first new token.
+    Done(Generation, Option<f64>),
+    Failed(EngineError),
+    /// The model or the caller's `on_token` panicked: the caller cleans up,
+    /// then resumes the panic.
+    Panicked(Box<dyn Any + Send>),
+}
+
+/// `Engine::generate`, timing the first token and catching a panic so that
+/// the caller can give back what the request holds before it goes on.
 fn generate_timed(
     engine: &Engine,
     seq: &mut Sequence,
@@ -461,13 +488,19 @@ fn generate_timed(
     params: &SamplingParams,
     on_token: &mut dyn FnMut(u32, &str) -> bool,
     start: Instant,
-) -> (Result<Generation>, Option<f64>) {
+) -> Timed {
     let mut ttft = None;
-    let result = engine.generate(seq, tokens, params, &mut |t, piece| {
-        ttft.get_or_insert_with(|| start.elapsed().as_secs_f64());
-        on_token(t, piece)
-    });
-    (result, ttft)
+    let run = catch_unwind(AssertUnwindSafe(|| {
+        engine.generate(seq, tokens, params, &mut |t, piece| {
+            ttft.get_or_insert_with(|| start.elapsed().as_secs_f64());
+            on_token(t, piece)
+        })
+    }));
+    match run {
+        Ok(Ok(g)) => Timed::Done(g, ttft),
+        Ok(Err(e)) => Timed::Failed(e),
+        Err(payload) => Timed::Panicked(payload),
+    }
 }
 
 fn take_session(inner: &mut Inner, id: SessionId) -> Result<Session> {
@@ -477,10 +510,19 @@ fn take_session(inner: &mut Inner, id: SessionId) -> Result<Session> {
         .ok_or_else(|| EngineError::Request(format!("session {id} does not exist")))
 }
 
-/// Shrinks `seq` back to `before` (a failed turn), releasing added blocks.
-fn rollback(engine: &Engine, seq: &mut Sequence, before: &Sequence) -> Result<()> {
+/// Shrinks `seq` back to `before` (a failed turn), releasing added blocks;
+/// on a session's first turn, also gives back the prefix it acquired.
+fn rollback(
+    engine: &Engine,
+    seq: &mut Sequence,
+    before: &Sequence,
+    first_turn: bool,
+) -> Result<()> {
     let added: Vec<_> = seq.blocks[before.blocks.len()..].to_vec();
     engine.cache.pool().release_sequence(&added)?;
     *seq = before.clone();
+    if first_turn {
+        engine.cache.free(seq)?;
+    }
     Ok(())
 }

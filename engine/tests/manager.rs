@@ -258,6 +258,71 @@ fn bad_requests_are_errors_and_leave_the_cache_unchanged() {
     assert_eq!(m.metrics()["pool"]["blocks_in_use"], 0);
 }
 
+/// A request whose `on_token` panics (or a model that panics) gives back
+/// its blocks before the panic goes on: nothing stays held, the lock is
+/// usable, and a session is rolled back to before the turn.
+#[test]
+fn a_panic_inside_a_request_leaks_nothing_and_keeps_sessions() {
+    let m = tiny_manager(
+        4,
+        256,
+        ReuseConfig {
+            seed: Some(9),
+            ..Default::default()
+        },
+    );
+    let p = params(6);
+    let prompt: Vec<u32> = (5..40).collect();
+    m.complete(&prompt, "t", &p, &mut |_, _| true).unwrap();
+    let cached = m.metrics()["index"]["cached_blocks"].clone();
+    let boom = || {
+        let mut n = 0;
+        move |_: u32, _: &str| -> bool {
+            n += 1;
+            assert!(n < 3, "the client's callback panics");
+            true
+        }
+    };
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let mut cb = boom();
+        m.complete(&prompt, "t", &p, &mut cb)
+    }));
+    assert!(caught.is_err(), "the panic reaches the caller");
+    let j = m.metrics();
+    assert_eq!(j["pool"]["blocks_in_use"], 0, "{j}");
+    assert_eq!(j["index"]["cached_blocks"], cached, "{j}");
+
+    // A session: one good turn, one that panics, then the same turn again
+    // must answer as if the panicking one never happened.
+    let users = user_turns(3, 17);
+    let fresh = session(&m, &users, &p);
+    let id = m.open_session("t");
+    m.turn(id, &users[0], &p, &mut |_, _| true).unwrap();
+    let held = m.metrics()["pool"]["blocks_in_use"].clone();
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let mut cb = boom();
+        m.turn(id, &users[1], &p, &mut cb)
+    }));
+    assert!(caught.is_err());
+    assert_eq!(m.metrics()["pool"]["blocks_in_use"], held, "rolled back");
+    let second = m.turn(id, &users[1], &p, &mut |_, _| true).unwrap();
+    let third = m.turn(id, &users[2], &p, &mut |_, _| true).unwrap();
+    assert_eq!(
+        vec![second.generation.tokens, third.generation.tokens],
+        fresh[1..].to_vec()
+    );
+    m.close_session(id).unwrap();
+    // A first turn that panics gives back the prefix it acquired.
+    let id = m.open_session("t");
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let mut cb = boom();
+        m.turn(id, &prompt, &p, &mut cb)
+    }));
+    assert!(caught.is_err());
+    m.close_session(id).unwrap();
+    assert_eq!(m.metrics()["pool"]["blocks_in_use"], 0);
+}
+
 #[test]
 fn many_threads_with_shared_prefixes_and_aborts_leak_nothing() {
     let m = tiny_manager(
