@@ -3,9 +3,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use xxhash_rust::xxh3::Xxh3DefaultBuilder;
-
-use crate::hash::{FoldHash, block_key, root_key};
+use crate::hash::{FoldHash, SlotHash, block_key, root_key};
 use crate::walk::{SealedLens, Walk};
 use crate::{
     BlockHash, BlockHasher, BlockId, BlockRef, ExtraKeys, Inserted, MatchStats, PrefixMatch,
@@ -41,8 +39,19 @@ struct Entry {
     serial: u64,
     parent_serial: u64,
     parent_key: BlockHash,
+    /// The parent is the namespace root, not an entry.
+    under_root: bool,
     tokens: Box<[u32]>,
-    children: Children,
+    /// Allocated with the first child: most entries are leaves, and a small
+    /// entry keeps the map (probed once per block) compact.
+    children: Option<Box<Children>>,
+}
+
+impl Entry {
+    fn sealed(&self) -> &SealedLens {
+        static NONE: SealedLens = SealedLens::new();
+        self.children.as_ref().map_or(&NONE, |c| &c.sealed)
+    }
 }
 
 /// The start of every chain in one namespace; exists while it has children.
@@ -65,7 +74,7 @@ pub struct HashChainIndex<H: BlockHasher = Xxh3Hasher> {
     entries: HashMap<BlockHash, Entry, FoldHash>,
     roots: HashMap<BlockHash, Root, FoldHash>,
     /// Block slot index -> (handle, key) of the entry that holds it.
-    slots: HashMap<u32, (BlockId, BlockHash), Xxh3DefaultBuilder>,
+    slots: HashMap<u32, (BlockId, BlockHash), SlotHash>,
     next_serial: u64,
     stats: MatchStats,
     scratch: Vec<u8>,
@@ -85,9 +94,10 @@ impl HashChainIndex<Xxh3Hasher> {
 
 /// One node of the depth-first match: an entry (or the root) reached at
 /// `pos` tokens, `depth` blocks deep, trying its candidate `next`.
-struct Frame {
+struct Frame<'a> {
     key: BlockHash,
     serial: u64,
+    sealed: &'a SealedLens,
     pos: usize,
     depth: usize,
     next: usize,
@@ -127,28 +137,32 @@ impl<H: BlockHasher> HashChainIndex<H> {
             return;
         };
         let (bs, len) = (self.block_size, top.tokens.len());
-        match self.entries.get_mut(&top.parent_key) {
-            Some(p) if p.serial == top.parent_serial => p.children.remove(key, len, bs),
-            _ => {
-                if let Some(r) = self.roots.get_mut(&top.parent_key) {
-                    r.children.remove(key, len, bs);
-                    if r.children.keys.is_empty() {
-                        self.roots.remove(&top.parent_key);
-                    }
+        if top.under_root {
+            if let Some(r) = self.roots.get_mut(&top.parent_key) {
+                r.children.remove(key, len, bs);
+                if r.children.keys.is_empty() {
+                    self.roots.remove(&top.parent_key);
                 }
             }
+        } else if let Some(p) = self.entries.get_mut(&top.parent_key) {
+            if let Some(c) = p.children.as_mut() {
+                c.remove(key, len, bs);
+            }
         }
-        let mut stack = vec![(key, top)];
-        while let Some((k, e)) = stack.pop() {
+        // A leaf (the common case) needs no stack.
+        let mut stack = Vec::new();
+        let mut next = Some((key, top));
+        while let Some((k, e)) = next {
             if self.slots.get(&e.block.index()) == Some(&(e.block, k)) {
                 self.slots.remove(&e.block.index());
             }
             self.stats.forgotten_blocks += 1;
-            for c in e.children.keys {
+            for c in e.children.into_iter().flat_map(|c| c.keys) {
                 if let Some(child) = self.entries.remove(&c) {
                     stack.push((c, child));
                 }
             }
+            next = stack.pop();
         }
     }
 }
@@ -180,21 +194,14 @@ impl<H: BlockHasher> PrefixMatcher for HashChainIndex<H> {
         let mut stack = vec![Frame {
             key: rk,
             serial: root.serial,
+            sealed: &root.children.sealed,
             pos: 0,
             depth: 0,
             next: 0,
         }];
         while let Some(f) = stack.last_mut() {
-            let children = if f.depth == 0 {
-                &root.children
-            } else {
-                match entries.get(&f.key) {
-                    Some(e) => &e.children,
-                    None => unreachable!("a frame's entry is in the map"),
-                }
-            };
             let rest = &tokens[f.pos..];
-            let Some((len, after)) = children.sealed.candidate(rest.len(), bs, f.next) else {
+            let Some((len, after)) = f.sealed.candidate(rest.len(), bs, f.next) else {
                 stack.pop();
                 continue;
             };
@@ -207,22 +214,25 @@ impl<H: BlockHasher> PrefixMatcher for HashChainIndex<H> {
             trace_block(f.depth, Some(key), hit.is_some());
             let Some(e) = hit else { continue };
             let (pos, depth) = (f.pos + len as usize, f.depth + 1);
-            walk.descend(f.depth, BlockRef::new(e.block, len), pos);
+            walk.descend(f.depth, &[BlockRef::new(e.block, len)], pos);
             if pos == tokens.len() {
                 break;
             }
-            // No alternative left here: do not come back (keeps one frame
-            // on a plain chain).
-            if children.sealed.candidate(rest.len(), bs, after).is_none() {
-                stack.pop();
-            }
-            stack.push(Frame {
+            let child = Frame {
                 key,
                 serial: e.serial,
+                sealed: e.sealed(),
                 pos,
                 depth,
                 next: 0,
-            });
+            };
+            // No alternative left here: do not come back (a plain chain
+            // keeps one frame, replaced in place).
+            if f.sealed.candidate(rest.len(), bs, after).is_none() {
+                *f = child;
+            } else {
+                stack.push(child);
+            }
         }
         let m = walk.finish();
         stats.hit_tokens += m.tokens as u64;
@@ -295,13 +305,13 @@ impl<H: BlockHasher> PrefixMatcher for HashChainIndex<H> {
             };
             let serial = self.serial();
             let (bs, len) = (self.block_size, toks.len());
-            match self.entries.get_mut(&parent.0) {
-                Some(pe) if pe.serial == parent_serial => pe.children.add(key, len, bs),
-                _ => {
-                    if let Some(r) = self.roots.get_mut(&parent.0) {
-                        r.children.add(key, len, bs);
-                    }
+            let under_root = parent.0 == rk;
+            if under_root {
+                if let Some(r) = self.roots.get_mut(&rk) {
+                    r.children.add(key, len, bs);
                 }
+            } else if let Some(pe) = self.entries.get_mut(&parent.0) {
+                pe.children.get_or_insert_default().add(key, len, bs);
             }
             self.entries.insert(
                 key,
@@ -310,8 +320,9 @@ impl<H: BlockHasher> PrefixMatcher for HashChainIndex<H> {
                     serial,
                     parent_serial,
                     parent_key: parent.0,
+                    under_root,
                     tokens: toks.into(),
-                    children: Children::default(),
+                    children: None,
                 },
             );
             self.slots.insert(b.block.index(), (b.block, key));

@@ -143,6 +143,34 @@ impl Hasher for FoldHasher {
     }
 }
 
+/// Hashes a block slot index (a `u32`) with one multiplication (Fibonacci
+/// hashing): slot maps are probed on every insert and forget.
+/// Deterministic: no `RandomState`.
+#[derive(Clone, Copy, Default, Debug)]
+pub(crate) struct SlotHash;
+
+impl BuildHasher for SlotHash {
+    type Hasher = SlotHasher;
+    fn build_hasher(&self) -> SlotHasher {
+        SlotHasher(0)
+    }
+}
+
+pub(crate) struct SlotHasher(u64);
+
+impl Hasher for SlotHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        // Only reached for non-u32 keys; keep it correct anyway.
+        self.0 = xxhash_rust::xxh3::xxh3_64_with_seed(bytes, self.0);
+    }
+    fn write_u32(&mut self, v: u32) {
+        self.0 = (u64::from(v) ^ self.0).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -8,6 +8,7 @@ use std::collections::HashMap;
 
 use xxhash_rust::xxh3::Xxh3DefaultBuilder;
 
+use crate::hash::SlotHash;
 use crate::walk::{SealedLens, Walk};
 use crate::{
     BlockId, BlockRef, ExtraKeys, Inserted, MatchStats, PrefixMatch, PrefixMatcher, Result,
@@ -49,7 +50,7 @@ pub struct RadixIndex {
     free_nodes: Vec<NodeId>,
     roots: HashMap<ExtraKeys, NodeId, Xxh3DefaultBuilder>,
     /// Block slot index -> (handle, node whose edge holds it).
-    slots: HashMap<u32, (BlockId, NodeId), Xxh3DefaultBuilder>,
+    slots: HashMap<u32, (BlockId, NodeId), SlotHash>,
     cached: u64,
     stats: MatchStats,
 }
@@ -229,6 +230,7 @@ impl PrefixMatcher for RadixIndex {
             let more = node.sealed.candidate(rest.len(), bs, after).is_some();
             let edge = self.node(c);
             let mut off = 0;
+            let mut matched = edge.blocks.len();
             for (j, b) in edge.blocks.iter().enumerate() {
                 let l = b.len as usize;
                 // The first block was verified by the child lookup.
@@ -238,10 +240,14 @@ impl PrefixMatcher for RadixIndex {
                     trace_block(depth0 + j, None, same);
                 }
                 if !same {
-                    continue 'frames;
+                    matched = j;
+                    break;
                 }
                 off += l;
-                walk.descend(depth0 + j, *b, start + off);
+            }
+            walk.descend(depth0, &edge.blocks[..matched], start + off);
+            if matched < edge.blocks.len() {
+                continue 'frames;
             }
             if start + off == tokens.len() {
                 break;

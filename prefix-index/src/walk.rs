@@ -11,6 +11,10 @@ use crate::{BlockRef, PrefixMatch};
 pub(crate) struct SealedLens(Vec<(u32, u32)>);
 
 impl SealedLens {
+    pub(crate) const fn new() -> Self {
+        SealedLens(Vec::new())
+    }
+
     pub(crate) fn add(&mut self, len: u32) {
         match self.0.binary_search_by(|&(l, _)| len.cmp(&l)) {
             Ok(i) => self.0[i].1 += 1,
@@ -64,22 +68,30 @@ pub(crate) struct Walk {
 }
 
 impl Walk {
-    /// Puts `block` at `depth` of the path (dropping what was below it);
-    /// `tokens` is the length of the path through it.
-    pub(crate) fn descend(&mut self, depth: usize, block: BlockRef, tokens: usize) {
+    /// Puts `blocks` at `depth..` of the path (dropping what was below);
+    /// `tokens` is the length of the path through the last of them.
+    #[inline]
+    pub(crate) fn descend(&mut self, depth: usize, blocks: &[BlockRef], tokens: usize) {
         if depth < self.trail.len() {
-            if self.live && depth < self.best_depth {
-                self.best = self.trail[..self.best_depth].to_vec();
-                self.live = false;
-            }
-            self.trail.truncate(depth);
+            self.backtrack(depth);
         }
-        self.trail.push(block);
+        self.trail.extend_from_slice(blocks);
         if tokens > self.best_tokens {
             self.best_tokens = tokens;
             self.best_depth = self.trail.len();
             self.live = true;
         }
+    }
+
+    /// Cuts the path to `depth`, first saving the best path if it would be
+    /// cut.
+    #[cold]
+    fn backtrack(&mut self, depth: usize) {
+        if self.live && depth < self.best_depth {
+            self.best = self.trail[..self.best_depth].to_vec();
+            self.live = false;
+        }
+        self.trail.truncate(depth);
     }
 
     /// Tokens of the best path so far.
@@ -136,11 +148,10 @@ mod tests {
     fn the_walk_keeps_the_longest_path_across_backtracking() {
         let b = |i| BlockRef::new(BlockId::new(i, 1), 1);
         let mut w = Walk::default();
-        w.descend(0, b(0), 4);
-        w.descend(1, b(1), 8);
-        w.descend(2, b(2), 10);
+        w.descend(0, &[b(0)], 4);
+        w.descend(1, &[b(1), b(2)], 10);
         // Back to depth 1 with a shorter alternative: the best survives.
-        w.descend(1, b(3), 6);
+        w.descend(1, &[b(3)], 6);
         assert_eq!(w.best_tokens(), 10);
         let m = w.finish();
         assert_eq!(m.blocks, vec![b(0), b(1), b(2)]);
