@@ -10,6 +10,8 @@
 //! Keys may be Hadamard-rotated before quantizing; dequantizing rotates them
 //! back, so the attention path does not change.
 
+use std::mem::MaybeUninit;
+
 use kvforge_quant::{
     Axis, BlockShape, GroupQuantizer, QuantConfig, QuantizedBlock, Quantizer, Rotated, TierPlan,
 };
@@ -196,12 +198,12 @@ impl ColdTier {
         let out = Tensor::f_empty([total, h, d], (hot.kind(), hot.device()))?;
         let q = if values { &*self.values } else { &*self.keys };
         let fill = |dst: &mut Tensor| -> Result<()> {
-            with_f32_slice(dst, |buf| {
+            with_uninit_f32(dst, |buf| {
                 buf.chunks_mut(self.shape.len())
                     .zip(cold.iter())
                     .try_for_each(|(o, b)| {
                         let src = if values { &b.v[layer] } else { &b.k[layer] };
-                        q.dequantize(src, o)
+                        q.dequantize_uninit(src, o).map(|_| ())
                     })
                     .map_err(EngineError::from)
             })
@@ -223,8 +225,13 @@ impl ColdTier {
     }
 }
 
-/// Runs `f` on the elements of `t`, a contiguous CPU f32 tensor.
-fn with_f32_slice<T>(t: &mut Tensor, f: impl FnOnce(&mut [f32]) -> Result<T>) -> Result<T> {
+/// Runs `f` on the storage of `t`, a contiguous CPU f32 tensor, as
+/// possibly uninitialized elements (`t` may come from `Tensor::empty`):
+/// `f` must write what it reads.
+fn with_uninit_f32<T>(
+    t: &mut Tensor,
+    f: impl FnOnce(&mut [MaybeUninit<f32>]) -> Result<T>,
+) -> Result<T> {
     if t.kind() != Kind::Float || t.device() != Device::Cpu || !t.is_contiguous() {
         return Err(EngineError::Torch(
             "cold-tier buffer must be a contiguous CPU f32 tensor".into(),
@@ -236,8 +243,9 @@ fn with_f32_slice<T>(t: &mut Tensor, f: impl FnOnce(&mut [f32]) -> Result<T>) ->
     }
     // SAFETY: `t` is a contiguous CPU tensor of `n` f32 elements starting at
     // `data_ptr()` (checked above); it is borrowed mutably for the call, so
-    // no other Rust reference reads or writes its storage meanwhile. It is
-    // a fresh allocation (or a view of one) made by the caller.
-    let buf = unsafe { std::slice::from_raw_parts_mut(t.data_ptr().cast::<f32>(), n) };
+    // no other Rust reference reads or writes its storage meanwhile. The
+    // elements are exposed as `MaybeUninit`, so uninitialized storage is
+    // never read as `f32`.
+    let buf = unsafe { std::slice::from_raw_parts_mut(t.data_ptr().cast::<MaybeUninit<f32>>(), n) };
     f(buf)
 }

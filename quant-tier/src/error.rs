@@ -30,6 +30,26 @@ pub enum QuantError {
         /// The value (as text: NaN, inf or -inf).
         value: String,
     },
+    /// A finite value whose group's f16 parameters cannot hold it (see the
+    /// crate docs for each format's range); the block is not quantized.
+    #[error(
+        "quant: value {value} at element {index} is outside what {format} f16 group parameters can hold ({limit}); refusing to quantize its group"
+    )]
+    OutOfRange {
+        /// Flat index of the element (in the rotated block, for a rotated
+        /// quantizer).
+        index: usize,
+        /// The value.
+        value: String,
+        /// The format (`int8`, `int4`, `int2`).
+        format: &'static str,
+        /// The limit it broke.
+        limit: &'static str,
+    },
+    /// A quantized block whose shape, configuration or parameters are not
+    /// consistent (its fields are public).
+    #[error("quant: inconsistent quantized block: {0}")]
+    Corrupt(String),
     /// The Hadamard rotation needs a power-of-two head dimension.
     #[error("quant: Hadamard rotation needs a power-of-two head dim, got {head_dim}")]
     Hadamard {

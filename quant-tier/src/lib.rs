@@ -32,17 +32,35 @@
 //! when queries are rotated the same way, and outliers are spread over the
 //! channels.
 //!
-//! # Error bounds (per element, checked by the property tests)
+//! # Parameters and error bounds (per element, checked by property tests)
 //!
-//! With `s` the stored (f16) scale of the element's group: symmetric INT8
-//! `|x − x̂| ≤ s / 2 + |max|x| − 127 s|`; affine `|x − x̂| ≤ s / 2 + ε`, where
-//! `ε` covers the f16 rounding of the minimum and of the range's top.
+//! Group parameters are f16, rounded so that they never shrink the range:
+//! INT8's scale is `max|x| / 127` rounded up; the affine minimum is the
+//! group's minimum rounded toward −∞, and the scale is
+//! `(max − stored minimum) / (2^bits − 1)` rounded up. Codes are rounded to
+//! nearest (ties to even). So, with `s` the stored scale of the element's
+//! group, every format guarantees `|x − x̂| ≤ s / 2` (plus f32 rounding of
+//! the arithmetic, a few ulps of `x`); f16 subnormal scales (groups with
+//! `max|x|` below about 1e-2) are coarser, but never 0 for a nonzero group.
+//!
+//! # Range
+//!
+//! A group is quantized only when its parameters are finite in f16:
+//! INT8 needs `max|x| ≤ 65504 · 127` (about 8.3e6); INT4 and INT2 need the
+//! minimum `≥ −65504` and `max − min ≤ 65504 · (2^bits − 1)` (INT4: 982,560;
+//! INT2: 196,512). A finite value outside is [`QuantError::OutOfRange`],
+//! naming the element; the caller keeps the block unquantized. With
+//! [`Rotated`], the limits apply after the rotation, which can grow one
+//! element by up to `√head_dim`.
 //!
 //! # Bad input
 //!
 //! NaN or ±inf is reported ([`QuantError::NonFinite`]), never quantized into
-//! a group it would poison. Group sizes must divide their axis and keep
-//! groups byte-aligned; shapes and lengths are checked.
+//! a group it would poison; so is a finite value out of range. Group sizes
+//! must divide their axis and keep groups byte-aligned; shapes (with checked
+//! size arithmetic) and lengths are checked, on `quantize` and on
+//! `dequantize` alike (a [`QuantizedBlock`]'s fields are public, so a block
+//! is validated before it is read: [`QuantError::Corrupt`]).
 
 #![deny(missing_docs)]
 
@@ -57,6 +75,8 @@ pub use group::GroupQuantizer;
 pub use hadamard::{Rotated, hadamard_in_place};
 pub use half::{bf16, f16};
 pub use plan::TierPlan;
+
+use std::mem::MaybeUninit;
 
 /// Which axis the quantization groups run along.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -137,9 +157,17 @@ pub struct BlockShape {
 }
 
 impl BlockShape {
-    /// Elements in the slab.
+    /// Elements in the slab (saturating at `usize::MAX`, which no real slab
+    /// has; [`checked_len`](Self::checked_len) tells overflow apart).
     pub fn len(&self) -> usize {
-        self.tokens * self.heads * self.head_dim
+        self.checked_len().unwrap_or(usize::MAX)
+    }
+
+    /// Elements in the slab, or `None` if the product overflows.
+    pub fn checked_len(&self) -> Option<usize> {
+        self.tokens
+            .checked_mul(self.heads)?
+            .checked_mul(self.head_dim)
     }
 
     /// Whether the slab is empty (a zero dimension).
@@ -186,6 +214,24 @@ pub trait Quantizer: Send + Sync {
     /// Writes the dequantized slab into `out` (`block.shape.len()` elements).
     fn dequantize(&self, block: &QuantizedBlock, out: &mut [f32]) -> Result<()>;
 
+    /// [`dequantize`](Self::dequantize) into memory that may be
+    /// uninitialized (a fresh tensor): returns `out` as initialized `f32`s.
+    /// The default zero-fills first; implementations that write every
+    /// element override it to skip that pass.
+    fn dequantize_uninit<'a>(
+        &self,
+        block: &QuantizedBlock,
+        out: &'a mut [MaybeUninit<f32>],
+    ) -> Result<&'a mut [f32]> {
+        for o in out.iter_mut() {
+            o.write(0.0);
+        }
+        // SAFETY: every element was written just above.
+        let out = unsafe { assume_init(out) };
+        self.dequantize(block, out)?;
+        Ok(out)
+    }
+
     /// [`quantize`](Self::quantize) from f16 data.
     fn quantize_f16(&self, shape: BlockShape, x: &[f16]) -> Result<QuantizedBlock> {
         let v: Vec<f32> = x.iter().map(|h| h.to_f32()).collect();
@@ -199,8 +245,35 @@ pub trait Quantizer: Send + Sync {
     }
 }
 
+/// Views fully written `MaybeUninit` storage as initialized.
+///
+/// # Safety
+///
+/// Every element of `out` must have been written.
+pub(crate) unsafe fn assume_init(out: &mut [MaybeUninit<f32>]) -> &mut [f32] {
+    // SAFETY: `MaybeUninit<f32>` has the layout of `f32`, and the caller
+    // guarantees every element is initialized.
+    unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<f32>(), out.len()) }
+}
+
+/// Views initialized `f32`s as `MaybeUninit` storage (always sound: writing
+/// `f32`s through it keeps it initialized).
+pub(crate) fn as_uninit(out: &mut [f32]) -> &mut [MaybeUninit<f32>] {
+    // SAFETY: same layout; the view only allows writing valid `f32`s or
+    // reading through `MaybeUninit`, and the borrow ends before `out` is
+    // used as `f32` again.
+    unsafe {
+        std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<MaybeUninit<f32>>(), out.len())
+    }
+}
+
 /// Checks a shape and a data length against each other.
 pub(crate) fn check_len(shape: BlockShape, len: usize) -> Result<()> {
+    if shape.checked_len().is_none() {
+        return Err(QuantError::Shape(format!(
+            "block shape {shape:?} overflows the element count"
+        )));
+    }
     if shape.is_empty() {
         return Err(QuantError::Shape(format!(
             "block shape {shape:?} has a zero dimension"

@@ -25,7 +25,8 @@ pub fn sample(shape: BlockShape, seed: u64) -> Vec<f32> {
 }
 
 /// Runs the checks: round trip within the format's bound, byte count,
-/// NaN/inf rejection, shape errors, and f16 input.
+/// NaN/inf rejection, out-of-range values refused or finite, shape errors,
+/// `dequantize_uninit`, and f16 input.
 pub fn check_quantizer<Q: Quantizer + ?Sized>(q: &Q) {
     let cfg = q.config();
     let g = cfg.group_size();
@@ -85,6 +86,26 @@ pub fn check_quantizer<Q: Quantizer + ?Sized>(q: &Q) {
         q.dequantize(&cut, &mut y).is_err(),
         "a truncated block is an error"
     );
+    // A finite value past what the format can hold is refused, or comes
+    // back finite: never inf or NaN.
+    let mut big = x.clone();
+    big[3] = 1e7;
+    match q.quantize(shape, &big) {
+        Err(QuantError::OutOfRange { .. }) => {}
+        Err(e) => panic!("{}: out-of-range input gave {e}", q.name()),
+        Ok(b) => {
+            q.dequantize(&b, &mut y).expect("dequantize");
+            assert!(y.iter().all(|v| v.is_finite()), "{}: inf/NaN out", q.name());
+        }
+    }
+    // `dequantize_uninit` writes every element and agrees with `dequantize`.
+    let b = q.quantize(shape, &x).expect("quantize a valid block");
+    q.dequantize(&b, &mut y).expect("dequantize");
+    let mut raw = vec![std::mem::MaybeUninit::new(f32::NAN); x.len()];
+    let z = q
+        .dequantize_uninit(&b, &mut raw)
+        .expect("dequantize_uninit");
+    assert_eq!(z, &y[..], "{}", q.name());
     // f16 input quantizes like its f32 widening.
     let h: Vec<crate::f16> = x.iter().map(|&v| crate::f16::from_f32(v)).collect();
     let w: Vec<f32> = h.iter().map(|v| v.to_f32()).collect();

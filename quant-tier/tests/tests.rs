@@ -76,24 +76,19 @@ fn check_bound(quant: &GroupQuantizer, shape: BlockShape, x: &[f32]) {
     }
     for (k, idx) in members.iter().enumerate() {
         let s = f64::from(b.scales[k].to_f32());
-        let vals: Vec<f64> = idx.iter().map(|&i| f64::from(x[i])).collect();
-        let (mn, mx) = vals
-            .iter()
-            .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, c), &v| {
-                (a.min(v), c.max(v))
-            });
-        let bound = if cfg.symmetric() {
-            let amax = mn.abs().max(mx.abs());
-            s / 2.0 + (amax - 127.0 * s).abs()
-        } else {
-            let m = f64::from(b.mins[k].to_f32());
-            let levels = f64::from((1u32 << cfg.bits()) - 1);
-            s / 2.0 + (m - mn).abs() + (mx - (m + levels * s)).max(0.0)
-        };
+        // Parameters are rounded outward (see the crate docs), so half a
+        // step bounds every format; f32 arithmetic adds a few ulps.
+        let bound = s / 2.0;
         for &i in idx {
             let err = (f64::from(x[i]) - f64::from(y[i])).abs();
             assert!(
-                err <= bound * (1.0 + 1e-5) + 1e-6,
+                y[i].is_finite(),
+                "{}: element {i} is {}",
+                quant.name(),
+                y[i]
+            );
+            assert!(
+                err <= bound * (1.0 + 1e-5) + f64::from(x[i].abs()) * 1e-6 + 1e-12,
                 "{}: element {i} error {err} > {bound}",
                 quant.name()
             );
@@ -121,6 +116,259 @@ proptest! {
         }
         check_bound(&q(bits, g, axis), shape, &x);
     }
+
+    /// Every finite input inside the documented range (here: magnitudes
+    /// from 1e-6 to 3e4 around offsets up to ±2e4, the KIVI case of offset
+    /// channels included) dequantizes to finite values within half a step.
+    #[test]
+    fn finite_input_in_range_comes_back_finite_and_within_bound(
+        bits in prop::sample::select(vec![8u32, 4, 2]),
+        g in prop::sample::select(vec![16usize, 32, 64]),
+        per_channel in any::<bool>(),
+        log_scale in -6f32..3.3,
+        offset in -2e4f32..2e4,
+        offset_channels in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        let axis = if per_channel { Axis::PerChannel } else { Axis::PerToken };
+        let shape = BlockShape { tokens: 64, heads: 2, head_dim: 64 };
+        let scale = 10f32.powf(log_scale);
+        let x: Vec<f32> = testing::sample(shape, seed)
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                let shift = if offset_channels { offset * ((i % 7) as f32 / 7.0) } else { offset };
+                v * scale + shift
+            })
+            .collect();
+        check_bound(&q(bits, g, axis), shape, &x);
+        if bits != 8 {
+            // Rotation can grow an element by sqrt(64) = 8, past the range:
+            // then it is refused, never returned as inf.
+            let r = Rotated::new(q(bits, g, axis));
+            match r.quantize(shape, &x) {
+                Ok(b) => {
+                    let mut y = vec![0f32; x.len()];
+                    r.dequantize(&b, &mut y).unwrap();
+                    prop_assert!(y.iter().all(|v| v.is_finite()));
+                }
+                Err(e) => prop_assert!(matches!(e, QuantError::OutOfRange { .. }), "{}", e),
+            }
+        }
+    }
+}
+
+fn shape1(head_dim: usize) -> BlockShape {
+    BlockShape {
+        tokens: 1,
+        heads: 1,
+        head_dim,
+    }
+}
+
+#[test]
+fn values_f16_parameters_cannot_hold_are_refused_not_poisoned() {
+    // INT8: one value of 1e7 in a group (its scale would be inf in f16).
+    let mut x = vec![0.5f32; 32];
+    x[7] = 1e7;
+    let e = q(8, 32, Axis::PerToken)
+        .quantize(shape1(32), &x)
+        .unwrap_err();
+    assert!(matches!(e, QuantError::OutOfRange { index: 7, .. }), "{e}");
+    assert!(e.to_string().contains("element 7") && !e.to_string().contains('\n'));
+    // Just inside the INT8 range: finite and within half a step.
+    x[7] = 8.3e6;
+    check_bound(&q(8, 32, Axis::PerToken), shape1(32), &x);
+    // Affine: a minimum below -65504 (bf16 input near -70,000).
+    let mut v = [1.0f32; 32];
+    v[3] = -70_000.0;
+    let h: Vec<kvforge_quant::bf16> = v
+        .iter()
+        .map(|&a| kvforge_quant::bf16::from_f32(a))
+        .collect();
+    for bits in [4, 2] {
+        let e = q(bits, 32, Axis::PerToken)
+            .quantize_bf16(shape1(32), &h)
+            .unwrap_err();
+        assert!(matches!(e, QuantError::OutOfRange { index: 3, .. }), "{e}");
+    }
+    // Affine: a range too wide for the scale (INT2: 65504 * 3).
+    let mut w = [0.0f32; 32];
+    w[9] = 200_000.0;
+    let e = q(2, 32, Axis::PerToken)
+        .quantize(shape1(32), &w)
+        .unwrap_err();
+    assert!(matches!(e, QuantError::OutOfRange { index: 9, .. }), "{e}");
+    check_bound(&q(4, 32, Axis::PerToken), shape1(32), &w);
+    // Per channel, the element named is the flat index in the input.
+    let shape = BlockShape {
+        tokens: 32,
+        heads: 1,
+        head_dim: 2,
+    };
+    let mut z = [0.0f32; 64];
+    z[2 * 5 + 1] = -1e5;
+    let e = q(4, 32, Axis::PerChannel).quantize(shape, &z).unwrap_err();
+    assert!(matches!(e, QuantError::OutOfRange { index: 11, .. }), "{e}");
+}
+
+#[test]
+fn the_hadamard_rotation_never_turns_finite_input_into_inf() {
+    // Normalized at every stage: 64 values of 1e37 stay finite.
+    let mut v = vec![1e37f32; 64];
+    hadamard_in_place(&mut v).unwrap();
+    assert!(v.iter().all(|x| x.is_finite()));
+    assert!((v[0] - 8e37).abs() < 1e32);
+    // An f16-range block of -6000 at head dim 128: rotated, one element is
+    // -6000 * sqrt(128), past f16: refused, never -inf.
+    let shape = BlockShape {
+        tokens: 128,
+        heads: 1,
+        head_dim: 128,
+    };
+    let x = vec![-6000.0f32; shape.len()];
+    for (bits, axis) in [
+        (4, Axis::PerToken),
+        (4, Axis::PerChannel),
+        (2, Axis::PerToken),
+    ] {
+        let r = Rotated::new(q(bits, 32, axis));
+        match r.quantize(shape, &x) {
+            Err(QuantError::OutOfRange { .. }) => {}
+            Ok(b) => {
+                let mut y = vec![0f32; x.len()];
+                r.dequantize(&b, &mut y).unwrap();
+                assert!(y.iter().all(|v| v.is_finite()), "int{bits} {axis:?}");
+            }
+            Err(e) => panic!("int{bits} {axis:?}: {e}"),
+        }
+    }
+    // Huge finite input is out of range, not "non-finite".
+    let e = Rotated::new(q(4, 32, Axis::PerToken))
+        .quantize(shape1(64), &[1e37; 64])
+        .unwrap_err();
+    assert!(matches!(e, QuantError::OutOfRange { .. }), "{e}");
+}
+
+#[test]
+fn parameters_are_rounded_so_the_error_stays_within_half_a_step() {
+    // An offset channel, 300.1..301.1 (KIVI keys): the f16 minimum is 300.0,
+    // so the scale must cover 1.1, not 1.0. Before: max error 0.100.
+    let shape = BlockShape {
+        tokens: 32,
+        heads: 1,
+        head_dim: 2,
+    };
+    let x: Vec<f32> = (0..32)
+        .flat_map(|t| {
+            let v = 300.1 + t as f32 / 31.0;
+            [v, v]
+        })
+        .collect();
+    let quant = q(4, 32, Axis::PerChannel);
+    let b = quant.quantize(shape, &x).unwrap();
+    let mut y = vec![0f32; x.len()];
+    quant.dequantize(&b, &mut y).unwrap();
+    let worst = x
+        .iter()
+        .zip(&y)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    let half = b.scales[0].to_f32() / 2.0;
+    assert!(
+        worst <= half * 1.0001,
+        "max error {worst} > half a step {half}"
+    );
+    assert!(worst < 0.04, "max error {worst}");
+    // Tiny groups: amax 1e-4 stays near the nominal 1/254 relative error,
+    // and amax 3e-6 no longer rounds its scale to 0 (all codes 0).
+    for amax in [1e-4f32, 3e-6] {
+        let x: Vec<f32> = (0..32)
+            .map(|i| amax * (i as f32 / 31.0 * 2.0 - 1.0))
+            .collect();
+        let quant = q(8, 32, Axis::PerToken);
+        let b = quant.quantize(shape1(32), &x).unwrap();
+        assert!(b.scales[0].to_f32() > 0.0);
+        let mut y = vec![0f32; 32];
+        quant.dequantize(&b, &mut y).unwrap();
+        let worst = x
+            .iter()
+            .zip(&y)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(
+            worst / amax < 0.011,
+            "amax {amax}: relative error {}",
+            worst / amax
+        );
+        check_bound(&quant, shape1(32), &x);
+    }
+    // Round to nearest: 0.49999997 of a step is code 0, not 1.
+    let mut x = [0.0f32; 32];
+    x[0] = 127.0; // scale exactly 1
+    x[1] = 0.499_999_97;
+    let quant = q(8, 32, Axis::PerToken);
+    let b = quant.quantize(shape1(32), &x).unwrap();
+    assert_eq!(b.scales[0].to_f32(), 1.0);
+    let mut y = vec![0f32; 32];
+    quant.dequantize(&b, &mut y).unwrap();
+    assert_eq!(y[1], 0.0);
+}
+
+#[test]
+fn inconsistent_blocks_are_errors_not_panics() {
+    let shape = BlockShape {
+        tokens: 32,
+        heads: 1,
+        head_dim: 32,
+    };
+    let x = testing::sample(shape, 5);
+    for bits in [8, 4, 2] {
+        for axis in [Axis::PerToken, Axis::PerChannel] {
+            let quant = q(bits, 32, axis);
+            let good = quant.quantize(shape, &x).unwrap();
+            let bad_shapes = [
+                // 33 tokens with groups of 32 along them (per channel).
+                BlockShape {
+                    tokens: 33,
+                    ..shape
+                },
+                // One channel: a per-channel INT4 / INT2 row is not a byte.
+                BlockShape {
+                    heads: 1,
+                    head_dim: 1,
+                    tokens: 32,
+                },
+                BlockShape {
+                    head_dim: 48,
+                    ..shape
+                },
+            ];
+            for bad in bad_shapes {
+                let mut b = good.clone();
+                b.shape = bad;
+                let mut out = vec![0f32; bad.len()];
+                let r = quant.dequantize(&b, &mut out);
+                assert!(r.is_err(), "int{bits} {axis:?} {bad:?}");
+            }
+            let mut b = good.clone();
+            b.scales[0] = kvforge_quant::f16::NAN;
+            let e = quant.dequantize(&b, &mut vec![0f32; x.len()]).unwrap_err();
+            assert!(matches!(e, QuantError::Corrupt(_)), "{e}");
+            let mut b = good.clone();
+            b.packed.push(0);
+            assert!(quant.dequantize(&b, &mut vec![0f32; x.len()]).is_err());
+        }
+    }
+    // Size arithmetic is checked: 2^63 + 4 tokens x 2 no longer wraps to 8.
+    let huge = BlockShape {
+        tokens: (1usize << 63) + 4,
+        heads: 2,
+        head_dim: 1,
+    };
+    let e = q(8, 32, Axis::PerToken)
+        .quantize(huge, &[0.0; 8])
+        .unwrap_err();
+    assert!(matches!(e, QuantError::Shape(_)), "{e}");
+    assert_eq!(huge.checked_len(), None);
 }
 
 #[test]
