@@ -253,6 +253,43 @@ fn non_finite_kv_is_reported_and_the_block_stays_hot() {
     assert_eq!(cache.pool().stats().in_use, 0);
 }
 
+/// Finite but huge V (values of about ±1e6 times the hidden state, past
+/// what INT4's f16 group parameters hold): reported like NaN, never
+/// dequantized to inf; the block stays hot and the sequence unchanged.
+#[test]
+fn out_of_range_kv_is_reported_and_the_block_stays_hot() {
+    let model = tiny();
+    for (name, t) in model.named_weights() {
+        if name == "model.layers.0.self_attn.v_proj.weight" {
+            let rows = t.size()[0];
+            let _ = t.shallow_clone().fill_(1e6);
+            let _ = t.slice(0, 0, rows, 2).fill_(-1e6);
+        }
+    }
+    let cache = tiered(Some(spec(4, 0, false, Axis::PerToken)));
+    let mut seq = Sequence::default();
+    let toks = tokens(20);
+    let _ = model
+        .forward(&toks[..10], &mut cache.view(&mut seq), false)
+        .unwrap();
+    let (len, hot) = (seq.len, seq.blocks.clone());
+    let e = model
+        .forward(&toks[10..], &mut cache.view(&mut seq), false)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("is outside what int4") && e.contains("layer 0"),
+        "{e}"
+    );
+    assert!(e.contains("stays in the hot tier"), "{e}");
+    assert_eq!(e.lines().count(), 1);
+    assert_eq!((seq.len, &seq.blocks), (len, &hot));
+    assert!(seq.cold.is_empty());
+    assert_eq!(cache.cold_bytes(), 0);
+    cache.free(&mut seq).unwrap();
+    assert_eq!(cache.pool().stats().in_use, 0);
+}
+
 #[test]
 fn the_cache_manager_refuses_a_cold_tier() {
     // With reuse on (shared blocks) and off (sessions roll back a failed turn

@@ -11,10 +11,6 @@ use crate::{BlockRef, PrefixMatch};
 pub(crate) struct SealedLens(Vec<(u32, u32)>);
 
 impl SealedLens {
-    pub(crate) const fn new() -> Self {
-        SealedLens(Vec::new())
-    }
-
     pub(crate) fn add(&mut self, len: u32) {
         match self.0.binary_search_by(|&(l, _)| len.cmp(&l)) {
             Ok(i) => self.0[i].1 += 1,
@@ -34,6 +30,7 @@ impl SealedLens {
     /// Candidate `k` at a node with `rest` query tokens left: 0 is the full
     /// block (when `rest >= block_size`), then the sealed lengths that fit,
     /// longest first. Returns the length and the next `k` to try.
+    #[inline]
     pub(crate) fn candidate(
         &self,
         rest: usize,

@@ -118,13 +118,14 @@ impl Quantizer for GroupQuantizer {
                 4 => "int4",
                 _ => "int2",
             };
+            // Plain folds (they vectorize); an element's index is looked up
+            // only for an error.
+            let find = |hit: &dyn Fn(f32) -> bool| grp.iter().position(|&x| hit(x)).unwrap_or(0);
             if self.cfg.symmetric() {
-                let (jmax, amax) = grp.iter().enumerate().fold((0, 0f32), |(j, m), (i, v)| {
-                    if v.abs() > m { (i, v.abs()) } else { (j, m) }
-                });
+                let amax = grp.iter().fold(0f32, |m, v| m.max(v.abs()));
                 let s = int8_scale(amax).ok_or_else(|| QuantError::OutOfRange {
-                    index: at(jmax),
-                    value: grp[jmax].to_string(),
+                    index: at(find(&|x| x.abs() == amax)),
+                    value: grp[find(&|x| x.abs() == amax)].to_string(),
                     format,
                     limit: "|x| <= 65504 * 127",
                 })?;
@@ -136,24 +137,20 @@ impl Quantizer for GroupQuantizer {
                 }
             } else {
                 let levels = ((1u32 << bits) - 1) as f32;
-                let ((jmin, mn), (jmax, mx)) = grp.iter().enumerate().fold(
-                    ((0, f32::INFINITY), (0, f32::NEG_INFINITY)),
-                    |(lo, hi), (i, &v)| {
-                        (
-                            if v < lo.1 { (i, v) } else { lo },
-                            if v > hi.1 { (i, v) } else { hi },
-                        )
-                    },
-                );
+                let (mn, mx) = grp
+                    .iter()
+                    .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &v| {
+                        (a.min(v), b.max(v))
+                    });
                 let m = f16_floor(mn).ok_or_else(|| QuantError::OutOfRange {
-                    index: at(jmin),
+                    index: at(find(&|x| x == mn)),
                     value: mn.to_string(),
                     format,
                     limit: "min >= -65504",
                 })?;
                 let s =
                     affine_scale(mx, m.to_f32(), levels).ok_or_else(|| QuantError::OutOfRange {
-                        index: at(jmax),
+                        index: at(find(&|x| x == mx)),
                         value: mx.to_string(),
                         format,
                         limit: "max - min <= 65504 * (2^bits - 1)",
@@ -238,12 +235,11 @@ impl GroupQuantizer {
                 "the codes or parameters are truncated or too long".into(),
             ));
         }
-        if let Some(p) = block
-            .scales
-            .iter()
-            .chain(&block.mins)
-            .find(|p| !p.is_finite())
-        {
+        // One branch-free pass (it vectorizes); find the culprit only if any.
+        let exp = |p: &f16| p.to_bits() & 0x7c00 == 0x7c00;
+        let params = || block.scales.iter().chain(&block.mins);
+        if params().fold(false, |bad, p| bad | exp(p)) {
+            let p = params().find(|p| exp(p)).copied().unwrap_or(f16::NAN);
             return Err(QuantError::Corrupt(format!(
                 "non-finite group parameter {p}"
             )));
