@@ -4,7 +4,7 @@
 use kvforge_engine::gguf::GgufFile;
 use kvforge_engine::{
     Axis, CacheManager, ContiguousCache, Device, Engine, EngineConfig, Kind, KvQuant, PagedKvCache,
-    ReuseConfig, Sequence, Tokenizer,
+    ReuseConfig, Sequence, Tensor, Tokenizer,
 };
 use kvforge_pool::BlockAllocator;
 
@@ -223,13 +223,14 @@ fn bad_tier_settings_are_errors_that_change_nothing() {
     cache.set_cold_tier(None).unwrap();
 }
 
-#[test]
-fn non_finite_kv_is_reported_and_the_block_stays_hot() {
+/// Poisons layer 0's value projection with `poison`, fills two blocks, and
+/// checks that demoting them fails with one line containing `needle` and
+/// naming layer 0, and that the block stays hot and the sequence unchanged.
+fn poisoned_values_are_reported_and_the_block_stays_hot(poison: impl Fn(&Tensor), needle: &str) {
     let model = tiny();
-    // Poison one value projection: every V of layer 0 becomes NaN.
     for (name, t) in model.named_weights() {
         if name == "model.layers.0.self_attn.v_proj.weight" {
-            let _ = t.shallow_clone().fill_(f64::NAN);
+            poison(&t);
         }
     }
     let cache = tiered(Some(spec(4, 0, false, Axis::PerToken)));
@@ -243,7 +244,7 @@ fn non_finite_kv_is_reported_and_the_block_stays_hot() {
         .forward(&toks[10..], &mut cache.view(&mut seq), false)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("non-finite") && e.contains("layer 0"), "{e}");
+    assert!(e.contains(needle) && e.contains("layer 0"), "{e}");
     assert!(e.contains("stays in the hot tier"), "{e}");
     assert_eq!(e.lines().count(), 1);
     assert_eq!((seq.len, &seq.blocks), (len, &hot));
@@ -253,41 +254,29 @@ fn non_finite_kv_is_reported_and_the_block_stays_hot() {
     assert_eq!(cache.pool().stats().in_use, 0);
 }
 
-/// Finite but huge V (values of about ±1e6 times the hidden state, past
-/// what INT4's f16 group parameters hold): reported like NaN, never
-/// dequantized to inf; the block stays hot and the sequence unchanged.
+#[test]
+fn non_finite_kv_is_reported_and_the_block_stays_hot() {
+    // Every V of layer 0 becomes NaN.
+    poisoned_values_are_reported_and_the_block_stays_hot(
+        |t| {
+            let _ = t.shallow_clone().fill_(f64::NAN);
+        },
+        "non-finite",
+    );
+}
+
+/// Finite but huge V (about ±1e6 times the hidden state, past what INT4's
+/// f16 group parameters hold): reported like NaN, never dequantized to inf.
 #[test]
 fn out_of_range_kv_is_reported_and_the_block_stays_hot() {
-    let model = tiny();
-    for (name, t) in model.named_weights() {
-        if name == "model.layers.0.self_attn.v_proj.weight" {
+    poisoned_values_are_reported_and_the_block_stays_hot(
+        |t| {
             let rows = t.size()[0];
             let _ = t.shallow_clone().fill_(1e6);
             let _ = t.slice(0, 0, rows, 2).fill_(-1e6);
-        }
-    }
-    let cache = tiered(Some(spec(4, 0, false, Axis::PerToken)));
-    let mut seq = Sequence::default();
-    let toks = tokens(20);
-    let _ = model
-        .forward(&toks[..10], &mut cache.view(&mut seq), false)
-        .unwrap();
-    let (len, hot) = (seq.len, seq.blocks.clone());
-    let e = model
-        .forward(&toks[10..], &mut cache.view(&mut seq), false)
-        .unwrap_err()
-        .to_string();
-    assert!(
-        e.contains("is outside what int4") && e.contains("layer 0"),
-        "{e}"
+        },
+        "is outside what int4",
     );
-    assert!(e.contains("stays in the hot tier"), "{e}");
-    assert_eq!(e.lines().count(), 1);
-    assert_eq!((seq.len, &seq.blocks), (len, &hot));
-    assert!(seq.cold.is_empty());
-    assert_eq!(cache.cold_bytes(), 0);
-    cache.free(&mut seq).unwrap();
-    assert_eq!(cache.pool().stats().in_use, 0);
 }
 
 #[test]

@@ -532,15 +532,15 @@ fn revivals_never_starve_an_allocation() {
     assert_eq!(reclaimed.load(Ordering::Relaxed), 0, "spurious Reclaimed");
 }
 
-/// 3,000 trials of four threads each allocating one block from an empty
-/// growable pool: never `None`, and never more than the one batch needed.
-#[test]
-fn concurrent_first_allocations_grow_exactly_one_batch() {
+/// 3,000 trials of four threads each allocating one block at once from an
+/// empty pool that grows in batches of 64 up to `max_blocks`: returns
+/// (allocations that got `None`, trials that grew more than one batch).
+fn first_allocations(max_blocks: usize) -> (usize, usize) {
     let (mut none, mut overshoot) = (0, 0);
     for _ in 0..3_000 {
         let cfg = PoolConfig::fixed(0)
             .with_growth_batch(64)
-            .with_max_blocks(256);
+            .with_max_blocks(max_blocks);
         let pool = BlockPool::new(layout(), cfg).unwrap();
         let barrier = std::sync::Barrier::new(4);
         let got: Vec<Option<Allocation>> = std::thread::scope(|s| {
@@ -557,39 +557,25 @@ fn concurrent_first_allocations_grow_exactly_one_batch() {
         none += got.iter().filter(|a| a.is_none()).count();
         overshoot += usize::from(pool.stats().capacity != 64);
     }
+    (none, overshoot)
+}
+
+/// Never `None`, and never more than the one batch the four need.
+#[test]
+fn concurrent_first_allocations_grow_exactly_one_batch() {
     assert_eq!(
-        (none, overshoot),
+        first_allocations(256),
         (0, 0),
         "(spurious None, trials over one batch)"
     );
 }
 
-/// Same, at a cap of exactly one batch: growth in flight is not exhaustion.
+/// At a cap of exactly one batch: growth in flight is not exhaustion.
 #[test]
 fn growth_in_flight_is_not_exhaustion() {
-    let mut none = 0;
-    for _ in 0..3_000 {
-        let cfg = PoolConfig::fixed(0)
-            .with_growth_batch(64)
-            .with_max_blocks(64);
-        let pool = BlockPool::new(layout(), cfg).unwrap();
-        let barrier = std::sync::Barrier::new(4);
-        std::thread::scope(|s| {
-            let hs: Vec<_> = (0..4)
-                .map(|_| {
-                    s.spawn(|| {
-                        barrier.wait();
-                        pool.allocate(1).is_none()
-                    })
-                })
-                .collect();
-            none += hs
-                .into_iter()
-                .filter(|_| true)
-                .map(|h| h.join().unwrap())
-                .filter(|&n| n)
-                .count();
-        });
-    }
-    assert_eq!(none, 0, "spurious None while a batch was being published");
+    assert_eq!(
+        first_allocations(64).0,
+        0,
+        "spurious None while a batch was being published"
+    );
 }

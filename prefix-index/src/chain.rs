@@ -3,7 +3,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use crate::hash::{FoldHash, SlotHash, block_key, root_key};
+use crate::hash::{KeyHash, block_key, root_key};
 use crate::walk::{SealedLens, Walk};
 use crate::{
     BlockHash, BlockHasher, BlockId, BlockRef, ExtraKeys, Inserted, MatchStats, PrefixMatch,
@@ -28,7 +28,7 @@ struct Entry {
     /// entry of the map a match probes once per block (a match never reads
     /// this).
     #[allow(clippy::box_collection)]
-    children: Option<Box<HashSet<BlockHash, FoldHash>>>,
+    children: Option<Box<HashSet<BlockHash, KeyHash>>>,
 }
 
 impl Entry {
@@ -67,10 +67,10 @@ struct Root {
 pub struct HashChainIndex<H: BlockHasher = Xxh3Hasher> {
     block_size: usize,
     hasher: H,
-    entries: HashMap<BlockHash, Entry, FoldHash>,
-    roots: HashMap<BlockHash, Root, FoldHash>,
+    entries: HashMap<BlockHash, Entry, KeyHash>,
+    roots: HashMap<BlockHash, Root, KeyHash>,
     /// Block slot index -> (handle, key) of the entry that holds it.
-    slots: HashMap<u32, (BlockId, BlockHash), SlotHash>,
+    slots: HashMap<u32, (BlockId, BlockHash), KeyHash>,
     next_serial: u64,
     stats: MatchStats,
     scratch: Vec<u8>,

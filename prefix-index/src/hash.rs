@@ -116,58 +116,36 @@ pub fn root_key<H: BlockHasher + ?Sized>(hasher: &H, extra: &ExtraKeys) -> Block
     BlockHash(hasher.hash(&buf))
 }
 
-/// Hashes a [`BlockHash`] map key by folding it (it is already uniform), so
-/// lookups do not hash twice. Deterministic: no `RandomState`.
+/// Hashes the index's own map keys cheaply, deterministically (no
+/// `RandomState`): a [`BlockHash`] is already uniform, so it is folded to 64
+/// bits (lookups do not hash twice); a block slot index (`u32`) takes one
+/// multiplication (Fibonacci hashing). Slot maps are probed on every insert
+/// and forget.
 #[derive(Clone, Copy, Default, Debug)]
-pub(crate) struct FoldHash;
+pub(crate) struct KeyHash;
 
-impl BuildHasher for FoldHash {
-    type Hasher = FoldHasher;
-    fn build_hasher(&self) -> FoldHasher {
-        FoldHasher(0)
+impl BuildHasher for KeyHash {
+    type Hasher = KeyHasher;
+    fn build_hasher(&self) -> KeyHasher {
+        KeyHasher(0)
     }
 }
 
-pub(crate) struct FoldHasher(u64);
+pub(crate) struct KeyHasher(u64);
 
-impl Hasher for FoldHasher {
+impl Hasher for KeyHasher {
     fn finish(&self) -> u64 {
         self.0
     }
     fn write(&mut self, bytes: &[u8]) {
-        // Only reached for non-u128 keys; keep it correct anyway.
-        self.0 = xxhash_rust::xxh3::xxh3_64_with_seed(bytes, self.0);
-    }
-    fn write_u128(&mut self, v: u128) {
-        self.0 ^= (v as u64) ^ ((v >> 64) as u64);
-    }
-}
-
-/// Hashes a block slot index (a `u32`) with one multiplication (Fibonacci
-/// hashing): slot maps are probed on every insert and forget.
-/// Deterministic: no `RandomState`.
-#[derive(Clone, Copy, Default, Debug)]
-pub(crate) struct SlotHash;
-
-impl BuildHasher for SlotHash {
-    type Hasher = SlotHasher;
-    fn build_hasher(&self) -> SlotHasher {
-        SlotHasher(0)
-    }
-}
-
-pub(crate) struct SlotHasher(u64);
-
-impl Hasher for SlotHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        // Only reached for non-u32 keys; keep it correct anyway.
+        // Only reached for other key types; keep it correct anyway.
         self.0 = xxhash_rust::xxh3::xxh3_64_with_seed(bytes, self.0);
     }
     fn write_u32(&mut self, v: u32) {
         self.0 = (u64::from(v) ^ self.0).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+    fn write_u128(&mut self, v: u128) {
+        self.0 ^= (v as u64) ^ ((v >> 64) as u64);
     }
 }
 

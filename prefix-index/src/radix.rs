@@ -8,7 +8,7 @@ use std::collections::HashMap;
 
 use xxhash_rust::xxh3::Xxh3DefaultBuilder;
 
-use crate::hash::SlotHash;
+use crate::hash::KeyHash;
 use crate::walk::{SealedLens, Walk};
 use crate::{
     BlockId, BlockRef, ExtraKeys, Inserted, MatchStats, PrefixMatch, PrefixMatcher, Result,
@@ -50,7 +50,7 @@ pub struct RadixIndex {
     free_nodes: Vec<NodeId>,
     roots: HashMap<ExtraKeys, NodeId, Xxh3DefaultBuilder>,
     /// Block slot index -> (handle, node whose edge holds it).
-    slots: HashMap<u32, (BlockId, NodeId), SlotHash>,
+    slots: HashMap<u32, (BlockId, NodeId), KeyHash>,
     cached: u64,
     stats: MatchStats,
 }
