@@ -268,7 +268,11 @@ impl GgufFile {
             let key = r.string("metadata key")?;
             let ty = r.u32(&key)?;
             let v = r.value(ty, &key, 0)?;
-            metadata.insert(key, v);
+            if metadata.insert(key.clone(), v).is_some() {
+                return Err(EngineError::Model(format!(
+                    "corrupt GGUF: metadata key {key} appears twice"
+                )));
+            }
         }
         let mut raw = Vec::with_capacity(n_tensors.min(1 << 16));
         for _ in 0..n_tensors {
@@ -322,16 +326,24 @@ impl GgufFile {
                         "truncated GGUF file: tensor {name} ends past the end of the file"
                     ))
                 })?;
-            tensors.insert(
-                name,
-                TensorInfo {
-                    shape,
-                    dtype,
-                    offset: start,
-                    len,
-                },
-            );
+            if start % align != 0 {
+                return Err(EngineError::Model(format!(
+                    "corrupt GGUF: tensor {name} data offset {offset} is not aligned to {align} bytes"
+                )));
+            }
+            let info = TensorInfo {
+                shape,
+                dtype,
+                offset: start,
+                len,
+            };
+            if tensors.insert(name.clone(), info).is_some() {
+                return Err(EngineError::Model(format!(
+                    "corrupt GGUF: tensor {name} appears twice"
+                )));
+            }
         }
+        check_tiling(&tensors, data_start, align)?;
         Ok((metadata, tensors))
     }
 
@@ -356,6 +368,35 @@ impl GgufFile {
         let bytes = &self.data[info.offset..info.offset + info.len];
         Ok((dequantize(info.dtype, bytes), info.shape.clone()))
     }
+}
+
+/// Tensor data must tile the data section: in offset order, each tensor
+/// starts exactly where the previous one ends, rounded up to the alignment
+/// (what every GGUF writer produces). So a moved offset, an overlap, or a type
+/// swapped for one of another size is an error, not garbage weights.
+fn check_tiling(
+    tensors: &BTreeMap<String, TensorInfo>,
+    data_start: usize,
+    align: usize,
+) -> Result<()> {
+    let mut by_offset: Vec<(&String, &TensorInfo)> = tensors.iter().collect();
+    by_offset.sort_by_key(|(_, t)| t.offset);
+    let mut expect = data_start;
+    for (name, t) in by_offset {
+        if t.offset != expect {
+            let how = if t.offset < expect {
+                "overlaps the tensor before it"
+            } else {
+                "leaves a gap after the tensor before it"
+            };
+            return Err(EngineError::Model(format!(
+                "corrupt GGUF: tensor {name}'s data {how} (at byte {}, expected {expect}); its offset or type is wrong",
+                t.offset
+            )));
+        }
+        expect = (t.offset + t.len).div_ceil(align) * align;
+    }
+    Ok(())
 }
 
 /// Dequantizes raw GGML data. `bytes` holds whole blocks.

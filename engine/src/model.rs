@@ -83,8 +83,91 @@ impl LlamaConfig {
                 self.head_dim
             ));
         }
+        // Ranges, checked before anything is allocated from them: a file's
+        // claim of 2^32 layers or 2^31 positions is an error, not an abort.
+        for (what, v, max) in [
+            ("vocabulary", self.vocab, Self::MAX_VOCAB),
+            ("hidden size", self.d_model, Self::MAX_DIM),
+            ("layer count", self.n_layers, Self::MAX_LAYERS),
+            ("head count", self.n_heads, Self::MAX_HEADS),
+            ("head dim", self.head_dim, Self::MAX_HEAD_DIM),
+            ("feed-forward size", self.ffn, Self::MAX_FFN),
+            ("context length", self.max_ctx, Self::MAX_CTX),
+        ] {
+            if v > max {
+                return bad(format!("{what} {v} is above the supported {max}"));
+            }
+        }
+        if self.n_kv_heads > self.n_heads {
+            return bad(format!(
+                "{} KV heads is more than the {} query heads",
+                self.n_kv_heads, self.n_heads
+            ));
+        }
+        if !(self.rms_eps.is_finite() && self.rms_eps > 0.0 && self.rms_eps < 1.0) {
+            return bad(format!(
+                "RMSNorm epsilon {} must be finite and in (0, 1)",
+                self.rms_eps
+            ));
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta >= 1.0) {
+            return bad(format!(
+                "RoPE base {} must be finite and at least 1",
+                self.rope_theta
+            ));
+        }
         Ok(())
     }
+
+    /// Largest vocabulary a model file may claim.
+    pub const MAX_VOCAB: usize = 1 << 22;
+    /// Largest hidden size.
+    pub const MAX_DIM: usize = 1 << 16;
+    /// Most transformer blocks.
+    pub const MAX_LAYERS: usize = 1024;
+    /// Most query heads.
+    pub const MAX_HEADS: usize = 1024;
+    /// Largest head dimension.
+    pub const MAX_HEAD_DIM: usize = 1024;
+    /// Largest feed-forward size.
+    pub const MAX_FFN: usize = 1 << 20;
+    /// Longest context (the RoPE tables are built for all of it).
+    pub const MAX_CTX: usize = 1 << 20;
+}
+
+/// The tensors of a LLaMA GGUF with `n_layers` blocks, exactly: a missing
+/// one, or one the architecture does not have (a block past `n_layers`, say,
+/// when the layer count was edited), is an error.
+fn check_tensor_set(g: &GgufFile, n_layers: usize) -> Result<()> {
+    const PER_LAYER: [&str; 9] = [
+        "attn_norm",
+        "attn_q",
+        "attn_k",
+        "attn_v",
+        "attn_output",
+        "ffn_norm",
+        "ffn_gate",
+        "ffn_up",
+        "ffn_down",
+    ];
+    let mut want: std::collections::BTreeSet<String> = (0..n_layers)
+        .flat_map(|i| PER_LAYER.iter().map(move |t| format!("blk.{i}.{t}.weight")))
+        .collect();
+    want.extend(["token_embd.weight".into(), "output_norm.weight".into()]);
+    if let Some(missing) = want.iter().find(|n| !g.tensors.contains_key(n.as_str())) {
+        return Err(EngineError::Model(format!("GGUF tensor {missing} missing")));
+    }
+    // Optional: an untied output head.
+    let extra = g
+        .tensors
+        .keys()
+        .find(|n| n.as_str() != "output.weight" && !want.contains(n.as_str()));
+    if let Some(extra) = extra {
+        return Err(EngineError::Model(format!(
+            "GGUF tensor {extra} does not belong to a {n_layers}-layer LLaMA (is llama.block_count right?)"
+        )));
+    }
+    Ok(())
 }
 
 struct Layer {
@@ -170,6 +253,7 @@ impl Llama {
             max_ctx: u("context_length")?,
         };
         cfg.check()?;
+        check_tensor_set(g, cfg.n_layers)?;
         let load = |name: &str| -> Result<Tensor> {
             let (data, shape) = g.dequantize(name)?;
             let shape: Vec<i64> = shape.iter().map(|&s| s as i64).collect();

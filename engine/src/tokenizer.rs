@@ -68,11 +68,42 @@ impl Tokenizer {
         };
         let tokens = strings("tokenizer.ggml.tokens")?;
         let merges = strings("tokenizer.ggml.merges")?;
-        let types: Vec<u64> = g
-            .get("tokenizer.ggml.token_type")
-            .and_then(Value::as_array)
-            .map(|a| a.iter().map(|v| v.as_u64().unwrap_or(1)).collect())
-            .unwrap_or_default();
+        let types: Vec<u64> = match g.get("tokenizer.ggml.token_type") {
+            None => Vec::new(),
+            Some(v) => {
+                let bad = || {
+                    EngineError::Model(
+                        "GGUF metadata tokenizer.ggml.token_type: not an array of integers, one per token"
+                            .into(),
+                    )
+                };
+                let a = v.as_array().ok_or_else(bad)?;
+                if a.len() != tokens.len() {
+                    return Err(bad());
+                }
+                a.iter()
+                    .map(|v| match v {
+                        Value::U64(_) | Value::I64(_) => v.as_u64().ok_or_else(bad),
+                        _ => Err(bad()),
+                    })
+                    .collect::<Result<_>>()?
+            }
+        };
+        // Special token ids must name tokens of the vocabulary.
+        for key in ["bos", "eos", "unknown", "padding"] {
+            let key = format!("tokenizer.ggml.{key}_token_id");
+            if let Some(v) = g.get(&key) {
+                match v.as_u64() {
+                    Some(id) if (id as usize) < tokens.len() => {}
+                    _ => {
+                        return Err(EngineError::Model(format!(
+                            "GGUF metadata {key} = {v:?} is not a token id below the vocabulary size {}",
+                            tokens.len()
+                        )));
+                    }
+                }
+            }
+        }
         // Control (3) and user-defined (4) tokens are matched whole, never split.
         let added: Vec<serde_json::Value> = tokens
             .iter()
