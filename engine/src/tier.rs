@@ -13,7 +13,8 @@
 use std::mem::MaybeUninit;
 
 use kvforge_quant::{
-    Axis, BlockShape, GroupQuantizer, QuantConfig, QuantizedBlock, Quantizer, Rotated, TierPlan,
+    Axis, BlockShape, GroupQuantizer, QuantConfig, QuantError, QuantizedBlock, Quantizer, Rotated,
+    TierPlan,
 };
 use tch::{Device, Kind, Tensor};
 
@@ -113,7 +114,20 @@ impl ColdTier {
             Axis::PerChannel => shape.tokens,
             Axis::PerToken => spec.group_size,
         };
-        let kq = GroupQuantizer::new(QuantConfig::new(spec.bits, key_group, spec.key_axis)?);
+        let key_cfg = QuantConfig::new(spec.bits, key_group, spec.key_axis).map_err(|e| {
+            if spec.key_axis == Axis::PerChannel && matches!(e, QuantError::GroupSize { .. }) {
+                // The group here is the block, not --kv-group: say so.
+                EngineError::Request(format!(
+                    "per-channel keys are quantized in groups of one block ({} tokens), and at {} bits a group must fill whole bytes: use a block size of at least {} or token-wise keys",
+                    shape.tokens,
+                    spec.bits,
+                    8 / spec.bits
+                ))
+            } else {
+                e.into()
+            }
+        })?;
+        let kq = GroupQuantizer::new(key_cfg);
         let keys: Box<dyn Quantizer> = if spec.rotate {
             Box::new(Rotated::new(kq))
         } else {

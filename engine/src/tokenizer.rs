@@ -32,6 +32,9 @@ impl Message {
 /// A tokenizer plus the ids the engine needs.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// The same tokenizer with special-token parsing off: control tokens
+    /// written in user text stay text.
+    plain: tokenizers::Tokenizer,
     /// End of sequence (`<|im_end|>` for SmolLM2).
     pub eos: u32,
     /// Vocabulary size.
@@ -135,11 +138,18 @@ impl Tokenizer {
         });
         let inner: tokenizers::Tokenizer = spec.to_string().parse().map_err(tok_err)?;
         let eos = g.u64("tokenizer.ggml.eos_token_id")? as u32;
-        Ok(Tokenizer {
+        Ok(Self::with_plain(inner, eos, tokens.len()))
+    }
+
+    fn with_plain(inner: tokenizers::Tokenizer, eos: u32, vocab: usize) -> Self {
+        let mut plain = inner.clone();
+        plain.set_encode_special_tokens(true);
+        Tokenizer {
             inner,
+            plain,
             eos,
-            vocab: tokens.len(),
-        })
+            vocab,
+        }
     }
 
     /// Loads a Hugging Face `tokenizer.json`; `eos` names the end token.
@@ -150,7 +160,7 @@ impl Tokenizer {
             EngineError::Tokenizer(format!("{}: no token {eos:?}", path.display()))
         })?;
         let vocab = inner.get_vocab_size(true);
-        Ok(Tokenizer { inner, eos, vocab })
+        Ok(Self::with_plain(inner, eos, vocab))
     }
 
     /// Writes the tokenizer as a Hugging Face `tokenizer.json`.
@@ -160,7 +170,8 @@ impl Tokenizer {
             .map_err(|e| EngineError::Tokenizer(format!("{}: {e}", path.display())))
     }
 
-    /// Token ids of `text` (special tokens in the text are recognised).
+    /// Token ids of `text` (special tokens in the text are recognised): for
+    /// templates and trusted text.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         Ok(self
             .inner
@@ -168,6 +179,49 @@ impl Tokenizer {
             .map_err(tok_err)?
             .get_ids()
             .to_vec())
+    }
+
+    /// Token ids of untrusted `text` (a user's message): special-token
+    /// parsing is off, as llama.cpp does for user content, so a
+    /// `<|im_start|>system` typed by a user stays text and cannot forge a
+    /// turn.
+    pub fn encode_text(&self, text: &str) -> Result<Vec<u32>> {
+        Ok(self
+            .plain
+            .encode(text, false)
+            .map_err(tok_err)?
+            .get_ids()
+            .to_vec())
+    }
+
+    /// [`chat_prompt`](Self::chat_prompt) as token ids, with every
+    /// message's content encoded by [`encode_text`](Self::encode_text): the
+    /// same ids as encoding the prompt string whenever the contents hold no
+    /// control tokens and do not start with whitespace (which the string
+    /// would merge with the newline before it).
+    pub fn chat_ids(&self, messages: &[Message]) -> Result<Vec<u32>> {
+        let mut ids = Vec::new();
+        if messages.first().is_none_or(|m| m.role != "system") {
+            ids.extend(self.encode(&format!("<|im_start|>system\n{DEFAULT_SYSTEM}<|im_end|>\n"))?);
+        }
+        for m in messages {
+            ids.extend(self.encode(&format!("<|im_start|>{}\n", m.role))?);
+            ids.extend(self.encode_text(&m.content)?);
+            ids.extend(self.encode("<|im_end|>\n")?);
+        }
+        ids.extend(self.encode("<|im_start|>assistant\n")?);
+        Ok(ids)
+    }
+
+    /// The ids of one more user turn of a running chat: closes the previous
+    /// reply if it was cut off (`close`), then the user message (as text)
+    /// and the assistant header.
+    pub fn user_turn_ids(&self, close: bool, text: &str) -> Result<Vec<u32>> {
+        let end = if close { "<|im_end|>" } else { "" };
+        let mut ids = self.encode(&format!("{end}\n<|im_start|>user\n"))?;
+        ids.extend(self.encode_text(text)?);
+        ids.extend(self.encode("<|im_end|>\n<|im_start|>assistant\n")?);
+        Ok(ids)
     }
 
     /// Text of `ids` (special tokens included).

@@ -26,6 +26,13 @@ use kvforge_pool::BlockAllocator;
 /// The model `cargo xtask setup` installs.
 const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 
+/// Largest `--block-size`: a block is one unit of the KV pool, and larger
+/// blocks only waste memory (a libtorch allocation error otherwise).
+const MAX_BLOCK_SIZE: usize = 4096;
+
+/// Largest text file `ppl` / `bench` read.
+const MAX_TEXT_BYTES: u64 = 256 << 20;
+
 #[derive(Parser)]
 #[command(
     name = "kvforge",
@@ -138,9 +145,13 @@ struct Common {
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
-    /// CPU threads for libtorch (0 = its default).
+    /// CPU threads for libtorch (0 = its default; at most the machine's).
     #[arg(long, default_value_t = 0)]
     threads: i32,
+    /// Let control tokens written in prompts (`<|im_start|>` …) act as
+    /// control tokens. Off by default: user text stays text.
+    #[arg(long)]
+    allow_special: bool,
     #[command(flatten)]
     tier: Tier,
 }
@@ -237,8 +248,40 @@ impl Common {
         }
     }
 
-    fn engine(&self) -> Result<Engine, EngineError> {
+    /// Checks what can be checked without the model: sampling, threads,
+    /// block size, cold-tier names.
+    fn check(&self) -> Result<(), EngineError> {
         self.params().validate()?;
+        self.tier.spec()?;
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if self.threads < 0 || self.threads as usize > cores {
+            return Err(EngineError::Request(format!(
+                "--threads {} must be between 0 (libtorch's default) and this machine's {cores} cores",
+                self.threads
+            )));
+        }
+        if self.block_size > MAX_BLOCK_SIZE {
+            return Err(EngineError::Request(format!(
+                "--block-size {} is above the supported {MAX_BLOCK_SIZE} tokens",
+                self.block_size
+            )));
+        }
+        Ok(())
+    }
+
+    /// The ids of a user's message in the chat template (as text unless
+    /// --allow-special).
+    fn user_ids(&self, tokenizer: &Tokenizer, msg: &str) -> Result<Vec<u32>, EngineError> {
+        let messages = [Message::new("user", msg)];
+        if self.allow_special {
+            tokenizer.encode(&Tokenizer::chat_prompt(&messages))
+        } else {
+            tokenizer.chat_ids(&messages)
+        }
+    }
+
+    fn engine(&self) -> Result<Engine, EngineError> {
+        self.check()?;
         if self.threads > 0 {
             tch::set_num_threads(self.threads);
         }
@@ -287,12 +330,11 @@ fn stream(piece: &str) -> bool {
 
 fn generate(prompt: &str, raw: bool, common: &Common) -> Result<(), EngineError> {
     let engine = common.engine()?;
-    let text = if raw {
-        prompt.to_string()
+    let ids = if raw {
+        engine.tokenizer.encode(prompt)?
     } else {
-        Tokenizer::chat_prompt(&[Message::new("user", prompt)])
+        common.user_ids(&engine.tokenizer, prompt)?
     };
-    let ids = engine.tokenizer.encode(&text)?;
     let mut seq = Sequence::default();
     let g = engine.generate(&mut seq, &ids, &common.params(), &mut |_, piece| {
         stream(piece)
@@ -312,26 +354,47 @@ fn chat(common: &Common, reuse: &Reuse) -> Result<(), EngineError> {
     eprintln!("kvforge chat — empty line or Ctrl-D to quit");
     loop {
         eprint!("> ");
-        let mut line = String::new();
+        let mut raw = Vec::new();
         let n = stdin
             .lock()
-            .read_line(&mut line)
+            .read_until(b'\n', &mut raw)
             .map_err(|e| EngineError::Request(format!("reading stdin: {e}")))?;
+        if n == 0 {
+            break;
+        }
+        // A bad turn is reported and skipped; the session goes on unchanged.
+        let Ok(line) = std::str::from_utf8(&raw) else {
+            eprintln!("error: that line is not valid UTF-8; the session is unchanged");
+            continue;
+        };
         let msg = line.trim_end_matches(['\n', '\r']);
-        if n == 0 || msg.is_empty() {
+        if msg.is_empty() {
             break;
         }
         // The previous reply's last token (usually <|im_end|>) is already
         // pending in the session; close the reply if it was cut off.
-        let text = if first {
-            Tokenizer::chat_prompt(&[Message::new("user", msg)])
-        } else {
-            let end = if closed { "" } else { "<|im_end|>" };
-            format!("{end}\n<|im_start|>user\n{msg}<|im_end|>\n<|im_start|>assistant\n")
+        let ids = manager.with_engine(|e| {
+            if first {
+                common.user_ids(&e.tokenizer, msg)
+            } else if common.allow_special {
+                let end = if closed { "" } else { "<|im_end|>" };
+                e.tokenizer.encode(&format!(
+                    "{end}\n<|im_start|>user\n{msg}<|im_end|>\n<|im_start|>assistant\n"
+                ))
+            } else {
+                e.tokenizer.user_turn_ids(!closed, msg)
+            }
+        });
+        let turn =
+            ids.and_then(|ids| manager.turn(session, &ids, &params, &mut |_, piece| stream(piece)));
+        let r = match turn {
+            Ok(r) => r,
+            Err(e) => {
+                eprintln!("error: {e}; the session is unchanged");
+                continue;
+            }
         };
         first = false;
-        let ids = manager.with_engine(|e| e.tokenizer.encode(&text))?;
-        let r = manager.turn(session, &ids, &params, &mut |_, piece| stream(piece))?;
         println!();
         manager.with_engine(|e| report(e, &r.generation));
         eprintln!(
@@ -346,9 +409,26 @@ fn chat(common: &Common, reuse: &Reuse) -> Result<(), EngineError> {
     manager.close_session(session)
 }
 
+/// Reads a text file: a regular file of at most [`MAX_TEXT_BYTES`], UTF-8.
 fn read_text(path: &std::path::Path) -> Result<String, EngineError> {
-    std::fs::read_to_string(path)
-        .map_err(|e| EngineError::Request(format!("cannot read {}: {e}", path.display())))
+    use std::io::Read as _;
+    let bad = |why: String| EngineError::Request(format!("cannot read {}: {why}", path.display()));
+    let file = std::fs::File::open(path).map_err(|e| bad(e.to_string()))?;
+    let meta = file.metadata().map_err(|e| bad(e.to_string()))?;
+    if !meta.is_file() {
+        return Err(bad("not a regular file".into()));
+    }
+    let mut buf = Vec::new();
+    file.take(MAX_TEXT_BYTES + 1)
+        .read_to_end(&mut buf)
+        .map_err(|e| bad(e.to_string()))?;
+    if buf.len() as u64 > MAX_TEXT_BYTES {
+        return Err(bad(format!(
+            "larger than the {} MiB limit",
+            MAX_TEXT_BYTES >> 20
+        )));
+    }
+    String::from_utf8(buf).map_err(|_| bad("not UTF-8 text".into()))
 }
 
 /// The first `n` tokens of `body`; `what` and `flag` name them in the error
@@ -372,6 +452,7 @@ fn first_tokens(
 }
 
 fn bench(text: &std::path::Path, context: usize, common: &Common) -> Result<(), EngineError> {
+    common.check()?;
     let body = read_text(text)?;
     let engine = common.engine()?;
     let what = text.display().to_string();
@@ -436,6 +517,18 @@ fn ppl(
     common: &Common,
 ) -> Result<(), EngineError> {
     let (prefix, chunk, decode) = stream;
+    // Every argument is checked before the text is read or the model loaded.
+    common.check()?;
+    if window < 2 || window > tokens {
+        return Err(EngineError::Request(format!(
+            "window perplexity needs 2 <= --window <= --tokens (window {window}, tokens {tokens})"
+        )));
+    }
+    if prefix == 0 || chunk == 0 || prefix >= tokens {
+        return Err(EngineError::Request(format!(
+            "streaming perplexity needs 0 < --prefix < --tokens and --chunk > 0 (prefix {prefix}, chunk {chunk}, tokens {tokens})"
+        )));
+    }
     let body = read_text(text)?;
     let mut engine = common.engine()?;
     let article = kvforge_engine::ppl::longest_article(&body);
