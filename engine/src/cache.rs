@@ -143,6 +143,18 @@ impl PagedKvCache {
             format,
         )?;
         let blocks = max_tokens.div_ceil(block_size);
+        if device == Device::Cpu {
+            let need = layout.bytes_for_blocks(blocks as u64)?;
+            if let Some(have) = available_memory() {
+                if need > have {
+                    return Err(EngineError::Request(format!(
+                        "a KV cache of {max_tokens} tokens needs {} MiB, more than the {} MiB of memory available",
+                        need >> 20,
+                        have >> 20
+                    )));
+                }
+            }
+        }
         let pool = BlockPool::new(layout, PoolConfig::fixed(blocks))?;
         let slots = (blocks * block_size) as i64;
         let shape = [slots, cfg.n_kv_heads as i64, cfg.head_dim as i64];
@@ -424,4 +436,13 @@ impl KvStore for ContiguousCache {
     fn commit(&mut self, n: usize) {
         self.len += n;
     }
+}
+
+/// Memory the OS says is available (`MemAvailable` in `/proc/meminfo`), if
+/// it says.
+fn available_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
 }

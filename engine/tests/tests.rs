@@ -403,6 +403,21 @@ fn unsupported_architecture_is_an_error() {
 }
 
 #[test]
+fn a_kv_cache_larger_than_memory_is_refused_before_allocating() {
+    let model = tiny();
+    // 2^31 tokens x 256 bytes (the tiny model in f32): 512 GiB.
+    let e = one_line(
+        &PagedKvCache::new(&model.cfg, 16, 1 << 31, Device::Cpu, Kind::Float)
+            .err()
+            .unwrap(),
+    );
+    assert!(
+        e.contains("more than the") && e.contains("MiB of memory available"),
+        "{e}"
+    );
+}
+
+#[test]
 fn prompt_longer_than_the_context_is_an_error() {
     let model = tiny();
     let cache = PagedKvCache::new(&model.cfg, 16, 1024, Device::Cpu, Kind::Float).unwrap();
