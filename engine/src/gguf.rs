@@ -1,5 +1,6 @@
 //! A small GGUF reader: header, metadata, tensor table, and dequantization of
-//! F32 / F16 / BF16 / Q8_0 / Q4_0 / Q4_1 tensors to f32.
+//! F32 / F16 / BF16 / Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 and the K-quants
+//! (Q4_K, Q5_K, Q6_K, Q8_K) to f32.
 //!
 //! Written here rather than pulled in: the format is a few hundred lines, the
 //! maintained Rust readers either tie us to another tensor library (candle)
@@ -68,8 +69,9 @@ impl Value {
     }
 }
 
-/// GGML tensor types this reader can dequantize.
+/// GGML tensor types this reader can dequantize (named as GGML names them).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[allow(non_camel_case_types)]
 pub enum GgmlType {
     /// 32-bit float.
     F32,
@@ -83,16 +85,35 @@ pub enum GgmlType {
     Q4_0,
     /// 32 x 4-bit with f16 scale and minimum.
     Q4_1,
+    /// 32 x 5-bit with one f16 scale, offset -16.
+    Q5_0,
+    /// 32 x 5-bit with f16 scale and minimum.
+    Q5_1,
+    /// 256 x 4-bit in 8 sub-blocks with 6-bit scales and minimums.
+    Q4_K,
+    /// 256 x 5-bit in 8 sub-blocks with 6-bit scales and minimums.
+    Q5_K,
+    /// 256 x 6-bit in 16 sub-blocks with 8-bit scales.
+    Q6_K,
+    /// 256 x i8 with one f32 scale (and block sums, unused here).
+    Q8_K,
 }
 
 impl GgmlType {
-    fn from_id(id: u32) -> Option<Self> {
+    /// The type with GGML id `id`, if this reader supports it.
+    pub fn from_id(id: u32) -> Option<Self> {
         Some(match id {
             0 => GgmlType::F32,
             1 => GgmlType::F16,
             2 => GgmlType::Q4_0,
             3 => GgmlType::Q4_1,
+            6 => GgmlType::Q5_0,
+            7 => GgmlType::Q5_1,
             8 => GgmlType::Q8_0,
+            12 => GgmlType::Q4_K,
+            13 => GgmlType::Q5_K,
+            14 => GgmlType::Q6_K,
+            15 => GgmlType::Q8_K,
             30 => GgmlType::BF16,
             _ => return None,
         })
@@ -106,6 +127,12 @@ impl GgmlType {
             GgmlType::Q8_0 => (32, 34),
             GgmlType::Q4_0 => (32, 18),
             GgmlType::Q4_1 => (32, 20),
+            GgmlType::Q5_0 => (32, 22),
+            GgmlType::Q5_1 => (32, 24),
+            GgmlType::Q4_K => (256, 144),
+            GgmlType::Q5_K => (256, 176),
+            GgmlType::Q6_K => (256, 210),
+            GgmlType::Q8_K => (256, 292),
         }
     }
 }
@@ -308,7 +335,7 @@ impl GgufFile {
             let shape: Vec<usize> = dims.into_iter().rev().collect();
             let Some(dtype) = GgmlType::from_id(ty) else {
                 return Err(EngineError::Unsupported(format!(
-                    "tensor {name} has GGML type {ty}; supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1"
+                    "tensor {name} has GGML type {ty}; supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q8_K"
                 )));
             };
             let (per, bytes) = dtype.block();
@@ -442,6 +469,112 @@ pub fn dequantize(dtype: GgmlType, bytes: &[u8]) -> Vec<f32> {
             }
             out
         }
+        GgmlType::Q5_0 | GgmlType::Q5_1 => {
+            let (size, affine) = if dtype == GgmlType::Q5_0 {
+                (22, false)
+            } else {
+                (24, true)
+            };
+            let mut out = vec![0f32; bytes.len() / size * 32];
+            for (blk, o) in bytes.chunks_exact(size).zip(out.chunks_exact_mut(32)) {
+                let d = h(&blk[..2]);
+                let (m, rest) = if affine {
+                    (h(&blk[2..4]), &blk[4..])
+                } else {
+                    (-16.0 * d, &blk[2..])
+                };
+                let qh = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]);
+                for (j, &q) in rest[4..20].iter().enumerate() {
+                    let lo = u32::from(q & 0x0f) | ((qh >> j) & 1) << 4;
+                    let hi = u32::from(q >> 4) | ((qh >> (j + 16)) & 1) << 4;
+                    o[j] = lo as f32 * d + m;
+                    o[j + 16] = hi as f32 * d + m;
+                }
+            }
+            out
+        }
+        GgmlType::Q4_K | GgmlType::Q5_K => {
+            let (size, five) = if dtype == GgmlType::Q4_K {
+                (144, false)
+            } else {
+                (176, true)
+            };
+            let mut out = vec![0f32; bytes.len() / size * 256];
+            for (blk, o) in bytes.chunks_exact(size).zip(out.chunks_exact_mut(256)) {
+                let (d, dmin) = (h(&blk[..2]), h(&blk[2..4]));
+                let scales = &blk[4..16];
+                let (qh, qs) = if five {
+                    (&blk[16..48], &blk[48..176])
+                } else {
+                    (&blk[16..16], &blk[16..144])
+                };
+                // Four chunks of 64: the low nibbles of 32 bytes (sub-block
+                // 2j), then their high nibbles (2j + 1); Q5_K takes bit 2j or
+                // 2j + 1 of `qh` as the fifth bit.
+                for j in 0..4 {
+                    let q = &qs[32 * j..32 * j + 32];
+                    for (half, shift) in [(0usize, 0u32), (1, 4)] {
+                        let sub = 2 * j + half;
+                        let (sc, mn) = scale_min_k4(sub, scales);
+                        let (d1, m1) = (d * f32::from(sc), dmin * f32::from(mn));
+                        let base = 64 * j + 32 * half;
+                        for l in 0..32 {
+                            let mut v = u32::from((q[l] >> shift) & 0x0f);
+                            if five && (qh[l] >> sub) & 1 == 1 {
+                                v += 16;
+                            }
+                            o[base + l] = d1 * v as f32 - m1;
+                        }
+                    }
+                }
+            }
+            out
+        }
+        GgmlType::Q6_K => {
+            let mut out = vec![0f32; bytes.len() / 210 * 256];
+            for (blk, o) in bytes.chunks_exact(210).zip(out.chunks_exact_mut(256)) {
+                let d = h(&blk[208..210]);
+                for n in 0..2 {
+                    let ql = &blk[64 * n..64 * n + 64];
+                    let qh = &blk[128 + 32 * n..128 + 32 * n + 32];
+                    let sc = &blk[192 + 8 * n..192 + 8 * n + 8];
+                    let y = &mut o[128 * n..128 * n + 128];
+                    for l in 0..32 {
+                        let is = l / 16;
+                        let q = |lo: u8, shift: u32| {
+                            (i32::from(lo & 0x0f) | i32::from((qh[l] >> shift) & 3) << 4) - 32
+                        };
+                        let s = |k: usize| d * f32::from(sc[is + k] as i8);
+                        y[l] = s(0) * q(ql[l], 0) as f32;
+                        y[l + 32] = s(2) * q(ql[l + 32], 2) as f32;
+                        y[l + 64] = s(4) * q(ql[l] >> 4, 4) as f32;
+                        y[l + 96] = s(6) * q(ql[l + 32] >> 4, 6) as f32;
+                    }
+                }
+            }
+            out
+        }
+        GgmlType::Q8_K => {
+            let mut out = Vec::with_capacity(bytes.len() / 292 * 256);
+            for blk in bytes.chunks_exact(292) {
+                let d = f32::from_le_bytes([blk[0], blk[1], blk[2], blk[3]]);
+                out.extend(blk[4..260].iter().map(|&q| f32::from(q as i8) * d));
+            }
+            out
+        }
+    }
+}
+
+/// The 6-bit scale and minimum of sub-block `j` of a Q4_K / Q5_K block
+/// (llama.cpp's `get_scale_min_k4`).
+fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        (
+            (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
     }
 }
 

@@ -375,6 +375,53 @@ fn truncated_model_file_is_an_error() {
     }
 }
 
+/// Every block format against the `gguf` package's reference dequantizer
+/// (fixture from `scripts/kquants_reference.py`: random codes, finite
+/// scales).
+#[test]
+fn gguf_block_formats_match_the_gguf_reference() {
+    use kvforge_engine::gguf::{GgmlType, dequantize};
+    let text = std::fs::read_to_string(root().join("engine/tests/fixtures/kquants_reference.json"))
+        .unwrap();
+    let fx: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let types = fx.as_object().unwrap();
+    assert_eq!(types.len(), 8, "Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K");
+    for (name, t) in types {
+        let id = t["id"].as_u64().unwrap() as u32;
+        let dtype = GgmlType::from_id(id).unwrap_or_else(|| panic!("{name} unsupported"));
+        let hex = t["hex"].as_str().unwrap();
+        let bytes: Vec<u8> = (0..hex.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+            .collect();
+        let want: Vec<f32> = t["values"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap() as f32)
+            .collect();
+        let got = dequantize(dtype, &bytes);
+        assert_eq!(got.len(), want.len(), "{name}");
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (g - w).abs() <= 1e-6 * w.abs().max(1e-3),
+                "{name} element {i}: {g} vs reference {w}"
+            );
+        }
+    }
+}
+
+#[test]
+fn q8_k_is_one_f32_scale_times_i8_codes() {
+    use kvforge_engine::gguf::{GgmlType, dequantize};
+    let mut blk = 0.25f32.to_le_bytes().to_vec();
+    blk.extend((0..256i32).map(|i| (i - 128) as i8 as u8));
+    blk.extend([0u8; 32]); // block sums, unused
+    let x = dequantize(GgmlType::Q8_K, &blk);
+    assert_eq!(x.len(), 256);
+    assert_eq!((x[0], x[128], x[255]), (-32.0, 0.0, 31.75));
+}
+
 #[test]
 fn unsupported_tensor_type_is_an_error() {
     // GGML type 10 is Q2_K.
