@@ -131,7 +131,8 @@ impl LlamaConfig {
     pub const MAX_HEAD_DIM: usize = 1024;
     /// Largest feed-forward size.
     pub const MAX_FFN: usize = 1 << 20;
-    /// Longest context (the RoPE tables are built for all of it).
+    /// Longest context (the RoPE tables grow to it only as positions are
+    /// used).
     pub const MAX_CTX: usize = 1 << 20;
 }
 
@@ -190,10 +191,35 @@ pub struct Llama {
     layers: Vec<Layer>,
     norm: Tensor,
     lm_head: Tensor,
-    cos: Tensor,
-    sin: Tensor,
+    /// RoPE cos / sin tables, `[positions, head_dim]`: built for the
+    /// positions used so far (doubling as needed, up to the context length),
+    /// not up front for whatever context a model file claims.
+    rope: std::sync::Mutex<(Tensor, Tensor)>,
     device: Device,
     kind: Kind,
+}
+
+/// Positions the RoPE tables cover at first.
+const ROPE_INITIAL: usize = 4096;
+
+/// RoPE cos / sin tables for `positions` positions.
+fn rope_tables(
+    cfg: &LlamaConfig,
+    positions: usize,
+    kind: Kind,
+    device: Device,
+) -> Result<(Tensor, Tensor)> {
+    let half = (cfg.head_dim / 2) as i64;
+    let inv: Vec<f64> = (0..half)
+        .map(|i| cfg.rope_theta.powf(-2.0 * i as f64 / cfg.head_dim as f64))
+        .collect();
+    let inv = Tensor::f_from_slice(&inv)?;
+    let pos = Tensor::f_arange(positions as i64, (Kind::Double, Device::Cpu))?;
+    let freqs = pos.f_outer(&inv)?;
+    let emb = Tensor::f_cat(&[&freqs, &freqs], -1)?;
+    let cos = emb.f_cos()?.f_to_kind(kind)?.f_to_device(device)?;
+    let sin = emb.f_sin()?.f_to_kind(kind)?.f_to_device(device)?;
+    Ok((cos, sin))
 }
 
 /// Undo llama.cpp's interleaving of Q/K rows so `rotate_half` RoPE applies.
@@ -431,24 +457,14 @@ impl Llama {
         device: Device,
         kind: Kind,
     ) -> Result<Self> {
-        let half = (cfg.head_dim / 2) as i64;
-        let inv: Vec<f64> = (0..half)
-            .map(|i| cfg.rope_theta.powf(-2.0 * i as f64 / cfg.head_dim as f64))
-            .collect();
-        let inv = Tensor::f_from_slice(&inv)?;
-        let pos = Tensor::f_arange(cfg.max_ctx as i64, (Kind::Double, Device::Cpu))?;
-        let freqs = pos.f_outer(&inv)?;
-        let emb = Tensor::f_cat(&[&freqs, &freqs], -1)?;
-        let cos = emb.f_cos()?.f_to_kind(kind)?.f_to_device(device)?;
-        let sin = emb.f_sin()?.f_to_kind(kind)?.f_to_device(device)?;
+        let rope = rope_tables(&cfg, cfg.max_ctx.min(ROPE_INITIAL), kind, device)?;
         Ok(Llama {
             cfg,
             embed,
             layers,
             norm,
             lm_head,
-            cos,
-            sin,
+            rope: std::sync::Mutex::new(rope),
             device,
             kind,
         })
@@ -571,10 +587,24 @@ impl Llama {
         Ok(normed * w)
     }
 
+    /// Positions the RoPE tables cover now (they grow with use).
+    pub fn rope_positions(&self) -> usize {
+        let t = self.rope.lock().unwrap_or_else(|e| e.into_inner());
+        t.0.size()[0] as usize
+    }
+
     fn rope(&self, x: &Tensor, start: i64, n: i64) -> Result<Tensor> {
         // x: [n, heads, hd]; cos/sin rows start..start+n, broadcast over heads.
-        let cos = self.cos.f_narrow(0, start, n)?.f_unsqueeze(1)?;
-        let sin = self.sin.f_narrow(0, start, n)?.f_unsqueeze(1)?;
+        let (cos, sin) = {
+            let mut t = self.rope.lock().unwrap_or_else(|e| e.into_inner());
+            let need = (start + n) as usize;
+            if (t.0.size()[0] as usize) < need {
+                let positions = need.next_power_of_two().min(self.cfg.max_ctx).max(need);
+                *t = rope_tables(&self.cfg, positions, self.kind, self.device)?;
+            }
+            (t.0.f_narrow(0, start, n)?, t.1.f_narrow(0, start, n)?)
+        };
+        let (cos, sin) = (cos.f_unsqueeze(1)?, sin.f_unsqueeze(1)?);
         let half = (self.cfg.head_dim / 2) as i64;
         let x1 = x.f_narrow(-1, 0, half)?;
         let x2 = x.f_narrow(-1, half, half)?;

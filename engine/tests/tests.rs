@@ -464,6 +464,38 @@ fn a_kv_cache_larger_than_memory_is_refused_before_allocating() {
     );
 }
 
+/// RoPE tables cover the positions used, not the context a model claims,
+/// and growing them changes no logit: the same weights with tables grown to
+/// another length give the same outputs.
+#[test]
+fn rope_tables_grow_with_use_and_give_the_same_logits() {
+    let cfg = LlamaConfig {
+        max_ctx: 1 << 20,
+        ..LlamaConfig::tiny()
+    };
+    let grown = Llama::random(cfg.clone(), 7, Device::Cpu, Kind::Float).unwrap();
+    assert_eq!(grown.rope_positions(), 4096, "not 2^20 up front");
+    let small = Llama::random(
+        LlamaConfig {
+            max_ctx: 6000,
+            ..LlamaConfig::tiny()
+        },
+        7,
+        Device::Cpu,
+        Kind::Float,
+    )
+    .unwrap();
+    // 5,000 positions: past the first table, within the smaller model's.
+    let tokens: Vec<u32> = (0..5000).map(|i| (i * 7 % 97) as u32).collect();
+    let mut a = ContiguousCache::new(cfg.n_layers);
+    let mut b = ContiguousCache::new(cfg.n_layers);
+    let la = run(&grown, &mut a, &tokens, &[4990]);
+    let lb = run(&small, &mut b, &tokens, &[4990]);
+    assert_eq!(grown.rope_positions(), 8192, "doubled once");
+    assert_eq!(small.rope_positions(), 6000, "capped at the context");
+    assert!(max_diff(&la, &lb) < 1e-5, "{}", max_diff(&la, &lb));
+}
+
 #[test]
 fn prompt_longer_than_the_context_is_an_error() {
     let model = tiny();
