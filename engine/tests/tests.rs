@@ -620,6 +620,27 @@ fn control_tokens_in_user_text_stay_text() {
     );
 }
 
+/// Output into a closed pipe (`kvforge ppl … | head -1`) ends the command
+/// quietly; `println!` used to panic there.
+#[test]
+fn cli_output_into_a_closed_pipe_is_not_a_panic() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvforge"))
+        .args([
+            "ppl", "--tokens", "128", "--window", "64", "--prefix", "64", "--chunk", "64",
+            "--decode", "0",
+        ])
+        .current_dir(root())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(out.status.success(), "{err}");
+}
+
 /// A bad chat turn (invalid UTF-8, too long for the context) is one line on
 /// stderr; the session goes on and answers the next line.
 #[test]

@@ -320,6 +320,13 @@ fn report(engine: &Engine, g: &Generation) {
     );
 }
 
+/// Writes one line of output; `false` once stdout is closed (e.g. `| head`),
+/// so the caller stops instead of panicking the way `println!` would.
+fn emit(line: impl std::fmt::Display) -> bool {
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{line}").and_then(|_| out.flush()).is_ok()
+}
+
 fn stream(piece: &str) -> bool {
     let mut out = std::io::stdout().lock();
     // A closed stdout (e.g. `| head`) just ends the generation.
@@ -339,7 +346,7 @@ fn generate(prompt: &str, raw: bool, common: &Common) -> Result<(), EngineError>
     let g = engine.generate(&mut seq, &ids, &common.params(), &mut |_, piece| {
         stream(piece)
     })?;
-    println!();
+    emit("");
     report(&engine, &g);
     engine.cache.free(&mut seq)
 }
@@ -395,7 +402,7 @@ fn chat(common: &Common, reuse: &Reuse) -> Result<(), EngineError> {
             }
         };
         first = false;
-        println!();
+        emit("");
         manager.with_engine(|e| report(e, &r.generation));
         eprintln!(
             "[reused {} of {} prompt tokens]",
@@ -470,7 +477,7 @@ fn bench(text: &std::path::Path, context: usize, common: &Common) -> Result<(), 
         ..common.params()
     };
     let g = engine.generate(&mut seq, &ids, &params, &mut |_, _| true)?;
-    println!(
+    emit(format!(
         "{{\"engine\":\"kvforge\",\"dtype\":\"{}\",\"weights\":\"{}\",\"kv\":\"{}\",\"context\":{},\"prefill_tok_s\":{:.3},\"decode_tok_s\":{:.3},\"threads\":{},\"kv_bytes\":{},\"cold_bytes\":{},\"kv_quant\":\"{}\"}}",
         common.dtype,
         common.weights.as_deref().unwrap_or(&common.dtype),
@@ -485,7 +492,7 @@ fn bench(text: &std::path::Path, context: usize, common: &Common) -> Result<(), 
             .cache
             .cold_tier()
             .map_or_else(|| "none".into(), |q| q.name()),
-    );
+    ));
     engine.cache.free(&mut seq)
 }
 
@@ -550,12 +557,13 @@ fn ppl(
     // Window perplexity runs each window in one step: the cold tier never
     // engages, so it is reported once, for the unquantized cache.
     engine.cache.set_cold_tier(None)?;
-    println!(
-        "{}",
-        line("window", None, &engine.window_ppl(&ids, window)?)
-    );
+    if !emit(line("window", None, &engine.window_ppl(&ids, window)?)) {
+        return Ok(());
+    }
     let base = engine.streaming_ppl(&ids, prefix, chunk, decode)?;
-    println!("{}", line("stream", None, &base));
+    if !emit(line("stream", None, &base)) {
+        return Ok(());
+    }
     if let Some(q) = tier {
         engine.cache.set_cold_tier(Some(q))?;
         let r = engine.streaming_ppl(&ids, prefix, chunk, decode)?;
@@ -566,7 +574,7 @@ fn ppl(
             out["decode_ratio"] =
                 (r.decode_tokens_per_sec / base.decode_tokens_per_sec.max(1e-9)).into();
         }
-        println!("{out}");
+        emit(out);
     }
     Ok(())
 }
