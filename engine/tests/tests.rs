@@ -645,33 +645,41 @@ fn cli_output_into_a_closed_pipe_is_not_a_panic() {
 /// stderr; the session goes on and answers the next line.
 #[test]
 fn cli_chat_survives_bad_turns() {
+    let mut input = b"caf\xe9 au lait\n".to_vec();
+    input.extend("word ".repeat(9000).as_bytes());
+    input.extend(b"\nHi!\n\n");
+    let (err, metrics) = chat_session(&["--max-tokens", "4"], &input);
+    let errors: Vec<&str> = err.lines().filter(|l| l.contains("error:")).collect();
+    assert_eq!(errors.len(), 2, "{err}");
+    assert!(errors[0].contains("not valid UTF-8"), "{err}");
+    assert!(errors[1].contains("context"), "{err}");
+    assert_eq!(metrics.len(), 1, "one turn answered: {err}");
+    assert_eq!(metrics[0]["requests"], 1);
+}
+
+/// Runs `kvforge chat --metrics ARGS` on `input`, expecting success; returns
+/// its stderr and the metrics snapshots printed there.
+fn chat_session(args: &[&str], input: &[u8]) -> (String, Vec<serde_json::Value>) {
     use std::io::Write as _;
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvforge"))
-        .args(["chat", "--max-tokens", "4", "--metrics"])
+        .args(["chat", "--metrics"])
+        .args(args)
         .current_dir(root())
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let mut input = b"caf\xe9 au lait\n".to_vec();
-    input.extend("word ".repeat(9000).as_bytes());
-    input.extend(b"\nHi!\n\n");
-    child.stdin.take().unwrap().write_all(&input).unwrap();
+    child.stdin.take().unwrap().write_all(input).unwrap();
     let out = child.wait_with_output().unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(out.status.success(), "{err}");
-    let errors: Vec<&str> = err.lines().filter(|l| l.contains("error:")).collect();
-    assert_eq!(errors.len(), 2, "{err}");
-    assert!(errors[0].contains("not valid UTF-8"), "{err}");
-    assert!(errors[1].contains("context"), "{err}");
-    let metrics: Vec<serde_json::Value> = err
+    let metrics = err
         .lines()
         .filter(|l| l.starts_with('{'))
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    assert_eq!(metrics.len(), 1, "one turn answered: {err}");
-    assert_eq!(metrics[0]["requests"], 1);
+    (err, metrics)
 }
 
 #[test]
@@ -802,29 +810,10 @@ fn cli_bad_inputs_exit_non_zero_with_one_line() {
 
 #[test]
 fn cli_chat_reuses_the_session_and_prints_metrics() {
-    use std::io::Write as _;
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvforge"))
-        .args(["chat", "--max-tokens", "8", "--metrics", "--index", "radix"])
-        .current_dir(root())
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(b"Hi!\nAnd again?\n\n")
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{err}");
-    let metrics: Vec<serde_json::Value> = err
-        .lines()
-        .filter(|l| l.starts_with('{'))
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let (err, metrics) = chat_session(
+        &["--max-tokens", "8", "--index", "radix"],
+        b"Hi!\nAnd again?\n\n",
+    );
     assert_eq!(metrics.len(), 2, "{err}");
     assert_eq!(metrics[1]["requests"], 2);
     assert!(
