@@ -18,6 +18,9 @@ use crate::{EngineError, Result};
 
 const MAGIC: u32 = 0x4655_4747; // "GGUF" little-endian
 
+/// Largest `general.alignment` accepted (writers use 32).
+const MAX_ALIGNMENT: usize = 1 << 20;
+
 /// A metadata value.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Value {
@@ -156,7 +159,8 @@ pub struct GgufFile {
     pub metadata: BTreeMap<String, Value>,
     /// Tensor name -> info.
     pub tensors: BTreeMap<String, TensorInfo>,
-    data: memmap2::Mmap,
+    /// The whole file: a private read-only map, or bytes in memory.
+    data: Box<dyn std::ops::Deref<Target = [u8]> + Send + Sync>,
 }
 
 struct Reader<'a> {
@@ -272,7 +276,17 @@ impl GgufFile {
         Ok(GgufFile {
             metadata,
             tensors,
-            data,
+            data: Box::new(data),
+        })
+    }
+
+    /// Parses a GGUF file held in memory (tests, fuzzing).
+    pub fn from_bytes(bytes: Vec<u8>) -> Result<Self> {
+        let (metadata, tensors) = Self::parse(&bytes)?;
+        Ok(GgufFile {
+            metadata,
+            tensors,
+            data: Box::new(bytes),
         })
     }
 
@@ -322,8 +336,10 @@ impl GgufFile {
             .get("general.alignment")
             .and_then(Value::as_u64)
             .unwrap_or(32) as usize;
-        if align == 0 || !align.is_power_of_two() {
-            return Err(EngineError::Model(format!("bad general.alignment {align}")));
+        if align == 0 || !align.is_power_of_two() || align > MAX_ALIGNMENT {
+            return Err(EngineError::Model(format!(
+                "bad general.alignment {align} (a power of two up to {MAX_ALIGNMENT})"
+            )));
         }
         let data_start = r.pos.div_ceil(align) * align;
         let mut tensors = BTreeMap::new();
@@ -344,7 +360,9 @@ impl GgufFile {
                     "tensor {name}: {elements} elements is not a multiple of the {per}-element block"
                 )));
             }
-            let len = elements / per * bytes;
+            let len = (elements / per)
+                .checked_mul(bytes)
+                .ok_or_else(|| EngineError::Model(format!("tensor {name}: size overflows")))?;
             let start = data_start
                 .checked_add(offset)
                 .filter(|s| s.checked_add(len).is_some_and(|e| e <= buf.len()))

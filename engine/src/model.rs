@@ -232,8 +232,10 @@ fn unpermute(w: Tensor, heads: usize) -> Result<Tensor> {
 }
 
 impl Llama {
-    /// Loads a GGUF LLaMA model, dequantizing every tensor to `kind`.
-    pub fn from_gguf(g: &GgufFile, device: Device, kind: Kind) -> Result<Self> {
+    /// The checked configuration of a LLaMA GGUF: architecture,
+    /// hyperparameters in range, the tensor set matching the layer count.
+    /// Allocates nothing from the file's claims.
+    pub fn config_from_gguf(g: &GgufFile) -> Result<LlamaConfig> {
         let arch = g
             .get("general.architecture")
             .and_then(Value::as_str)
@@ -280,6 +282,12 @@ impl Llama {
         };
         cfg.check()?;
         check_tensor_set(g, cfg.n_layers)?;
+        Ok(cfg)
+    }
+
+    /// Loads a GGUF LLaMA model, dequantizing every tensor to `kind`.
+    pub fn from_gguf(g: &GgufFile, device: Device, kind: Kind) -> Result<Self> {
+        let cfg = Self::config_from_gguf(g)?;
         let load = |name: &str| -> Result<Tensor> {
             let (data, shape) = g.dequantize(name)?;
             let shape: Vec<i64> = shape.iter().map(|&s| s as i64).collect();
@@ -328,12 +336,9 @@ impl Llama {
         Self::assemble(cfg, embed, layers, norm, lm_head, device, kind)
     }
 
-    /// Loads a Hugging Face LLaMA directory (`config.json` + `*.safetensors`).
-    pub fn from_hf_dir(dir: &Path, device: Device, kind: Kind) -> Result<Self> {
-        let text = std::fs::read_to_string(dir.join("config.json")).map_err(|e| {
-            EngineError::Model(format!("{}: {e}", dir.join("config.json").display()))
-        })?;
-        let j: serde_json::Value = serde_json::from_str(&text)
+    /// The checked configuration in a Hugging Face `config.json`.
+    pub fn config_from_hf_json(text: &str) -> Result<LlamaConfig> {
+        let j: serde_json::Value = serde_json::from_str(text)
             .map_err(|e| EngineError::Model(format!("config.json: {e}")))?;
         let arch = j["model_type"].as_str().unwrap_or("");
         if arch != "llama" {
@@ -365,6 +370,15 @@ impl Llama {
             max_ctx: n("max_position_embeddings")?,
         };
         cfg.check()?;
+        Ok(cfg)
+    }
+
+    /// Loads a Hugging Face LLaMA directory (`config.json` + `*.safetensors`).
+    pub fn from_hf_dir(dir: &Path, device: Device, kind: Kind) -> Result<Self> {
+        let text = std::fs::read_to_string(dir.join("config.json")).map_err(|e| {
+            EngineError::Model(format!("{}: {e}", dir.join("config.json").display()))
+        })?;
+        let cfg = Self::config_from_hf_json(&text)?;
         let mut tensors = std::collections::HashMap::new();
         let entries = std::fs::read_dir(dir)
             .map_err(|e| EngineError::Model(format!("{}: {e}", dir.display())))?;

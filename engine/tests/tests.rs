@@ -436,6 +436,18 @@ fn unsupported_tensor_type_is_an_error() {
     );
 }
 
+/// Found by the GGUF fuzzer: element count x bytes per element overflowed
+/// (a debug panic, a wrong length in release).
+#[test]
+fn a_tensor_size_that_overflows_is_an_error() {
+    let f = gguf(
+        &[("general.architecture", "llama")],
+        &[("token_embd.weight", &[1 << 62, 1], 0, 64)],
+    );
+    let e = load_err(&temp("overflow.gguf", &f));
+    assert!(e.contains("size overflows"), "{e}");
+}
+
 #[test]
 fn unsupported_architecture_is_an_error() {
     let f = gguf(&[("general.architecture", "gpt2")], &[]);

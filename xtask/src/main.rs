@@ -2,7 +2,8 @@
 //! pattern). Plain `std::process::Command`, so it compiles in seconds.
 //!
 //! * `setup` — venv with torch, the model, the data (see `setup.rs`).
-//! * `ci`    — setup, fmt check, clippy `-D warnings`, all tests, loom model.
+//! * `ci`    — setup, fmt check, clippy `-D warnings`, all tests, loom model,
+//!   a short run of each fuzz target.
 //! * `kvforge ARGS` — setup, then the `kvforge` CLI (release build).
 //! * `engine-bench` — kvforge and Hugging Face transformers, prefill and
 //!   decode speed at 1k context on the same model, one table.
@@ -15,6 +16,8 @@
 //!   unquantized cache, interleaved rounds in one process.
 //! * `bench` — the criterion benches, then a Markdown summary of their
 //!   medians in `target/kvforge-bench.md`.
+//! * `fuzz [RUNS]` — the coverage-guided fuzzers of the GGUF and the
+//!   Hugging Face loaders (cargo-fuzz, libFuzzer), 10^6 runs each by default.
 //! * `tidy`  — source hygiene checks (also run by `cargo test`).
 
 mod setup;
@@ -25,7 +28,7 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 
-const USAGE: &str = "usage: cargo xtask <setup [--reference] | ci | bench [FILTER] | \
+const USAGE: &str = "usage: cargo xtask <setup [--reference] | ci | bench [FILTER] | fuzz [RUNS] | \
                      kvforge ARGS... | prefix-bench ARGS... | quant-sweep ARGS... | decode-ab ARGS... | engine-bench [CONTEXT] [DECODE] | tidy>";
 
 fn main() {
@@ -60,6 +63,15 @@ fn run() -> Result<()> {
             engine_bench(&root, num(1, 1024)?, num(2, 64)?)
         }
         Some("bench") if args.len() <= 2 => bench(&root, args.get(1).map(String::as_str)),
+        Some("fuzz") if args.len() <= 2 => {
+            let runs = match args.get(1) {
+                None => 1_000_000,
+                Some(s) => s
+                    .parse()
+                    .with_context(|| format!("{s:?} is not a number of runs"))?,
+            };
+            fuzz(&root, runs)
+        }
         Some("tidy") if args.len() == 1 => {
             let problems = tidy::check(&root)?;
             if !problems.is_empty() {
@@ -145,6 +157,9 @@ fn ci(root: &Path) -> Result<()> {
         .env("CARGO_TARGET_DIR", root.join("target/loom"))
         .args(["test", "-p", "kvforge-pool", "--test", "loom", "--release"]);
     step("loom model of kvforge-pool", loom)?;
+    // A short fuzzing run (seconds once built): every committed seed and the
+    // inputs libFuzzer derives from them still load or fail cleanly.
+    fuzz(root, 20_000)?;
     say("\nci: all checks passed");
     Ok(())
 }
@@ -234,6 +249,49 @@ fn engine_bench(root: &Path, context: usize, decode: usize) -> Result<()> {
     say(&format!("\n{table}\nwritten to {}", out.display()));
     Ok(())
 }
+
+/// The pinned cargo-fuzz (coverage-guided libFuzzer; runs on stable with
+/// `-s none`, no sanitizer).
+const CARGO_FUZZ: &str = "0.13.2";
+
+/// Runs each fuzz target for `runs` executions: installs cargo-fuzz if it
+/// is missing, starts from the committed seeds in `fuzz/corpus/<target>` and
+/// keeps what it finds in `target/fuzz-corpus/<target>`.
+fn fuzz(root: &Path, runs: u64) -> Result<()> {
+    setup::setup(root, false)?;
+    let have = cargo()
+        .args(["fuzz", "--version"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !have {
+        let mut install = cargo();
+        install.args(["install", "cargo-fuzz", "--locked", "--version", CARGO_FUZZ]);
+        step("cargo install cargo-fuzz", install)?;
+    }
+    let lib = root.join(".venv/libtorch/lib");
+    for target in FUZZ_TARGETS {
+        let corpus = root.join("target/fuzz-corpus").join(target);
+        std::fs::create_dir_all(&corpus)
+            .with_context(|| format!("creating {}", corpus.display()))?;
+        let mut run = cargo();
+        run.current_dir(root.join("fuzz"))
+            .env("LD_LIBRARY_PATH", &lib)
+            .args(["fuzz", "run", "-s", "none", target])
+            .arg(&corpus)
+            .arg(root.join("fuzz/corpus").join(target))
+            .args([
+                "--",
+                &format!("-runs={runs}"),
+                "-max_len=65536",
+                "-timeout=10",
+            ]);
+        step(&format!("fuzz {target} ({runs} runs)"), run)?;
+    }
+    Ok(())
+}
+
+/// The fuzz targets in `fuzz/fuzz_targets`.
+const FUZZ_TARGETS: [&str; 2] = ["gguf", "hf"];
 
 fn bench(root: &Path, filter: Option<&str>) -> Result<()> {
     // The bench crate also holds the engine-backed prefix-bench binary.
