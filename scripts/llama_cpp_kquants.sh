@@ -3,7 +3,9 @@
 #
 # Builds llama.cpp's llama-quantize and llama-perplexity from the
 # llama-cpp-python source distribution (PyPI), requantizes the setup's
-# SmolLM2 Q4_1 GGUF to Q4_K_M, generates with it, and prints kvforge's and
+# SmolLM2 Q4_1 GGUF to Q4_K_M, checks every tensor kvforge dequantizes
+# against the gguf package's reference (needs `cargo xtask setup
+# --reference`), generates with it, and prints kvforge's and
 # llama.cpp's perplexity of both files on the same text (512-token windows,
 # the second half of each scored, 4 windows). Everything goes under
 # target/llama.cpp/. Needs `cargo xtask setup` and a release kvforge
@@ -40,6 +42,9 @@ qkm=$out/SmolLM2-135M-Instruct.Q4_K_M.gguf
 .venv/bin/python -c "
 from collections import Counter; from gguf import GGUFReader
 print('tensor types:', dict(Counter(t.tensor_type.name for t in GGUFReader('$qkm').tensors)))" 2>/dev/null || true
+# Every tensor of the file, kvforge against the gguf package's dequantizer.
+cargo build --quiet --release -p kvforge-engine --example gguf_stats
+./target/release/examples/gguf_stats "$qkm" | .venv/bin/python scripts/compare_gguf_stats.py "$qkm"
 ./target/release/kvforge generate --model "$qkm" --prompt "What is the capital of France?" --max-tokens 40
 text=data/PaulGrahamEssays/worked.txt
 for m in "$q41" "$qkm"; do
