@@ -323,8 +323,7 @@ fn report(engine: &Engine, g: &Generation) {
 /// Writes one line of output; `false` once stdout is closed (e.g. `| head`),
 /// so the caller stops instead of panicking the way `println!` would.
 fn emit(line: impl std::fmt::Display) -> bool {
-    let mut out = std::io::stdout().lock();
-    writeln!(out, "{line}").and_then(|_| out.flush()).is_ok()
+    stream(&format!("{line}\n"))
 }
 
 fn stream(piece: &str) -> bool {
