@@ -32,7 +32,10 @@ fn main() -> std::process::ExitCode {
         };
         let sum: f64 = x.iter().map(|&v| f64::from(v)).sum();
         let sq: f64 = x.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
-        let picks: Vec<f32> = (0..8).map(|k| x[k * (x.len() - 1) / 7]).collect();
+        let last = x.len().saturating_sub(1);
+        let picks: Vec<f32> = (0..8)
+            .filter_map(|k| x.get(k * last / 7).copied())
+            .collect();
         println!(
             "{}",
             serde_json::json!({"name": name, "type": format!("{:?}", info.dtype),
