@@ -3,7 +3,9 @@
 
 use std::mem::MaybeUninit;
 
-use crate::{BlockShape, QuantConfig, QuantError, QuantizedBlock, Quantizer, Result, check_len};
+use crate::{
+    BlockShape, QuantConfig, QuantError, QuantizedBlock, Quantizer, Result, as_uninit, check_len,
+};
 
 /// In-place normalized fast Walsh–Hadamard transform of a power-of-two
 /// length vector. Orthogonal and its own inverse: applying it twice returns
@@ -89,8 +91,7 @@ impl<Q: Quantizer> Quantizer for Rotated<Q> {
     }
 
     fn dequantize(&self, block: &QuantizedBlock, out: &mut [f32]) -> Result<()> {
-        self.inner.dequantize(block, out)?;
-        rotate_heads(block.shape, out)
+        self.dequantize_uninit(block, as_uninit(out)).map(|_| ())
     }
 
     fn dequantize_uninit<'a>(

@@ -159,7 +159,7 @@ fn ci(root: &Path) -> Result<()> {
     step("loom model of kvforge-pool", loom)?;
     // A short fuzzing run (seconds once built): every committed seed and the
     // inputs libFuzzer derives from them still load or fail cleanly.
-    fuzz(root, 20_000)?;
+    fuzz_after_setup(root, 20_000)?;
     say("\nci: all checks passed");
     Ok(())
 }
@@ -259,6 +259,11 @@ const CARGO_FUZZ: &str = "0.13.2";
 /// keeps what it finds in `target/fuzz-corpus/<target>`.
 fn fuzz(root: &Path, runs: u64) -> Result<()> {
     setup::setup(root, false)?;
+    fuzz_after_setup(root, runs)
+}
+
+/// [`fuzz`] once setup has run (as `ci` has).
+fn fuzz_after_setup(root: &Path, runs: u64) -> Result<()> {
     let have = cargo()
         .args(["fuzz", "--version"])
         .output()
