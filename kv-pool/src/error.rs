@@ -62,6 +62,20 @@ pub enum PoolError {
         /// The handle.
         id: BlockId,
     },
+    /// A block-table change that would break its invariants.
+    #[error("block table: {reason}")]
+    InvalidTable {
+        /// Why.
+        reason: String,
+    },
+    /// A tier that does not exist, or a handle of another tier.
+    #[error("tier {tier} does not exist ({tiers} tiers)")]
+    UnknownTier {
+        /// The tier named.
+        tier: usize,
+        /// Tiers that exist.
+        tiers: usize,
+    },
     /// More references than the counter can hold.
     #[error("block {id}: reference count would overflow")]
     RefCountOverflow {

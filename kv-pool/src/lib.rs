@@ -50,11 +50,15 @@ mod error;
 mod layout;
 mod pool;
 mod sync;
+mod table;
 pub mod testing;
+mod tiers;
 
 pub use error::{PoolError, Result};
 pub use layout::{KvLayout, StorageFormat};
 pub use pool::{BlockPool, MAX_REF_COUNT, PoolConfig};
+pub use table::{BlockTable, Entry, Slot};
+pub use tiers::{MAX_TIER_BLOCKS, MAX_TIERS, TIER_BITS, TieredPool};
 
 use std::fmt;
 

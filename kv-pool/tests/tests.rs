@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use kvforge_pool::{
     Allocation, BlockAllocator, BlockId, BlockPool, KvLayout, PoolConfig, PoolError, Retained,
-    StorageFormat, testing,
+    StorageFormat, TieredPool, testing,
 };
 use proptest::prelude::*;
 use util::ReferenceAllocator;
@@ -578,4 +578,54 @@ fn growth_in_flight_is_not_exhaustion() {
         0,
         "spurious None while a batch was being published"
     );
+}
+
+#[test]
+fn tiered_pool_passes_the_conformance_suite() {
+    testing::check_allocator(|n| TieredPool::new([(layout(), PoolConfig::fixed(n))]).unwrap());
+}
+
+#[test]
+fn tiers_have_disjoint_handles_and_their_own_bytes() {
+    let hot = layout();
+    let cold = hot
+        .with_format(StorageFormat::Int4 { group_size: 32 })
+        .unwrap();
+    let pool =
+        TieredPool::new([(hot, PoolConfig::fixed(4)), (cold, PoolConfig::fixed(4))]).unwrap();
+    let mut a = Allocation::default();
+    assert!(pool.allocate_in(0, 2, &mut a).unwrap());
+    assert!(pool.allocate_in(1, 2, &mut a).unwrap());
+    let ids = a.blocks.clone();
+    assert_eq!(
+        ids.iter()
+            .map(|&b| TieredPool::tier_of(b))
+            .collect::<Vec<_>>(),
+        [0, 0, 1, 1]
+    );
+    // Same slots in both tiers, different global handles.
+    assert_eq!(TieredPool::slot_of(ids[0]), TieredPool::slot_of(ids[2]));
+    assert_ne!(ids[0], ids[2]);
+    assert_eq!(pool.retain(ids[2]).unwrap(), Retained::Held(2));
+    assert_eq!(pool.release(ids[2]).unwrap(), 1);
+    let s1 = pool.tier_stats(1).unwrap();
+    assert_eq!(s1.in_use_bytes, 2 * cold.block_bytes());
+    assert_eq!(
+        pool.in_use_bytes(),
+        2 * hot.block_bytes() + 2 * cold.block_bytes()
+    );
+    assert_eq!(pool.stats().in_use, 4);
+    // A handle of a tier that does not exist, and a tier out of range.
+    let bogus = BlockId::new(5 << 28, 1);
+    assert!(matches!(
+        pool.release(bogus),
+        Err(PoolError::UnknownTier { tier: 5, tiers: 2 })
+    ));
+    assert!(pool.allocate_in(3, 1, &mut a).is_err());
+    assert!(!pool.allocate_in(1, 3, &mut a).unwrap());
+    pool.release_sequence(&ids).unwrap();
+    assert_eq!(pool.stats().in_use, 0);
+    assert!(TieredPool::new(Vec::new()).is_err());
+    let too_many = (0..17).map(|_| (hot, PoolConfig::fixed(1)));
+    assert!(TieredPool::new(too_many).is_err());
 }

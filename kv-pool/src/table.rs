@@ -1,0 +1,332 @@
+//! [`BlockTable`]: one sequence's positions mapped to typed entries.
+//!
+//! Every mechanism of kvforge reads and changes a sequence through this one
+//! type: the prefix index fills its start, the tier policy turns hot entries
+//! cold, a deduplicator turns cold ones into aliases, eviction and lifecycle
+//! policies drop entries. An entry covers `tokens` consecutive positions
+//! starting at `first`; positions never move, so a dropped entry keeps the
+//! positions of the tokens after it (attention skips it, RoPE positions of
+//! later keys stay those they were computed at).
+//!
+//! The fields are private: the methods keep the invariants below, and policy
+//! code only ever sees `&BlockTable`.
+//!
+//! # Invariants
+//!
+//! * Entries tile `0..positions()` in order: entry `i` starts where entry
+//!   `i - 1` ends; each covers `1..=block_size` tokens.
+//! * Only the last entry can be open (receive more tokens), and only while
+//!   it is hot and not full.
+//! * A dropped entry never becomes anything else.
+
+use crate::{BlockId, PoolError, Result};
+
+/// Where an entry's K/V lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Slot {
+    /// A block of the hot pool, in the KV dtype.
+    Hot(BlockId),
+    /// A quantized block of a cold pool.
+    Cold(BlockId),
+    /// Content close enough to a canonical cold block to be read from it
+    /// (LSH sharing); holds a reference on `canonical`.
+    Alias {
+        /// The cold block read in this entry's place.
+        canonical: BlockId,
+    },
+    /// Evicted or dropped by a lifecycle policy: no storage, skipped by
+    /// attention; the positions stay.
+    Dropped,
+}
+
+impl Slot {
+    /// The block this entry holds a reference on, if any.
+    pub const fn block(self) -> Option<BlockId> {
+        match self {
+            Slot::Hot(b) | Slot::Cold(b) | Slot::Alias { canonical: b } => Some(b),
+            Slot::Dropped => None,
+        }
+    }
+
+    /// Whether attention reads this entry.
+    pub const fn is_live(self) -> bool {
+        !matches!(self, Slot::Dropped)
+    }
+}
+
+/// One entry of a [`BlockTable`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Entry {
+    slot: Slot,
+    first: u64,
+    tokens: u32,
+}
+
+impl Entry {
+    /// Where the K/V lives.
+    pub const fn slot(&self) -> Slot {
+        self.slot
+    }
+    /// Position of the entry's first token.
+    pub const fn first(&self) -> u64 {
+        self.first
+    }
+    /// Tokens covered.
+    pub const fn tokens(&self) -> u32 {
+        self.tokens
+    }
+    /// One past the entry's last position.
+    pub const fn end(&self) -> u64 {
+        self.first + self.tokens as u64
+    }
+}
+
+/// A sequence's block table: typed entries over its positions.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockTable {
+    entries: Vec<Entry>,
+    block_size: u32,
+    open: bool,
+}
+
+impl BlockTable {
+    /// An empty table for blocks of `block_size` tokens.
+    pub fn new(block_size: u32) -> Result<Self> {
+        if block_size == 0 {
+            return Err(PoolError::ZeroDimension {
+                field: "block_size",
+            });
+        }
+        Ok(BlockTable {
+            entries: Vec::new(),
+            block_size,
+            open: false,
+        })
+    }
+
+    /// Tokens per full block.
+    pub const fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
+    /// The entries in position order.
+    pub fn entries(&self) -> &[Entry] {
+        &self.entries
+    }
+
+    /// Positions covered (the next token's position), dropped ones included.
+    pub fn positions(&self) -> u64 {
+        self.entries.last().map_or(0, Entry::end)
+    }
+
+    /// Positions attention reads (not dropped).
+    pub fn live_tokens(&self) -> u64 {
+        self.entries
+            .iter()
+            .filter(|e| e.slot.is_live())
+            .map(|e| u64::from(e.tokens))
+            .sum()
+    }
+
+    /// Whether the last entry receives the next tokens.
+    pub const fn is_open(&self) -> bool {
+        self.open
+    }
+
+    /// Free room in the open last entry (0 when sealed).
+    pub fn room(&self) -> u32 {
+        match (self.open, self.entries.last()) {
+            (true, Some(e)) => self.block_size - e.tokens,
+            _ => 0,
+        }
+    }
+
+    /// Every block the table holds a reference on, in position order (a
+    /// block listed twice holds two references).
+    pub fn held(&self) -> impl DoubleEndedIterator<Item = BlockId> + '_ {
+        self.entries.iter().filter_map(|e| e.slot.block())
+    }
+
+    /// Appends an entry of `tokens` tokens after the last one. `open` lets
+    /// it receive more tokens later (a hot, not full block only). The table
+    /// takes over the caller's reference on the slot's block.
+    pub fn push(&mut self, slot: Slot, tokens: u32, open: bool) -> Result<()> {
+        if tokens == 0 || tokens > self.block_size {
+            return Err(invalid(format!(
+                "an entry holds 1..={} tokens, not {tokens}",
+                self.block_size
+            )));
+        }
+        if open && (!matches!(slot, Slot::Hot(_)) || tokens == self.block_size) {
+            return Err(invalid(
+                "only a hot block with room can stay open".to_string(),
+            ));
+        }
+        let first = self.positions();
+        self.entries.push(Entry {
+            slot,
+            first,
+            tokens,
+        });
+        self.open = open;
+        Ok(())
+    }
+
+    /// Adds `n` tokens to the open last entry; it closes when full.
+    pub fn fill(&mut self, n: u32) -> Result<()> {
+        if n == 0 || n > self.room() {
+            return Err(invalid(format!(
+                "{n} tokens do not fit the {} left in the open entry",
+                self.room()
+            )));
+        }
+        if let Some(e) = self.entries.last_mut() {
+            e.tokens += n;
+            self.open = e.tokens < self.block_size;
+        }
+        Ok(())
+    }
+
+    /// Stops writing into the last entry: the next token starts a new one.
+    pub fn seal(&mut self) {
+        self.open = false;
+    }
+
+    /// Replaces entry `i`'s storage, returning the old slot (whose reference
+    /// the caller now owns; the table takes over the new one). A dropped
+    /// entry stays dropped; the open entry can only be dropped with the
+    /// table sealed first, and a slot can only change to one of the same
+    /// kind of content (hot → cold/alias, cold → alias/cold, any → dropped).
+    pub fn set_slot(&mut self, i: usize, slot: Slot) -> Result<Slot> {
+        let last = self.entries.len().checked_sub(1);
+        let open = self.open && Some(i) == last;
+        let Some(e) = self.entries.get_mut(i) else {
+            return Err(invalid(format!("entry {i} does not exist")));
+        };
+        let ok = match (e.slot, slot) {
+            (Slot::Dropped, _) => false,
+            (_, Slot::Dropped) => !open,
+            (Slot::Hot(_), Slot::Cold(_) | Slot::Alias { .. }) => {
+                !open && e.tokens == self.block_size
+            }
+            (Slot::Cold(_) | Slot::Alias { .. }, Slot::Cold(_) | Slot::Alias { .. }) => true,
+            _ => false,
+        };
+        if !ok {
+            return Err(invalid(format!(
+                "entry {i} cannot change from {:?} to {slot:?}",
+                e.slot
+            )));
+        }
+        Ok(std::mem::replace(&mut e.slot, slot))
+    }
+
+    /// Merges runs of adjacent dropped entries into one entry per block
+    /// boundary run (positions unchanged), so a long-evicting sequence's
+    /// table does not grow with what it forgot. Returns the entries removed.
+    pub fn compact(&mut self) -> usize {
+        let before = self.entries.len();
+        let mut out: Vec<Entry> = Vec::with_capacity(before);
+        for e in self.entries.drain(..) {
+            match out.last_mut() {
+                Some(p)
+                    if p.slot == Slot::Dropped
+                        && e.slot == Slot::Dropped
+                        && u64::from(p.tokens) + u64::from(e.tokens) <= u64::from(u32::MAX) =>
+                {
+                    p.tokens += e.tokens;
+                }
+                _ => out.push(e),
+            }
+        }
+        self.entries = out;
+        before - self.entries.len()
+    }
+
+    /// Empties the table, returning the blocks it held (tail first, the
+    /// order to release them in).
+    pub fn clear(&mut self) -> Vec<BlockId> {
+        let held: Vec<BlockId> = self.held().rev().collect();
+        self.entries.clear();
+        self.open = false;
+        held
+    }
+
+    /// Checks every invariant (for tests and debug assertions).
+    pub fn check(&self) -> Result<()> {
+        let mut pos = 0;
+        for (i, e) in self.entries.iter().enumerate() {
+            let merged_drop = e.slot == Slot::Dropped;
+            if e.first != pos || e.tokens == 0 || (e.tokens > self.block_size && !merged_drop) {
+                return Err(invalid(format!("entry {i} breaks the tiling: {e:?}")));
+            }
+            pos = e.end();
+        }
+        if self.open {
+            match self.entries.last() {
+                Some(e) if matches!(e.slot, Slot::Hot(_)) && e.tokens < self.block_size => {}
+                _ => return Err(invalid("open table without an open hot entry".into())),
+            }
+        }
+        Ok(())
+    }
+}
+
+fn invalid(reason: String) -> PoolError {
+    PoolError::InvalidTable { reason }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn b(i: u32) -> BlockId {
+        BlockId::new(i, 1)
+    }
+
+    #[test]
+    fn positions_survive_drops_and_compaction() {
+        let mut t = BlockTable::new(4).unwrap();
+        for i in 0..4 {
+            t.push(Slot::Hot(b(i)), 4, false).unwrap();
+        }
+        t.push(Slot::Hot(b(9)), 2, true).unwrap();
+        assert_eq!(t.positions(), 18);
+        assert_eq!(t.set_slot(1, Slot::Dropped).unwrap(), Slot::Hot(b(1)));
+        assert_eq!(t.set_slot(2, Slot::Dropped).unwrap(), Slot::Hot(b(2)));
+        assert_eq!(t.compact(), 1);
+        t.check().unwrap();
+        assert_eq!(t.positions(), 18);
+        assert_eq!(t.live_tokens(), 10);
+        assert_eq!(t.entries()[1].first(), 4);
+        assert_eq!(t.entries()[1].tokens(), 8);
+        assert_eq!(t.entries()[2].first(), 12);
+        t.fill(2).unwrap();
+        assert!(!t.is_open());
+        assert_eq!(t.held().collect::<Vec<_>>(), vec![b(0), b(3), b(9)]);
+    }
+
+    #[test]
+    fn illegal_changes_are_refused_and_change_nothing() {
+        let mut t = BlockTable::new(4).unwrap();
+        t.push(Slot::Hot(b(0)), 4, false).unwrap();
+        t.push(Slot::Hot(b(1)), 3, true).unwrap();
+        let before = t.clone();
+        assert!(t.push(Slot::Hot(b(2)), 0, false).is_err());
+        assert!(t.push(Slot::Hot(b(2)), 5, false).is_err());
+        assert!(t.push(Slot::Cold(b(2)), 2, true).is_err());
+        assert!(t.fill(2).is_err());
+        // The open entry and partial blocks cannot go cold; the open one
+        // cannot be dropped.
+        assert!(t.set_slot(1, Slot::Cold(b(5))).is_err());
+        assert!(t.set_slot(1, Slot::Dropped).is_err());
+        assert!(t.set_slot(7, Slot::Dropped).is_err());
+        assert_eq!(t, before);
+        t.set_slot(0, Slot::Dropped).unwrap();
+        assert!(t.set_slot(0, Slot::Hot(b(0))).is_err());
+        assert!(t.set_slot(0, Slot::Cold(b(0))).is_err());
+        t.check().unwrap();
+        assert!(BlockTable::new(0).is_err());
+    }
+}
