@@ -349,6 +349,32 @@ impl<H: BlockHasher> PrefixMatcher for HashChainIndex<H> {
         }
     }
 
+    fn relocate(&mut self, old: BlockId, new: BlockId) -> bool {
+        let indexed = |s: &Self| matches!(s.slots.get(&old.index()), Some(&(id, _)) if id == old);
+        if old == new || !indexed(self) {
+            return false;
+        }
+        match self.slots.get(&new.index()) {
+            Some(&(id, _)) if id.epoch() >= new.epoch() => return false,
+            Some(&(id, _)) => {
+                self.forget(id);
+            }
+            None => {}
+        }
+        if !indexed(self) {
+            // Forgetting the stale `new` took `old` with it (it hung below).
+            return false;
+        }
+        let Some((_, key)) = self.slots.remove(&old.index()).filter(|&(id, _)| id == old) else {
+            return false;
+        };
+        if let Some(e) = self.entries.get_mut(&key) {
+            e.block = new;
+        }
+        self.slots.insert(new.index(), (new, key));
+        true
+    }
+
     fn stats(&self) -> MatchStats {
         MatchStats {
             cached_blocks: self.entries.len() as u64,

@@ -213,6 +213,14 @@ pub trait PrefixMatcher: Send {
     /// (its entry was removed). Cost: the entries removed, plus O(1).
     fn forget(&mut self, block: BlockId) -> bool;
 
+    /// The content of indexed block `old` now lives in block `new` (the
+    /// cache quantized it into a cold tier): the entry hands out `new` from
+    /// now on, with everything below it unchanged. Returns whether it did.
+    /// Refused (`false`, nothing changes) when `old` is not indexed or
+    /// `new`'s slot is indexed at the same or a newer epoch; an older epoch
+    /// of `new`'s slot is forgotten first (the pool reused the slot).
+    fn relocate(&mut self, old: BlockId, new: BlockId) -> bool;
+
     /// Counters.
     fn stats(&self) -> MatchStats;
 
@@ -243,6 +251,9 @@ macro_rules! forward_matcher {
             }
             fn forget(&mut self, block: BlockId) -> bool {
                 (**self).forget(block)
+            }
+            fn relocate(&mut self, old: BlockId, new: BlockId) -> bool {
+                (**self).relocate(old, new)
             }
             fn stats(&self) -> MatchStats {
                 (**self).stats()

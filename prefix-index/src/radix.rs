@@ -392,6 +392,37 @@ impl PrefixMatcher for RadixIndex {
         true
     }
 
+    fn relocate(&mut self, old: BlockId, new: BlockId) -> bool {
+        let indexed = |s: &Self| matches!(s.slots.get(&old.index()), Some(&(id, _)) if id == old);
+        if old == new || !indexed(self) {
+            return false;
+        }
+        match self.slots.get(&new.index()) {
+            Some(&(id, _)) if id.epoch() >= new.epoch() => return false,
+            Some(&(id, _)) => {
+                self.forget(id);
+            }
+            None => {}
+        }
+        if !indexed(self) {
+            // Forgetting the stale `new` took `old` with it (it hung below).
+            return false;
+        }
+        let Some((_, node)) = self.slots.remove(&old.index()).filter(|&(id, _)| id == old) else {
+            return false;
+        };
+        if let Some(b) = self
+            .node_mut(node)
+            .blocks
+            .iter_mut()
+            .find(|b| b.block == old)
+        {
+            b.block = new;
+        }
+        self.slots.insert(new.index(), (new, node));
+        true
+    }
+
     fn stats(&self) -> MatchStats {
         MatchStats {
             cached_blocks: self.cached,

@@ -30,6 +30,7 @@ pub fn check_matcher<M: PrefixMatcher>(make: impl Fn(usize) -> M) {
     empty_namespaces_leave_nothing_behind(make(4));
     the_longest_path_wins_when_sealed_and_full_blocks_compete(make(8));
     equal_paths_prefer_full_blocks(make(4));
+    relocated_blocks_keep_their_place_and_subtree(make(4));
 }
 
 /// A handle for tests: slot `i`, epoch `e`.
@@ -221,6 +222,51 @@ fn duplicates_keep_the_first_block<M: PrefixMatcher>(mut m: M) {
         vec![block(0), block(1), block(22)]
     );
     assert_eq!(m.stats().cached_blocks, 3);
+}
+
+fn relocated_blocks_keep_their_place_and_subtree<M: PrefixMatcher>(mut m: M) {
+    let e = ExtraKeys::default();
+    m.insert(&seq(0..16), &e, &full_blocks(0, 4, 4))
+        .expect("insert");
+    let cold = BlockId::new(40, 1);
+    assert!(m.relocate(block(1), cold));
+    let r = m.match_prefix(&seq(0..16), &e);
+    assert_eq!(ids(&r), vec![block(0), cold, block(2), block(3)]);
+    assert_eq!(m.stats().cached_blocks, 4);
+    assert!(
+        !m.relocate(block(1), BlockId::new(41, 1)),
+        "no longer indexed"
+    );
+    assert!(!m.relocate(block(77), BlockId::new(42, 1)), "never indexed");
+    assert!(!m.relocate(block(2), block(3)), "the target is indexed");
+    assert!(!m.relocate(block(2), block(2)), "the same handle");
+    // The new handle names the entry: forgetting it removes the subtree,
+    // the old one is unknown.
+    assert!(!m.forget(block(1)));
+    assert!(m.forget(cold));
+    assert_eq!(ids(&m.match_prefix(&seq(0..16), &e)), vec![block(0)]);
+    assert_eq!(m.stats().cached_blocks, 1);
+    // A stale epoch of the target's slot is forgotten first.
+    m.insert(&seq(100..104), &e, &[BlockRef::new(BlockId::new(50, 1), 4)])
+        .expect("insert");
+    assert!(m.relocate(block(0), BlockId::new(50, 2)));
+    assert_eq!(m.match_prefix(&seq(100..104), &e).tokens, 0);
+    assert_eq!(
+        ids(&m.match_prefix(&seq(0..16), &e)),
+        vec![BlockId::new(50, 2)]
+    );
+    // Relocating below the stale one it forgets is refused.
+    m.insert(
+        &seq(200..208),
+        &e,
+        &[
+            BlockRef::new(BlockId::new(60, 1), 4),
+            BlockRef::new(block(61), 4),
+        ],
+    )
+    .expect("insert");
+    assert!(!m.relocate(block(61), BlockId::new(60, 2)));
+    assert_eq!(m.match_prefix(&seq(200..208), &e).tokens, 0);
 }
 
 fn a_reused_slot_replaces_its_old_content<M: PrefixMatcher>(mut m: M) {

@@ -581,6 +581,9 @@ impl PrefixMatcher for Shared {
     fn forget(&mut self, block: BlockId) -> bool {
         self.0.lock().unwrap().forget(block)
     }
+    fn relocate(&mut self, old: BlockId, new: BlockId) -> bool {
+        self.0.lock().unwrap().relocate(old, new)
+    }
     fn stats(&self) -> kvforge_prefix::MatchStats {
         self.0.lock().unwrap().stats()
     }
