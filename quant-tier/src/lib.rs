@@ -74,7 +74,7 @@ pub use error::{QuantError, Result};
 pub use group::GroupQuantizer;
 pub use hadamard::{Rotated, hadamard_in_place};
 pub use half::{bf16, f16};
-pub use plan::TierPlan;
+pub use plan::{TierPlan, TierPolicy};
 
 use std::mem::MaybeUninit;
 

@@ -114,3 +114,50 @@ pub fn check_quantizer<Q: Quantizer + ?Sized>(q: &Q) {
         q.quantize(shape, &w).expect("f32")
     );
 }
+
+/// The [`TierPolicy`](crate::TierPolicy) contract on tables of every kind
+/// of entry (hot full, sealed partial, open, cold, dropped) and length:
+/// demoted indexes ascend, exist, name hot full entries other than the open
+/// one; and once they are demoted, asking again names none of them.
+/// Panics on the first violation.
+pub fn check_tier_policy<P: crate::TierPolicy + ?Sized>(p: &P, block_size: u32) {
+    use kvforge_pool::{BlockId, BlockTable, Slot};
+    let bs = block_size;
+    for n in 0..40u32 {
+        let mut t = BlockTable::new(bs).expect("block size");
+        for i in 0..n {
+            let b = BlockId::new(i, 1);
+            let (slot, tokens, open) = match i % 7 {
+                3 => (Slot::Hot(b), (bs / 2).max(1), false),
+                5 => (Slot::Cold(b), bs, false),
+                6 if i > 20 => (Slot::Dropped, bs, false),
+                _ => (Slot::Hot(b), bs, false),
+            };
+            t.push(slot, tokens, open).expect("push");
+        }
+        if n % 2 == 1 && bs > 1 {
+            t.push(Slot::Hot(BlockId::new(999, 1)), 1, true)
+                .expect("open entry");
+        }
+        let mut out = Vec::new();
+        p.demote(&t, &mut out);
+        assert!(out.windows(2).all(|w| w[0] < w[1]), "ascending: {out:?}");
+        let last = t.entries().len().wrapping_sub(1);
+        for &i in &out {
+            let e = t.entries()[i];
+            assert!(matches!(e.slot(), Slot::Hot(_)), "entry {i} is not hot");
+            assert_eq!(e.tokens(), bs, "entry {i} is not full");
+            assert!(!(t.is_open() && i == last), "the open entry");
+        }
+        for &i in &out {
+            t.set_slot(i, Slot::Cold(BlockId::new(1000 + i as u32, 1)))
+                .expect("demotable");
+        }
+        let mut again = Vec::new();
+        p.demote(&t, &mut again);
+        assert!(
+            again.iter().all(|i| !out.contains(i)),
+            "demoted twice: {again:?}"
+        );
+    }
+}

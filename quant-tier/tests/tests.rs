@@ -450,6 +450,20 @@ fn tier_plan_keeps_the_window_hot_in_whole_blocks() {
         })
     );
     assert!(TierPlan::new(0, 0).is_err());
+    let s = TierPlan::new(16, 32).unwrap().with_sink(32).unwrap();
+    assert_eq!(s.cold_blocks(32 + 32 + 15), 0);
+    assert_eq!(s.cold_blocks(32 + 32 + 16), 1);
+    assert!(!s.is_cold(16, 1000), "in the sink");
+    assert!(s.is_cold(32, 80) && !s.is_cold(32, 79));
+    assert!(TierPlan::new(16, 32).unwrap().with_sink(8).is_err());
+}
+
+#[test]
+fn tier_plans_pass_the_tier_policy_suite() {
+    for (bs, window, sink) in [(4, 8, 0), (4, 0, 4), (1, 3, 2), (16, 32, 16)] {
+        let p = TierPlan::new(bs, window).unwrap().with_sink(sink).unwrap();
+        kvforge_quant::testing::check_tier_policy(&p, bs as u32);
+    }
 }
 
 #[test]
