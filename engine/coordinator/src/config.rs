@@ -1,0 +1,139 @@
+//! What a coordinator is built from: plain data, so that an ablation can
+//! switch every mechanism on or off from a file.
+
+use kvforge_pool::{KvLayout, StorageFormat};
+
+use crate::{CoordError, Result};
+
+/// Which prefix index to use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IndexKind {
+    /// `HashChainIndex`: chained xxh3-128 keys in a flat map.
+    HashChain,
+    /// `RadixIndex`: a radix tree over blocks.
+    Radix,
+}
+
+impl std::str::FromStr for IndexKind {
+    type Err = CoordError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "hash-chain" | "chain" => Ok(IndexKind::HashChain),
+            "radix" => Ok(IndexKind::Radix),
+            _ => Err(CoordError::Config(format!(
+                "unknown index {s:?}; use hash-chain or radix"
+            ))),
+        }
+    }
+}
+
+/// Prefix reuse across requests.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PrefixConfig {
+    /// The index implementation.
+    pub index: IndexKind,
+    /// Hash seed; `None` draws a random one (the safe default).
+    pub seed: Option<u64>,
+    /// Seal (and cache) the partial last block at every turn end.
+    pub seal_turns: bool,
+}
+
+impl Default for PrefixConfig {
+    fn default() -> Self {
+        PrefixConfig {
+            index: IndexKind::HashChain,
+            seed: None,
+            seal_turns: true,
+        }
+    }
+}
+
+/// The quantized cold tier.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ColdConfig {
+    /// Storage of a cold block (the bytes the budget counts).
+    pub format: StorageFormat,
+    /// Newest tokens kept hot: whole blocks.
+    pub window: usize,
+    /// First tokens kept hot (attention sinks): whole blocks.
+    pub sink: usize,
+}
+
+/// Eviction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EvictionConfig {
+    /// StreamingLLM: keep `sink` leading and `window` trailing tokens.
+    SinkWindow {
+        /// Tokens kept at the start.
+        sink: usize,
+        /// Tokens kept at the end.
+        window: usize,
+    },
+}
+
+/// Sharing of duplicate cold blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DedupConfig {
+    /// Bit-identical quantized blocks, verified byte for byte.
+    Exact,
+}
+
+/// Context lifecycle at turn ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LifecycleConfig {
+    /// Keep the first and the newest `keep` turns, drop the rest.
+    RecentTurns {
+        /// Turns kept at the end.
+        keep: u32,
+    },
+}
+
+/// Everything a [`Coordinator`](crate::Coordinator) is built from. Each
+/// optional mechanism is present or absent by configuration alone.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CoordinatorConfig {
+    /// The hot tier: model dims in the KV dtype, block size.
+    pub layout: KvLayout,
+    /// Blocks the hot tier can hold (the engine's KV tensors).
+    pub hot_blocks: usize,
+    /// Bytes all tiers may hold in use together; 0 means the hot tier's
+    /// capacity.
+    pub budget_bytes: u64,
+    /// Prefix reuse (absent: every request computes its whole prompt).
+    pub prefix: Option<PrefixConfig>,
+    /// The quantized cold tier.
+    pub cold: Option<ColdConfig>,
+    /// Eviction.
+    pub eviction: Option<EvictionConfig>,
+    /// Sharing of duplicate cold blocks (needs the cold tier).
+    pub dedup: Option<DedupConfig>,
+    /// Context lifecycle.
+    pub lifecycle: Option<LifecycleConfig>,
+}
+
+impl CoordinatorConfig {
+    /// Only the hot tier, `hot_blocks` of `layout`; every mechanism off.
+    pub fn new(layout: KvLayout, hot_blocks: usize) -> Self {
+        CoordinatorConfig {
+            layout,
+            hot_blocks,
+            budget_bytes: 0,
+            prefix: None,
+            cold: None,
+            eviction: None,
+            dedup: None,
+            lifecycle: None,
+        }
+    }
+
+    /// The byte budget in effect.
+    pub fn budget(&self) -> u64 {
+        if self.budget_bytes == 0 {
+            self.layout
+                .block_bytes()
+                .saturating_mul(self.hot_blocks as u64)
+        } else {
+            self.budget_bytes
+        }
+    }
+}

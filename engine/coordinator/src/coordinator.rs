@@ -1,0 +1,880 @@
+//! [`Coordinator`]: block tables of many sequences over tiered pools, with
+//! the optional policies, one step at a time.
+
+use std::collections::{BTreeMap, HashMap};
+use std::ops::Range;
+
+use kvforge_evict::{EvictionPolicy, Pressure, SinkWindow};
+use kvforge_lifecycle::{LifecyclePolicy, RecentTurns, Segment};
+use kvforge_lsh::{Deduplicator, ExactDedup, ShareStats};
+use kvforge_pool::{
+    Allocation, BlockAllocator, BlockId, BlockTable, KvLayout, MAX_TIER_BLOCKS, PoolConfig,
+    PoolStats, Retained, Slot, TieredPool,
+};
+use kvforge_prefix::{
+    BlockRef, ExtraKeys, HashChainIndex, MatchStats, PrefixMatcher, RadixIndex, Xxh3Hasher,
+    acquire_prefix,
+};
+use kvforge_quant::{TierPlan, TierPolicy};
+
+use crate::plan::{Demotion, Plan, Write};
+use crate::{
+    CoordError, CoordinatorConfig, DedupConfig, EvictionConfig, IndexKind, LifecycleConfig, Result,
+};
+
+/// Names one sequence of a coordinator.
+pub type SeqId = u64;
+
+/// The hot tier's number in the [`TieredPool`].
+pub const HOT: usize = 0;
+/// The cold tier's number (when there is one).
+pub const COLD: usize = 1;
+
+/// Occupancy of one tier.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TierStats {
+    /// `hot`, or the cold format.
+    pub name: &'static str,
+    /// The pool's counters (blocks, in use, cached, bytes).
+    pub pool: PoolStats,
+}
+
+/// What [`Coordinator::open`] found in the prefix index.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Opened {
+    /// The new sequence.
+    pub seq: SeqId,
+    /// Leading tokens whose KV it already holds.
+    pub reused: usize,
+}
+
+struct Pending {
+    /// The table after the step (what attention reads during it).
+    next: BlockTable,
+    /// References taken by the plan (allocations, retains): given back by
+    /// an abort, kept by a commit.
+    taken: Vec<BlockId>,
+    /// References the commit gives back (demoted, dropped, aliased).
+    release: Vec<BlockId>,
+    /// Fresh demotions (hot, cold or canonical) for the commit to record.
+    demoted: Vec<(BlockId, BlockId, bool)>,
+    /// Cold blocks quantized by this step (offered to the deduplicator).
+    fresh_cold: Vec<BlockId>,
+}
+
+struct SeqState {
+    table: BlockTable,
+    pending: Option<Pending>,
+    /// The table at the start of the current turn, holding references of
+    /// its own, so a failed turn can be rolled back exactly.
+    snapshot: Option<BlockTable>,
+    segments: Vec<Segment>,
+    turns: u32,
+}
+
+/// The tensor-free cache coordinator.
+///
+/// Owns the tiered pools, the prefix index and the optional policies, and
+/// one [`BlockTable`] per live sequence. Each step of a sequence is
+/// [`plan`](Self::plan)ned (blocks allocated, nothing released), carried
+/// out by the engine with tensors, then [`commit`](Self::commit)ted or
+/// [`abort`](Self::abort)ed. Policies only decide; the coordinator and the
+/// pools apply.
+pub struct Coordinator {
+    cfg: CoordinatorConfig,
+    budget: u64,
+    tiers: TieredPool,
+    index: Option<Box<dyn PrefixMatcher>>,
+    tier_policy: Option<Box<dyn TierPolicy>>,
+    evict: Option<Box<dyn EvictionPolicy>>,
+    dedup: Option<Box<dyn Deduplicator>>,
+    lifecycle: Option<Box<dyn LifecyclePolicy>>,
+    seqs: BTreeMap<SeqId, SeqState>,
+    next_seq: SeqId,
+    /// Hot block -> the cold block its content was quantized into, so a
+    /// second holder of the hot block reuses that copy.
+    demoted: HashMap<BlockId, BlockId>,
+    scratch: Vec<usize>,
+}
+
+impl Coordinator {
+    /// Builds pools and policies from `cfg`. Errors: a budget smaller than
+    /// one hot block, no hot blocks, window/sink not whole blocks, sharing
+    /// without a cold tier, a cold format the layout cannot hold, policy
+    /// parameters that cannot work.
+    pub fn new(cfg: CoordinatorConfig) -> Result<Self> {
+        let hot = cfg.layout;
+        let budget = cfg.budget();
+        if cfg.hot_blocks == 0 {
+            return Err(CoordError::Config(
+                "the hot tier needs at least one block".into(),
+            ));
+        }
+        if budget < hot.block_bytes() {
+            return Err(CoordError::Config(format!(
+                "a budget of {budget} bytes is smaller than one block ({} bytes)",
+                hot.block_bytes()
+            )));
+        }
+        let bs = hot.block_size() as usize;
+        let hot_max = (cfg.hot_blocks as u64)
+            .min(budget / hot.block_bytes())
+            .min(MAX_TIER_BLOCKS as u64) as usize;
+        let mut tiers = vec![(hot, PoolConfig::fixed(hot_max))];
+        let mut tier_policy: Option<Box<dyn TierPolicy>> = None;
+        if let Some(c) = cfg.cold {
+            if c.format.group().is_none() {
+                return Err(CoordError::Config(format!(
+                    "the cold tier needs a quantized format, not {:?}",
+                    c.format
+                )));
+            }
+            let layout = hot.with_format(c.format)?;
+            let cold_max = (budget / layout.block_bytes()).min(MAX_TIER_BLOCKS as u64) as usize;
+            // Cold blocks appear as hot ones leave: grow in small batches.
+            let pool = PoolConfig::fixed(cold_max.min(64)).with_max_blocks(cold_max);
+            tiers.push((layout, pool.with_growth_batch(64)));
+            tier_policy = Some(Box::new(TierPlan::new(bs, c.window)?.with_sink(c.sink)?));
+        }
+        let index: Option<Box<dyn PrefixMatcher>> = match &cfg.prefix {
+            None => None,
+            Some(p) => {
+                let hasher = p
+                    .seed
+                    .map_or_else(Xxh3Hasher::random, Xxh3Hasher::with_seed);
+                Some(match p.index {
+                    IndexKind::HashChain => Box::new(HashChainIndex::with_hasher(bs, hasher)?),
+                    IndexKind::Radix => Box::new(RadixIndex::new(bs)?),
+                })
+            }
+        };
+        let evict: Option<Box<dyn EvictionPolicy>> = match cfg.eviction {
+            None => None,
+            Some(EvictionConfig::SinkWindow { sink, window }) => {
+                Some(Box::new(SinkWindow::new(sink, window)?))
+            }
+        };
+        let dedup: Option<Box<dyn Deduplicator>> = match cfg.dedup {
+            None => None,
+            Some(_) if cfg.cold.is_none() => {
+                return Err(CoordError::Config(
+                    "sharing duplicate blocks works in the cold tier: configure a cold tier too"
+                        .into(),
+                ));
+            }
+            Some(DedupConfig::Exact) => Some(Box::new(ExactDedup::new())),
+        };
+        let lifecycle: Option<Box<dyn LifecyclePolicy>> = match cfg.lifecycle {
+            None => None,
+            Some(LifecycleConfig::RecentTurns { keep }) => Some(Box::new(RecentTurns::new(keep)?)),
+        };
+        if let (Some(c), Some(EvictionConfig::SinkWindow { window, .. })) = (cfg.cold, cfg.eviction)
+        {
+            if window < c.window {
+                return Err(CoordError::Config(format!(
+                    "an eviction window of {window} tokens inside the hot window of {} drops blocks before they could go cold: make it at least as long",
+                    c.window
+                )));
+            }
+        }
+        Ok(Coordinator {
+            budget,
+            tiers: TieredPool::new(tiers)?,
+            index,
+            tier_policy,
+            evict,
+            dedup,
+            lifecycle,
+            seqs: BTreeMap::new(),
+            next_seq: 1,
+            demoted: HashMap::new(),
+            scratch: Vec::new(),
+            cfg,
+        })
+    }
+
+    /// Replaces the eviction policy (a researcher's own); `None` turns
+    /// eviction off.
+    pub fn set_eviction_policy(&mut self, p: Option<Box<dyn EvictionPolicy>>) {
+        self.evict = p;
+    }
+
+    /// Replaces the tier policy (which hot entries go cold). Refused
+    /// without a cold tier to put them in.
+    pub fn set_tier_policy(&mut self, p: Box<dyn TierPolicy>) -> Result<()> {
+        if self.tiers.tiers() <= COLD {
+            return Err(CoordError::Config("no cold tier to demote into".into()));
+        }
+        self.tier_policy = Some(p);
+        Ok(())
+    }
+
+    /// Replaces the deduplicator. Refused without a cold tier.
+    pub fn set_deduplicator(&mut self, d: Option<Box<dyn Deduplicator>>) -> Result<()> {
+        if d.is_some() && self.tiers.tiers() <= COLD {
+            return Err(CoordError::Config("sharing needs a cold tier".into()));
+        }
+        self.dedup = d;
+        Ok(())
+    }
+
+    /// Replaces the lifecycle policy.
+    pub fn set_lifecycle_policy(&mut self, p: Option<Box<dyn LifecyclePolicy>>) {
+        self.lifecycle = p;
+    }
+
+    /// The configuration it was built from.
+    pub fn config(&self) -> &CoordinatorConfig {
+        &self.cfg
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.cfg.layout.block_size() as usize
+    }
+
+    /// The pools.
+    pub fn pools(&self) -> &TieredPool {
+        &self.tiers
+    }
+
+    /// Layout of the cold tier, if there is one.
+    pub fn cold_layout(&self) -> Option<KvLayout> {
+        self.tiers.layout(COLD).ok().copied()
+    }
+
+    /// The byte budget across all tiers.
+    pub fn budget(&self) -> u64 {
+        self.budget
+    }
+
+    /// Bytes held by blocks in use, all tiers (each block once, however
+    /// many sequences share it).
+    pub fn bytes_in_use(&self) -> u64 {
+        self.tiers.in_use_bytes()
+    }
+
+    /// Per-tier occupancy.
+    pub fn tier_stats(&self) -> Vec<TierStats> {
+        (0..self.tiers.tiers())
+            .filter_map(|t| {
+                let pool = self.tiers.tier_stats(t).ok()?;
+                let name = if t == HOT { "hot" } else { "cold" };
+                Some(TierStats { name, pool })
+            })
+            .collect()
+    }
+
+    /// The prefix index's counters, when reuse is on.
+    pub fn index_stats(&self) -> Option<MatchStats> {
+        self.index.as_ref().map(|i| i.stats())
+    }
+
+    /// The deduplicator's counters, when sharing is on.
+    pub fn share_stats(&self) -> Option<ShareStats> {
+        self.dedup.as_ref().map(|d| d.stats())
+    }
+
+    /// Live sequences.
+    pub fn sequences(&self) -> usize {
+        self.seqs.len()
+    }
+
+    /// Whether prefix reuse is on.
+    pub fn reuses_prefixes(&self) -> bool {
+        self.index.is_some()
+    }
+
+    fn seq(&self, id: SeqId) -> Result<&SeqState> {
+        self.seqs.get(&id).ok_or(CoordError::UnknownSeq(id))
+    }
+
+    fn seq_mut(&mut self, id: SeqId) -> Result<&mut SeqState> {
+        self.seqs.get_mut(&id).ok_or(CoordError::UnknownSeq(id))
+    }
+
+    /// The committed table of a sequence.
+    pub fn table(&self, id: SeqId) -> Result<&BlockTable> {
+        Ok(&self.seq(id)?.table)
+    }
+
+    /// The table a step attends over: the planned one while a step is in
+    /// flight, else the committed one.
+    pub fn view(&self, id: SeqId) -> Result<&BlockTable> {
+        let s = self.seq(id)?;
+        Ok(s.pending.as_ref().map_or(&s.table, |p| &p.next))
+    }
+
+    /// Opens an empty sequence.
+    pub fn open_empty(&mut self) -> SeqId {
+        let id = self.next_seq;
+        self.next_seq += 1;
+        let table = BlockTable::new(self.cfg.layout.block_size())
+            .unwrap_or_else(|_| unreachable!("the layout's block size is positive"));
+        self.seqs.insert(
+            id,
+            SeqState {
+                table,
+                pending: None,
+                snapshot: None,
+                segments: Vec::new(),
+                turns: 0,
+            },
+        );
+        id
+    }
+
+    /// Opens a sequence for a prompt of `tokens`: with reuse on, it starts
+    /// with the longest cached prefix of `tokens[..len - 1]` (the last token
+    /// is always computed, for its logits), hot and cold blocks as they
+    /// are cached, with a reference on each.
+    pub fn open(&mut self, tokens: &[u32], extra: &ExtraKeys) -> Result<Opened> {
+        let seq = self.open_empty();
+        let Some(index) = self.index.as_mut() else {
+            return Ok(Opened { seq, reused: 0 });
+        };
+        let upto = tokens.len().saturating_sub(1);
+        let m = match acquire_prefix(index, &self.tiers, &tokens[..upto], extra) {
+            Ok(m) => m,
+            Err(e) => {
+                self.seqs.remove(&seq);
+                return Err(e.into());
+            }
+        };
+        let s = self.seqs.get_mut(&seq).ok_or(CoordError::UnknownSeq(seq))?;
+        for b in &m.blocks {
+            let slot = if TieredPool::tier_of(b.block) == HOT {
+                Slot::Hot(b.block)
+            } else {
+                Slot::Cold(b.block)
+            };
+            s.table.push(slot, b.len, false)?;
+        }
+        Ok(Opened {
+            seq,
+            reused: m.tokens,
+        })
+    }
+
+    /// Plans one step of `n` new tokens for `seq`: drops (eviction),
+    /// demotions (tier policy) and the hot blocks for the new tokens. Blocks
+    /// are allocated now; nothing is released before [`commit`](Self::commit).
+    /// On error nothing changed (except that cached blocks the pools
+    /// reclaimed for a failed allocation are forgotten by the index).
+    pub fn plan(&mut self, seq: SeqId, n: usize) -> Result<Plan> {
+        let bs = self.block_size();
+        let s = self.seq(seq)?;
+        if s.pending.is_some() {
+            return Err(CoordError::Order {
+                seq,
+                what: "a step is already planned (commit or abort it first)",
+            });
+        }
+        if n == 0 {
+            return Err(CoordError::Order {
+                seq,
+                what: "a step of zero tokens",
+            });
+        }
+        let mut next = s.table.clone();
+        let mut plan = Plan {
+            start: next.positions(),
+            ..Plan::default()
+        };
+        let mut release = Vec::new();
+        // 1. Eviction.
+        if let Some(ev) = self.evict.as_mut() {
+            self.scratch.clear();
+            let pressure = Pressure {
+                used: self.tiers.in_use_bytes() as f64 / self.budget as f64,
+                new_tokens: n,
+            };
+            ev.victims(seq, &next, pressure, &mut self.scratch);
+            for &i in &self.scratch {
+                let old = next.set_slot(i, Slot::Dropped)?;
+                release.extend(old.block());
+                plan.drops.push(i);
+            }
+        }
+        // 2. Demotions: reuse another holder's cold copy, or quantize anew.
+        let mut demote = Vec::new();
+        if let Some(tp) = self.tier_policy.as_ref() {
+            tp.demote(&next, &mut demote);
+        }
+        let mut taken = Vec::new();
+        let mut fresh = Vec::new();
+        for &i in &demote {
+            let Slot::Hot(hot) = next.entries()[i].slot() else {
+                continue;
+            };
+            let reused = match self.demoted.get(&hot) {
+                Some(&c) => match self.tiers.retain(c) {
+                    Ok(Retained::Held(_)) => Some(c),
+                    _ => {
+                        self.demoted.remove(&hot);
+                        None
+                    }
+                },
+                None => None,
+            };
+            match reused {
+                Some(c) => {
+                    taken.push(c);
+                    plan.demotions.push(Demotion {
+                        entry: i,
+                        hot,
+                        cold: c,
+                        quantize: false,
+                    });
+                }
+                None => fresh.push((i, hot)),
+            }
+        }
+        // 3. Blocks: fresh cold ones, hot ones for the new tokens; both
+        // inside the budget, or nothing.
+        let room = next.room() as usize;
+        let in_open = n.min(room);
+        let need_hot = (n - in_open).div_ceil(bs);
+        let cold_bytes = self.cold_layout().map_or(0, |l| l.block_bytes());
+        // The budget holds between steps: blocks this step lets go of for
+        // good (dropped or demoted, no other holder) make room. Until the
+        // commit they are still held, so a step can exceed it by the
+        // blocks it demotes or drops.
+        let hot_bytes = self.cfg.layout.block_bytes();
+        let bytes_of = |b: BlockId| {
+            if TieredPool::tier_of(b) == HOT {
+                hot_bytes
+            } else {
+                cold_bytes
+            }
+        };
+        let freed: u64 = release
+            .iter()
+            .chain(fresh.iter().map(|(_, h)| h))
+            .chain(plan.demotions.iter().map(|d| &d.hot))
+            .filter(|&&b| self.tiers.ref_count(b).is_ok_and(|c| c == 1))
+            .map(|&b| bytes_of(b))
+            .sum();
+        let want = (self.tiers.in_use_bytes()
+            + need_hot as u64 * hot_bytes
+            + fresh.len() as u64 * cold_bytes)
+            .saturating_sub(freed);
+        let fail = |this: &mut Self, taken: &[BlockId], msg: String| {
+            for &b in taken.iter().rev() {
+                let _ = this.tiers.release(b);
+            }
+            CoordError::CacheFull(msg)
+        };
+        if want > self.budget {
+            let msg = format!(
+                "the step needs {want} bytes of KV, over the budget of {} bytes",
+                self.budget
+            );
+            return Err(fail(self, &taken, msg));
+        }
+        let mut got = Allocation::default();
+        if !fresh.is_empty() {
+            if !self.tiers.allocate_in(COLD, fresh.len(), &mut got)? {
+                let msg = format!("{} cold blocks needed, the cold tier is full", fresh.len());
+                return Err(fail(self, &taken, msg));
+            }
+            taken.extend_from_slice(&got.blocks);
+        }
+        let cold_new = got.blocks.clone();
+        if need_hot > 0 {
+            let before = got.blocks.len();
+            if !self.tiers.allocate_in(HOT, need_hot, &mut got)? {
+                self.forget_reclaimed(&got.reclaimed);
+                let s = self.tiers.tier_stats(HOT)?;
+                let msg = format!(
+                    "{need_hot} more blocks of {bs} tokens needed, {} of {} free",
+                    s.free(),
+                    s.max_blocks
+                );
+                return Err(fail(self, &taken, msg));
+            }
+            taken.extend_from_slice(&got.blocks[before..]);
+        }
+        self.forget_reclaimed(&got.reclaimed);
+        for (&(i, hot), &cold) in fresh.iter().zip(&cold_new) {
+            plan.demotions.push(Demotion {
+                entry: i,
+                hot,
+                cold,
+                quantize: true,
+            });
+        }
+        plan.demotions.sort_by_key(|d| d.entry);
+        let mut demoted = Vec::new();
+        for d in &plan.demotions {
+            next.set_slot(d.entry, Slot::Cold(d.cold))?;
+            release.push(d.hot);
+            demoted.push((d.hot, d.cold, d.quantize));
+        }
+        // 4. Writes: the rest of the open block, then the new blocks.
+        if in_open > 0 {
+            if let Some(Slot::Hot(b)) = next.entries().last().map(|e| e.slot()) {
+                let offset = next.entries().last().map_or(0, |e| e.tokens());
+                plan.writes.push(Write {
+                    block: b,
+                    offset,
+                    tokens: in_open as u32,
+                });
+            }
+            next.fill(in_open as u32)?;
+        }
+        let mut left = n - in_open;
+        for &b in &got.blocks[cold_new.len()..] {
+            let take = left.min(bs);
+            next.push(Slot::Hot(b), take as u32, take < bs)?;
+            plan.writes.push(Write {
+                block: b,
+                offset: 0,
+                tokens: take as u32,
+            });
+            left -= take;
+        }
+        let s = self.seq_mut(seq)?;
+        s.pending = Some(Pending {
+            next,
+            taken,
+            release,
+            demoted,
+            fresh_cold: cold_new,
+        });
+        Ok(plan)
+    }
+
+    /// The cache forgot reclaimed blocks' content: so do the index and the
+    /// deduplicator.
+    fn forget_reclaimed(&mut self, reclaimed: &[BlockId]) {
+        if reclaimed.is_empty() {
+            return;
+        }
+        if let Some(i) = self.index.as_mut() {
+            i.forget_all(reclaimed);
+        }
+        if let Some(d) = self.dedup.as_mut() {
+            for &b in reclaimed {
+                d.forget(b);
+            }
+        }
+        self.demoted
+            .retain(|h, c| !reclaimed.contains(h) && !reclaimed.contains(c));
+    }
+
+    /// Offers a cold block this step quantized (`content`: its bytes) to
+    /// the deduplicator. When it names a canonical block that `same`
+    /// confirms, the entry becomes an alias of it and the new block is
+    /// freed at commit. Returns the canonical block, if any.
+    pub fn share(
+        &mut self,
+        seq: SeqId,
+        cold: BlockId,
+        content: &[u8],
+        same: &mut dyn FnMut(BlockId) -> bool,
+    ) -> Result<Option<BlockId>> {
+        let Some(d) = self.dedup.as_mut() else {
+            return Ok(None);
+        };
+        let s = self.seqs.get_mut(&seq).ok_or(CoordError::UnknownSeq(seq))?;
+        let Some(p) = s.pending.as_mut().filter(|p| p.fresh_cold.contains(&cold)) else {
+            return Err(CoordError::Order {
+                seq,
+                what: "shared a block this step did not quantize",
+            });
+        };
+        let Some(canonical) = d.offer(cold, content, same) else {
+            return Ok(None);
+        };
+        match self.tiers.retain(canonical) {
+            Ok(Retained::Held(_)) => {}
+            _ => {
+                d.forget(canonical);
+                return Ok(None);
+            }
+        }
+        let Some(i) = p
+            .next
+            .entries()
+            .iter()
+            .position(|e| e.slot() == Slot::Cold(cold))
+        else {
+            let _ = self.tiers.release(canonical);
+            return Ok(None);
+        };
+        p.next.set_slot(i, Slot::Alias { canonical })?;
+        p.taken.push(canonical);
+        p.release.push(cold);
+        for d in p.demoted.iter_mut().filter(|d| d.1 == cold) {
+            d.1 = canonical;
+        }
+        Ok(Some(canonical))
+    }
+
+    /// Feeds the attention mass each entry of [`view`](Self::view) received
+    /// in the step to the eviction policy (if it wants it).
+    pub fn observe(&mut self, seq: SeqId, mass: &[f32]) -> Result<()> {
+        let Some(ev) = self.evict.as_mut() else {
+            return Ok(());
+        };
+        let s = self.seqs.get(&seq).ok_or(CoordError::UnknownSeq(seq))?;
+        let t = s.pending.as_ref().map_or(&s.table, |p| &p.next);
+        if mass.len() != t.entries().len() {
+            return Err(CoordError::Order {
+                seq,
+                what: "attention mass for another number of entries",
+            });
+        }
+        ev.observe(seq, t, mass);
+        Ok(())
+    }
+
+    /// Whether the eviction policy wants attention mass.
+    pub fn wants_attention(&self) -> bool {
+        self.evict.as_ref().is_some_and(|e| e.wants_attention())
+    }
+
+    /// The step succeeded: the planned table becomes the sequence's,
+    /// demoted, dropped and aliased blocks are released, demoted blocks
+    /// that the index held now point at their cold copies.
+    pub fn commit(&mut self, seq: SeqId) -> Result<()> {
+        let s = self.seqs.get_mut(&seq).ok_or(CoordError::UnknownSeq(seq))?;
+        let Some(p) = s.pending.take() else {
+            return Err(CoordError::Order {
+                seq,
+                what: "commit without a planned step",
+            });
+        };
+        s.table = p.next;
+        s.table.compact();
+        for &(hot, cold, quantized) in &p.demoted {
+            if quantized {
+                if let Some(i) = self.index.as_mut() {
+                    if TieredPool::tier_of(cold) == COLD && i.relocate(hot, cold) {
+                        self.tiers.mark_cached(cold)?;
+                    }
+                }
+            }
+            self.demoted.insert(hot, cold);
+        }
+        let mut first_err = None;
+        for &b in &p.release {
+            if let Err(e) = self.tiers.release(b) {
+                first_err.get_or_insert(e);
+            }
+        }
+        self.prune_demoted();
+        first_err.map_or(Ok(()), |e| Err(e.into()))
+    }
+
+    /// The step failed: give back what the plan took; table, counts and
+    /// index are as they were before [`plan`](Self::plan).
+    pub fn abort(&mut self, seq: SeqId) -> Result<()> {
+        let s = self.seqs.get_mut(&seq).ok_or(CoordError::UnknownSeq(seq))?;
+        let Some(p) = s.pending.take() else {
+            return Err(CoordError::Order {
+                seq,
+                what: "abort without a planned step",
+            });
+        };
+        if let Some(d) = self.dedup.as_mut() {
+            for &b in &p.fresh_cold {
+                d.forget(b);
+            }
+        }
+        self.tiers.release_sequence(&p.taken)?;
+        Ok(())
+    }
+
+    /// Stale entries of the demotion map (their hot block's slot was handed
+    /// out again) are dropped once the map outgrows the hot tier.
+    fn prune_demoted(&mut self) {
+        if self.demoted.len() > 2 * self.cfg.hot_blocks.max(64) {
+            let tiers = &self.tiers;
+            self.demoted
+                .retain(|&h, &mut c| tiers.ref_count(h).is_ok() && tiers.ref_count(c).is_ok());
+        }
+    }
+
+    /// Seals the last block: the next token starts a new one.
+    pub fn seal(&mut self, seq: SeqId) -> Result<()> {
+        let s = self.seq_mut(seq)?;
+        if s.pending.is_some() {
+            return Err(CoordError::Order {
+                seq,
+                what: "sealed during a step",
+            });
+        }
+        s.table.seal();
+        Ok(())
+    }
+
+    /// Registers in the prefix index every completed entry from the start
+    /// of `seq` (hot or cold; sealing the last one first when configured),
+    /// up to the first alias or dropped entry: `tokens` are the tokens whose
+    /// KV the table holds. Returns the tokens registered.
+    pub fn register(&mut self, seq: SeqId, tokens: &[u32], extra: &ExtraKeys) -> Result<usize> {
+        let seal = self.cfg.prefix.as_ref().is_some_and(|p| p.seal_turns);
+        let Some(index) = self.index.as_mut() else {
+            return Ok(0);
+        };
+        let s = self.seqs.get_mut(&seq).ok_or(CoordError::UnknownSeq(seq))?;
+        if s.pending.is_some() {
+            return Err(CoordError::Order {
+                seq,
+                what: "registered during a step",
+            });
+        }
+        if seal {
+            s.table.seal();
+        }
+        let t = &s.table;
+        let done = t.entries().len() - usize::from(t.is_open());
+        let mut refs = Vec::with_capacity(done);
+        let mut covered = 0usize;
+        for e in &t.entries()[..done] {
+            match e.slot() {
+                Slot::Hot(b) | Slot::Cold(b) => refs.push(BlockRef::new(b, e.tokens())),
+                Slot::Alias { .. } | Slot::Dropped => break,
+            }
+            covered += e.tokens() as usize;
+        }
+        if covered > tokens.len() {
+            return Err(CoordError::Order {
+                seq,
+                what: "registered with fewer tokens than the table holds",
+            });
+        }
+        index.insert(&tokens[..covered], extra, &refs)?;
+        for r in &refs {
+            self.tiers.mark_cached(r.block)?;
+        }
+        Ok(covered)
+    }
+
+    /// Starts a turn: the table is kept, with references of its own, so
+    /// that [`rollback_turn`](Self::rollback_turn) can restore it exactly
+    /// after the turn's steps demoted or dropped entries.
+    pub fn begin_turn(&mut self, seq: SeqId) -> Result<()> {
+        let s = self.seq(seq)?;
+        if s.snapshot.is_some() || s.pending.is_some() {
+            return Err(CoordError::Order {
+                seq,
+                what: "a turn is already in progress",
+            });
+        }
+        let snap = s.table.clone();
+        let held: Vec<BlockId> = snap.held().collect();
+        for (k, &b) in held.iter().enumerate() {
+            if let Err(e) = self.tiers.retain(b).and_then(|r| match r {
+                Retained::Held(_) => Ok(()),
+                Retained::Reclaimed => Err(kvforge_pool::PoolError::NotHeld { id: b }),
+            }) {
+                for &g in held[..k].iter().rev() {
+                    let _ = self.tiers.release(g);
+                }
+                return Err(e.into());
+            }
+        }
+        self.seq_mut(seq)?.snapshot = Some(snap);
+        Ok(())
+    }
+
+    /// The turn succeeded: its snapshot is let go; the lifecycle policy
+    /// (if any) names old segments to drop. Returns the entries dropped.
+    pub fn end_turn(&mut self, seq: SeqId) -> Result<usize> {
+        let s = self.seqs.get_mut(&seq).ok_or(CoordError::UnknownSeq(seq))?;
+        if s.pending.is_some() {
+            return Err(CoordError::Order {
+                seq,
+                what: "turn ended during a step",
+            });
+        }
+        let snap = s.snapshot.take();
+        let start = s.segments.last().map_or(0, |g| g.range.end);
+        let end = s.table.positions();
+        if end > start {
+            s.segments.push(Segment {
+                range: start..end,
+                turn: s.turns,
+            });
+        }
+        s.turns += 1;
+        if let Some(mut snap) = snap {
+            self.tiers.release_sequence(&snap.clear())?;
+        }
+        let Some(lc) = self.lifecycle.as_mut() else {
+            return Ok(0);
+        };
+        let s = self.seqs.get_mut(&seq).ok_or(CoordError::UnknownSeq(seq))?;
+        let mut ranges: Vec<Range<u64>> = Vec::new();
+        lc.end_turn(seq, &s.segments, &mut ranges);
+        let last = s.table.entries().len().wrapping_sub(1);
+        let open = s.table.is_open();
+        let mut release = Vec::new();
+        for i in 0..s.table.entries().len() {
+            let e = s.table.entries()[i];
+            let inside = ranges
+                .iter()
+                .any(|r| r.start <= e.first() && e.end() <= r.end);
+            if inside && e.slot().is_live() && !(open && i == last) {
+                release.extend(s.table.set_slot(i, Slot::Dropped)?.block());
+            }
+        }
+        s.table.compact();
+        let dropped = release.len();
+        for b in release {
+            self.tiers.release(b)?;
+        }
+        Ok(dropped)
+    }
+
+    /// The turn failed: any step in flight is aborted and the table is
+    /// restored to the turn's start, with the same blocks.
+    pub fn rollback_turn(&mut self, seq: SeqId) -> Result<()> {
+        if self.seq(seq)?.pending.is_some() {
+            self.abort(seq)?;
+        }
+        let s = self.seq_mut(seq)?;
+        let Some(snap) = s.snapshot.take() else {
+            return Err(CoordError::Order {
+                seq,
+                what: "rollback without a turn in progress",
+            });
+        };
+        let mut now = std::mem::replace(&mut s.table, snap);
+        let held = now.clear();
+        self.tiers.release_sequence(&held)?;
+        Ok(())
+    }
+
+    /// Ends a sequence: aborts a step in flight, rolls back a turn in
+    /// progress, releases its blocks (cached ones stay matchable).
+    pub fn close(&mut self, seq: SeqId) -> Result<()> {
+        if self.seq(seq)?.snapshot.is_some() {
+            self.rollback_turn(seq)?;
+        } else if self.seq(seq)?.pending.is_some() {
+            self.abort(seq)?;
+        }
+        let mut s = self.seqs.remove(&seq).ok_or(CoordError::UnknownSeq(seq))?;
+        self.tiers.release_sequence(&s.table.clear())?;
+        if let Some(e) = self.evict.as_mut() {
+            e.forget(seq);
+        }
+        if let Some(l) = self.lifecycle.as_mut() {
+            l.forget(seq);
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for Coordinator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Coordinator")
+            .field("sequences", &self.seqs.len())
+            .field("budget", &self.budget)
+            .field("in_use_bytes", &self.tiers.in_use_bytes())
+            .finish()
+    }
+}

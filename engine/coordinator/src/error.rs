@@ -1,0 +1,52 @@
+//! The one error type of `kvforge-coordinator`.
+
+use kvforge_evict::EvictError;
+use kvforge_lifecycle::LifecycleError;
+use kvforge_pool::PoolError;
+use kvforge_prefix::PrefixError;
+use kvforge_quant::QuantError;
+
+use crate::SeqId;
+
+/// Everything the coordinator refuses. Every error leaves tables, pools
+/// and index as they were before the call.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum CoordError {
+    /// A configuration that cannot work (or options that cannot be
+    /// combined).
+    #[error("cache config: {0}")]
+    Config(String),
+    /// The sequence does not exist (closed, or never opened).
+    #[error("sequence {0} does not exist")]
+    UnknownSeq(SeqId),
+    /// A call out of order: a second plan before commit/abort, a commit
+    /// with nothing planned, a turn inside a turn.
+    #[error("sequence {seq}: {what}")]
+    Order {
+        /// The sequence.
+        seq: SeqId,
+        /// What was out of order.
+        what: &'static str,
+    },
+    /// The byte budget or a tier's blocks cannot hold the step.
+    #[error("KV cache full: {0}")]
+    CacheFull(String),
+    /// A pool contract broke (a bug, not bad input).
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+    /// The prefix index refused an insertion.
+    #[error(transparent)]
+    Prefix(#[from] PrefixError),
+    /// A quantization parameter (window, sink) that cannot work.
+    #[error(transparent)]
+    Quant(#[from] QuantError),
+    /// An eviction policy parameter that cannot work.
+    #[error(transparent)]
+    Evict(#[from] EvictError),
+    /// A lifecycle policy parameter that cannot work.
+    #[error(transparent)]
+    Lifecycle(#[from] LifecycleError),
+}
+
+/// `Result` with [`CoordError`].
+pub type Result<T, E = CoordError> = std::result::Result<T, E>;

@@ -1,0 +1,68 @@
+//! What one step asks of the engine.
+
+use kvforge_pool::BlockId;
+
+/// New tokens written into one hot block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Write {
+    /// The hot block (global handle; its slot in the hot tier is
+    /// `TieredPool::slot_of(block)`).
+    pub block: BlockId,
+    /// Offset of the first token in the block.
+    pub offset: u32,
+    /// Tokens written.
+    pub tokens: u32,
+}
+
+/// A hot block quantized into a cold one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Demotion {
+    /// The entry of the step's table.
+    pub entry: usize,
+    /// The hot block read.
+    pub hot: BlockId,
+    /// The cold block written.
+    pub cold: BlockId,
+    /// Whether the engine must quantize: `false` when another sequence
+    /// already demoted this very block and `cold` is that copy, reused as
+    /// is (never quantized twice).
+    pub quantize: bool,
+}
+
+/// Tokens copied from a shared block into a fresh one of the sequence's
+/// own (a cached partial block that the sequence continues).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CopyOp {
+    /// Read.
+    pub src: BlockId,
+    /// Written.
+    pub dst: BlockId,
+    /// Leading tokens copied.
+    pub tokens: u32,
+}
+
+/// One step of one sequence: carry out `copies`, then `demotions`, then
+/// write the new tokens' K/V at `writes` while attending over
+/// [`Coordinator::view`](crate::Coordinator::view); then
+/// [`commit`](crate::Coordinator::commit), or
+/// [`abort`](crate::Coordinator::abort) if anything failed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Plan {
+    /// Position of the first new token.
+    pub start: u64,
+    /// Where the new tokens go, in order.
+    pub writes: Vec<Write>,
+    /// Blocks copied before the step.
+    pub copies: Vec<CopyOp>,
+    /// Hot blocks quantized into cold ones before the step.
+    pub demotions: Vec<Demotion>,
+    /// Entries dropped by this step (eviction): attention skips them.
+    pub drops: Vec<usize>,
+}
+
+impl Plan {
+    /// Tokens the step adds.
+    pub fn tokens(&self) -> usize {
+        self.writes.iter().map(|w| w.tokens as usize).sum()
+    }
+}

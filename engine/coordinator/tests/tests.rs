@@ -1,0 +1,486 @@
+//! `kvforge-coordinator`: plans, commits and aborts of every kind of
+//! operation, prefix reuse over hot and cold blocks, turn rollback,
+//! lifecycle, bad input, and many threads over one budget. No tensors.
+#![allow(clippy::unwrap_used)]
+
+use std::sync::{Arc, Mutex};
+
+use kvforge_coordinator::{
+    COLD, ColdConfig, CoordError, Coordinator, CoordinatorConfig, DedupConfig, EvictionConfig, HOT,
+    IndexKind, LifecycleConfig, PrefixConfig, SeqId, Slot, TieredPool,
+};
+use kvforge_pool::{BlockAllocator, BlockId, KvLayout, PoolStats, StorageFormat};
+use kvforge_prefix::{ExtraKeys, MatchStats};
+
+const BS: u32 = 4;
+
+fn layout() -> KvLayout {
+    KvLayout::new(2, 2, 8, BS, StorageFormat::F16).unwrap()
+}
+
+fn cold() -> ColdConfig {
+    ColdConfig {
+        format: StorageFormat::Int4 { group_size: 8 },
+        window: 8,
+        sink: 4,
+    }
+}
+
+fn config(blocks: usize) -> CoordinatorConfig {
+    let mut c = CoordinatorConfig::new(layout(), blocks);
+    c.prefix = Some(PrefixConfig {
+        seed: Some(7),
+        ..PrefixConfig::default()
+    });
+    c
+}
+
+fn all_on(blocks: usize) -> CoordinatorConfig {
+    let mut c = config(blocks);
+    c.cold = Some(cold());
+    c.eviction = Some(EvictionConfig::SinkWindow {
+        sink: 4,
+        window: 16,
+    });
+    c.dedup = Some(DedupConfig::Exact);
+    c
+}
+
+/// Everything an abort must leave as it was.
+#[derive(Debug, PartialEq)]
+struct State {
+    tables: Vec<Vec<(Slot, u64, u32)>>,
+    counts: Vec<(BlockId, u32)>,
+    tiers: Vec<PoolStats>,
+    index: Option<MatchStats>,
+    bytes: u64,
+}
+
+fn state(c: &Coordinator, seqs: &[SeqId]) -> State {
+    let mut counts = Vec::new();
+    let tables = seqs
+        .iter()
+        .map(|&s| {
+            let t = c.table(s).unwrap();
+            for b in t.held() {
+                counts.push((b, c.pools().ref_count(b).unwrap()));
+            }
+            t.entries()
+                .iter()
+                .map(|e| (e.slot(), e.first(), e.tokens()))
+                .collect()
+        })
+        .collect();
+    State {
+        tables,
+        counts,
+        tiers: c.tier_stats().iter().map(|t| t.pool).collect(),
+        index: c.index_stats().map(|mut s| {
+            // Lookups count queries; an abort does not look anything up.
+            s.queries = 0;
+            s
+        }),
+        bytes: c.bytes_in_use(),
+    }
+}
+
+fn step(c: &mut Coordinator, seq: SeqId, n: usize) -> kvforge_coordinator::Plan {
+    let p = c.plan(seq, n).unwrap();
+    c.commit(seq).unwrap();
+    p
+}
+
+#[test]
+fn a_step_allocates_fills_the_open_block_and_commits() {
+    let mut c = Coordinator::new(config(16)).unwrap();
+    let s = c.open_empty();
+    let p = step(&mut c, s, 6);
+    assert_eq!(p.start, 0);
+    assert_eq!(p.writes.len(), 2);
+    assert_eq!((p.writes[1].offset, p.writes[1].tokens), (0, 2));
+    let p = step(&mut c, s, 3);
+    assert_eq!(p.start, 6);
+    assert_eq!((p.writes[0].offset, p.writes[0].tokens), (2, 2));
+    assert_eq!((p.writes[1].offset, p.writes[1].tokens), (0, 1));
+    let t = c.table(s).unwrap();
+    assert_eq!(t.positions(), 9);
+    assert!(t.is_open());
+    t.check().unwrap();
+    c.close(s).unwrap();
+    assert_eq!(c.bytes_in_use(), 0);
+}
+
+#[test]
+fn the_abort_of_every_kind_of_operation_leaves_everything_as_it_was() {
+    let mut c = Coordinator::new(all_on(64)).unwrap();
+    let e = ExtraKeys::default();
+    // A sequence long enough for demotions and drops, registered so that a
+    // second one shares (and reuses the cold copies of) its blocks.
+    let tokens: Vec<u32> = (0..40).collect();
+    let a = c.open(&tokens, &e).unwrap().seq;
+    step(&mut c, a, 30);
+    step(&mut c, a, 1); // demotes
+    c.register(a, &tokens[..31], &e).unwrap();
+    let b = c.open(&tokens, &e).unwrap();
+    assert!(b.reused > 0);
+    let seqs = [a, b.seq];
+    for (seq, n) in [(a, 1), (a, 9), (b.seq, 12), (b.seq, 1)] {
+        let before = state(&c, &seqs);
+        let p = c.plan(seq, n).unwrap();
+        // Alias every freshly quantized block (exact sharing, as if the
+        // engine found identical bytes).
+        for d in p.demotions.iter().filter(|d| d.quantize) {
+            let _ = c.share(seq, d.cold, &[1, 2, 3], &mut |_| true).unwrap();
+        }
+        c.abort(seq).unwrap();
+        assert_eq!(state(&c, &seqs), before, "abort of {p:?}");
+        step(&mut c, seq, n);
+    }
+    // The plans above covered every kind of operation.
+    let mut c2 = Coordinator::new(all_on(64)).unwrap();
+    let s = c2.open_empty();
+    step(&mut c2, s, 28);
+    let p = c2.plan(s, 1).unwrap();
+    assert!(!p.drops.is_empty() && !p.demotions.is_empty() && !p.writes.is_empty());
+    c2.abort(s).unwrap();
+    for s in seqs {
+        c.close(s).unwrap();
+    }
+    assert_eq!(c.pools().stats().in_use, 0);
+}
+
+#[test]
+fn demotion_moves_full_blocks_out_of_the_window_and_keeps_the_sink() {
+    let mut cfg = config(64);
+    cfg.cold = Some(cold());
+    let mut c = Coordinator::new(cfg).unwrap();
+    let s = c.open_empty();
+    step(&mut c, s, 22);
+    let hot_before = c.tier_stats()[HOT].pool.in_use;
+    let p = step(&mut c, s, 1);
+    // 22 positions, sink 4 (entry 0), window 8: entries 1..=2 (4..12) go.
+    assert_eq!(
+        p.demotions.iter().map(|d| d.entry).collect::<Vec<_>>(),
+        [1, 2]
+    );
+    assert!(p.demotions.iter().all(|d| d.quantize));
+    let t = c.table(s).unwrap();
+    assert!(matches!(t.entries()[0].slot(), Slot::Hot(_)));
+    assert!(matches!(t.entries()[1].slot(), Slot::Cold(_)));
+    assert_eq!(c.tier_stats()[HOT].pool.in_use, hot_before - 2);
+    assert_eq!(c.tier_stats()[COLD].pool.in_use, 2);
+    let cold_bytes = c.cold_layout().unwrap().block_bytes();
+    assert_eq!(
+        c.bytes_in_use(),
+        c.tier_stats()[HOT].pool.in_use as u64 * layout().block_bytes() + 2 * cold_bytes
+    );
+    c.close(s).unwrap();
+}
+
+#[test]
+fn a_quantized_prefix_is_matched_across_requests_and_counted_once() {
+    let mut cfg = config(64);
+    cfg.cold = Some(cold());
+    let mut c = Coordinator::new(cfg).unwrap();
+    let e = ExtraKeys::namespace("tenant");
+    let tokens: Vec<u32> = (100..130).collect();
+    // Request 1 prefills 24, registers, then decodes (its old blocks go cold
+    // and the index follows them).
+    let r1 = c.open(&tokens, &e).unwrap().seq;
+    step(&mut c, r1, 24);
+    c.register(r1, &tokens[..24], &e).unwrap();
+    let p = step(&mut c, r1, 1);
+    assert_eq!(p.demotions.len(), 3);
+    let cold_ids: Vec<BlockId> = p.demotions.iter().map(|d| d.cold).collect();
+    // Request 2 matches the prefix: the cold blocks themselves, as they are.
+    let r2 = c.open(&tokens, &e).unwrap();
+    assert_eq!(r2.reused, 24);
+    let t2 = c.table(r2.seq).unwrap();
+    let got: Vec<Slot> = t2.entries().iter().map(|x| x.slot()).collect();
+    assert!(matches!(got[0], Slot::Hot(_)));
+    assert_eq!(
+        &got[1..4],
+        &cold_ids.iter().map(|&b| Slot::Cold(b)).collect::<Vec<_>>()[..]
+    );
+    for &b in &cold_ids {
+        assert_eq!(c.pools().ref_count(b).unwrap(), 2, "shared, not copied");
+    }
+    assert_eq!(c.tier_stats()[COLD].pool.in_use, 3, "bytes counted once");
+    // Request 3 never saw the cold copies: it holds the hot blocks of
+    // request 1 that it matched before the demotion, and when it demotes
+    // them it reuses request 1's copies instead of quantizing again.
+    c.close(r1).unwrap();
+    c.close(r2.seq).unwrap();
+    assert_eq!(c.tier_stats()[COLD].pool.cached_free, 3, "still matchable");
+    let r4 = c.open(&tokens, &e).unwrap();
+    assert_eq!(r4.reused, 24);
+    c.close(r4.seq).unwrap();
+}
+
+#[test]
+fn a_second_holder_reuses_the_cold_copy_instead_of_quantizing_again() {
+    let mut cfg = config(64);
+    cfg.cold = Some(cold());
+    let mut c = Coordinator::new(cfg).unwrap();
+    let e = ExtraKeys::default();
+    let tokens: Vec<u32> = (0..40).collect();
+    let a = c.open(&tokens, &e).unwrap().seq;
+    step(&mut c, a, 16);
+    c.register(a, &tokens[..16], &e).unwrap();
+    let b = c.open(&tokens[..17], &e).unwrap();
+    assert_eq!(b.reused, 16);
+    // Both grow past the window; their shared blocks 1 and 2 go cold in
+    // whichever sequence gets there first, and the other reuses the copy.
+    let mut demotions = Vec::new();
+    for (s, n) in [(b.seq, 1), (a, 4), (a, 1), (b.seq, 3), (b.seq, 1)] {
+        demotions.extend(step(&mut c, s, n).demotions);
+    }
+    assert_eq!(demotions.len(), 4);
+    for hot in [demotions[0].hot, demotions[1].hot] {
+        let of: Vec<_> = demotions.iter().filter(|d| d.hot == hot).collect();
+        assert_eq!(of.len(), 2);
+        assert_eq!(of[0].cold, of[1].cold, "one cold copy");
+        assert_eq!(
+            of.iter().filter(|d| d.quantize).count(),
+            1,
+            "quantized once"
+        );
+    }
+    assert_eq!(c.tier_stats()[COLD].pool.in_use, 2);
+    c.close(a).unwrap();
+    c.close(b.seq).unwrap();
+}
+
+#[test]
+fn eviction_drops_entries_and_keeps_positions() {
+    let mut cfg = config(64);
+    cfg.eviction = Some(EvictionConfig::SinkWindow { sink: 4, window: 8 });
+    let mut c = Coordinator::new(cfg).unwrap();
+    let s = c.open_empty();
+    step(&mut c, s, 20);
+    let p = step(&mut c, s, 1);
+    assert_eq!(p.drops, [1, 2]);
+    let t = c.table(s).unwrap();
+    assert_eq!(t.positions(), 21);
+    assert_eq!(t.live_tokens(), 21 - 8);
+    assert_eq!(t.entries()[1].slot(), Slot::Dropped);
+    assert_eq!(t.entries()[1].tokens(), 8, "compacted into one entry");
+    assert_eq!(t.entries()[2].first(), 12);
+    // Registration stops at the first dropped entry.
+    let tokens: Vec<u32> = (0..21).collect();
+    assert_eq!(c.register(s, &tokens, &ExtraKeys::default()).unwrap(), 4);
+    c.close(s).unwrap();
+}
+
+#[test]
+fn a_failed_turn_rolls_back_exactly_after_demotions_and_drops() {
+    let mut c = Coordinator::new(all_on(64)).unwrap();
+    let s = c.open_empty();
+    step(&mut c, s, 10);
+    c.begin_turn(s).unwrap();
+    step(&mut c, s, 2);
+    c.end_turn(s).unwrap();
+    let before = state(&c, &[s]);
+    c.begin_turn(s).unwrap();
+    for _ in 0..20 {
+        step(&mut c, s, 1);
+    }
+    let t = c.table(s).unwrap();
+    assert!(t.entries().iter().any(|e| e.slot() == Slot::Dropped));
+    assert!(
+        t.entries()
+            .iter()
+            .any(|e| matches!(e.slot(), Slot::Cold(_)))
+    );
+    c.plan(s, 1).unwrap(); // a step in flight when the turn fails
+    c.rollback_turn(s).unwrap();
+    assert_eq!(state(&c, &[s]), before);
+    c.close(s).unwrap();
+    assert_eq!(c.pools().stats().in_use, 0);
+}
+
+#[test]
+fn lifecycle_drops_old_turns_at_turn_end() {
+    let mut cfg = config(64);
+    cfg.lifecycle = Some(LifecycleConfig::RecentTurns { keep: 1 });
+    let mut c = Coordinator::new(cfg).unwrap();
+    let s = c.open_empty();
+    for n in [8, 8, 8] {
+        c.begin_turn(s).unwrap();
+        step(&mut c, s, n);
+        c.end_turn(s).unwrap();
+    }
+    let t = c.table(s).unwrap();
+    // Turn 0 (0..8) and turn 2 (16..24) stay, turn 1 is dropped.
+    let slots: Vec<(bool, u64)> = t
+        .entries()
+        .iter()
+        .map(|e| (e.slot().is_live(), e.first()))
+        .collect();
+    assert_eq!(
+        slots,
+        [(true, 0), (true, 4), (false, 8), (true, 16), (true, 20)]
+    );
+    c.close(s).unwrap();
+    assert_eq!(c.pools().stats().in_use, 0);
+}
+
+#[test]
+fn bad_configurations_and_calls_are_clear_errors_that_change_nothing() {
+    let err = |cfg: CoordinatorConfig| Coordinator::new(cfg).unwrap_err().to_string();
+    let mut tiny = config(64);
+    tiny.budget_bytes = layout().block_bytes() - 1;
+    assert!(err(tiny).contains("smaller than one block"), "budget");
+    let mut dedup = config(64);
+    dedup.dedup = Some(DedupConfig::Exact);
+    assert!(err(dedup).contains("configure a cold tier"));
+    let mut window = all_on(64);
+    window.eviction = Some(EvictionConfig::SinkWindow { sink: 4, window: 4 });
+    assert!(err(window).contains("at least as long"));
+    let mut f16 = config(64);
+    f16.cold = Some(ColdConfig {
+        format: StorageFormat::F16,
+        ..cold()
+    });
+    assert!(err(f16).contains("quantized format"));
+    let mut uneven = config(64);
+    uneven.cold = Some(ColdConfig {
+        window: 6,
+        ..cold()
+    });
+    assert!(err(uneven).contains("window"));
+    assert!(err(CoordinatorConfig::new(layout(), 0)).contains("at least one block"));
+    assert!("btree".parse::<IndexKind>().is_err());
+
+    let mut c = Coordinator::new(all_on(8)).unwrap();
+    let s = c.open_empty();
+    step(&mut c, s, 5);
+    let before = state(&c, &[s]);
+    for e in [
+        c.plan(99, 1).unwrap_err(),
+        c.commit(99).unwrap_err(),
+        c.abort(99).unwrap_err(),
+        c.close(99).unwrap_err(),
+        c.commit(s).unwrap_err(),
+        c.abort(s).unwrap_err(),
+        c.rollback_turn(s).unwrap_err(),
+        c.plan(s, 0).unwrap_err(),
+        c.plan(s, 1000).unwrap_err(),
+    ] {
+        assert!(!e.to_string().contains('\n'), "{e}");
+    }
+    assert!(matches!(c.plan(99, 1), Err(CoordError::UnknownSeq(99))));
+    assert!(matches!(c.plan(s, 1000), Err(CoordError::CacheFull(_))));
+    assert_eq!(state(&c, &[s]), before);
+    c.plan(s, 1).unwrap();
+    assert!(matches!(c.plan(s, 1), Err(CoordError::Order { .. })));
+    assert!(c.share(s, BlockId::new(3, 1), &[0], &mut |_| true).is_err());
+    c.abort(s).unwrap();
+    assert_eq!(state(&c, &[s]), before);
+    c.close(s).unwrap();
+}
+
+#[test]
+fn the_budget_covers_every_tier() {
+    // Budget of 6 hot blocks, 64 hot blocks of tensors: the budget binds.
+    let mut cfg = config(64);
+    cfg.cold = Some(cold());
+    cfg.budget_bytes = 6 * layout().block_bytes();
+    let mut c = Coordinator::new(cfg).unwrap();
+    let s = c.open_empty();
+    step(&mut c, s, 20);
+    let mut steps = 0;
+    // Demotion frees hot bytes for cold ones (a quarter the size), so
+    // the sequence runs past the 24 tokens six hot blocks hold.
+    while c.plan(s, 1).is_ok() {
+        c.commit(s).unwrap();
+        steps += 1;
+        assert!(c.bytes_in_use() <= c.budget());
+    }
+    assert!(c.table(s).unwrap().positions() > 24, "{steps} steps");
+    c.close(s).unwrap();
+}
+
+#[test]
+fn many_threads_share_prefixes_over_one_budget_and_leak_nothing() {
+    let c = Arc::new(Mutex::new(Coordinator::new(all_on(256)).unwrap()));
+    let threads: Vec<_> = (0..8u32)
+        .map(|t| {
+            let c = Arc::clone(&c);
+            std::thread::spawn(move || {
+                let mut rng = t as u64 * 0x9E37_79B9 + 1;
+                let mut next = || {
+                    rng ^= rng << 13;
+                    rng ^= rng >> 7;
+                    rng ^= rng << 17;
+                    rng
+                };
+                for r in 0..150u32 {
+                    let e = ExtraKeys::namespace(format!("ns{}", t % 2));
+                    // A shared system prompt, then a private tail.
+                    let mut tokens: Vec<u32> = (0..24).collect();
+                    tokens.extend((0..(next() % 20) as u32).map(|i| 1000 * t + r + i));
+                    let opened = c.lock().unwrap().open(&tokens, &e);
+                    let Ok(o) = opened else { continue };
+                    let mut held = o.reused;
+                    let mut ok = true;
+                    c.lock().unwrap().begin_turn(o.seq).unwrap();
+                    while held < tokens.len() + 8 {
+                        let n = if held < tokens.len() {
+                            tokens.len() - held
+                        } else {
+                            1
+                        };
+                        let mut g = c.lock().unwrap();
+                        match g.plan(o.seq, n) {
+                            Ok(p) => {
+                                for d in p.demotions.iter().filter(|d| d.quantize) {
+                                    let bytes = [d.hot.index() as u8; 4];
+                                    g.share(o.seq, d.cold, &bytes, &mut |_| next() % 2 == 0)
+                                        .unwrap();
+                                }
+                                if next() % 10 == 0 {
+                                    g.abort(o.seq).unwrap();
+                                } else {
+                                    g.commit(o.seq).unwrap();
+                                    held += n;
+                                }
+                            }
+                            Err(CoordError::CacheFull(_)) => {
+                                ok = false;
+                                break;
+                            }
+                            Err(e) => panic!("{e}"),
+                        }
+                        drop(g);
+                        // Bad requests between steps change nothing.
+                        let mut g = c.lock().unwrap();
+                        assert!(g.commit(o.seq).is_err());
+                        assert!(g.plan(u64::MAX, 1).is_err());
+                    }
+                    let mut g = c.lock().unwrap();
+                    if ok && next() % 3 != 0 {
+                        g.end_turn(o.seq).unwrap();
+                        let held_tokens: Vec<u32> = tokens.iter().copied().chain(0..8).collect();
+                        g.register(o.seq, &held_tokens, &e).unwrap();
+                    } else {
+                        g.rollback_turn(o.seq).unwrap();
+                    }
+                    g.close(o.seq).unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let c = c.lock().unwrap();
+    assert_eq!(c.sequences(), 0);
+    assert_eq!(c.pools().stats().in_use, 0, "leaked blocks");
+    assert_eq!(c.bytes_in_use(), 0);
+    assert!(
+        c.index_stats().unwrap().hit_tokens > 0,
+        "prefixes were shared"
+    );
+    let _ = TieredPool::tier_of(BlockId::new(0, 0));
+}

@@ -1,0 +1,141 @@
+//! Which KV entries to forget when a sequence outgrows its memory.
+//!
+//! An [`EvictionPolicy`] looks at a sequence's [`BlockTable`] (and, if it
+//! asks for them, the attention mass each entry received) and names
+//! entries to drop. It only decides: the cache coordinator turns the
+//! entries into [`Slot::Dropped`](kvforge_pool::Slot::Dropped), releases
+//! their blocks and keeps the positions of the tokens after them, so the
+//! keys that stay keep the RoPE positions they were computed at.
+//!
+//! Pure Rust: no tensors; the attention mass arrives as `f32`s.
+//!
+//! # Implementations
+//!
+//! * [`SinkWindow`] — StreamingLLM (Xiao et al., 2023): keep the first
+//!   `sink` tokens (attention sinks) and the newest `window`; drop every
+//!   whole entry in between. Needs no scores.
+//!
+//! Score-based policies (H2O's accumulated attention, LFU, recency and the
+//! seed's hybrid, behind a memory watermark) come with the eviction issue;
+//! each must pass [`testing::check_policy`].
+
+#![deny(missing_docs)]
+
+pub mod testing;
+
+use kvforge_pool::{BlockTable, Slot};
+
+/// Identifies one sequence to a policy that keeps per-sequence state.
+pub type SeqKey = u64;
+
+/// A bad policy configuration.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EvictError {
+    /// A parameter that cannot work.
+    #[error("eviction policy: {0}")]
+    Config(String),
+}
+
+/// `Result` with [`EvictError`].
+pub type Result<T, E = EvictError> = std::result::Result<T, E>;
+
+/// What the coordinator tells a policy before a step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Pressure {
+    /// Fraction of the byte budget in use, all tiers, in `[0, 1]`.
+    pub used: f64,
+    /// Tokens the coming step adds.
+    pub new_tokens: usize,
+}
+
+/// Names entries of a block table to drop.
+///
+/// Contract (checked by [`testing::check_policy`]): the indexes appended to
+/// `out` ascend, exist, name live entries (not dropped), never the open
+/// last entry nor the entry holding the newest position; and once they
+/// are dropped, asking again with the same table does not name them again.
+pub trait EvictionPolicy: Send {
+    /// A short name for reports (`sink-window`, `h2o` …).
+    fn name(&self) -> String;
+
+    /// Whether [`observe`](Self::observe) wants the attention mass of each
+    /// entry (the attention backend computes it only when asked).
+    fn wants_attention(&self) -> bool {
+        false
+    }
+
+    /// The attention mass entry `i` of `table` received in the last step
+    /// (summed over heads and queries), `mass.len() == table.entries().len()`,
+    /// 0 for dropped entries.
+    fn observe(&mut self, seq: SeqKey, table: &BlockTable, mass: &[f32]) {
+        let _ = (seq, table, mass);
+    }
+
+    /// Appends the entries of `table` to drop before the next step.
+    fn victims(
+        &mut self,
+        seq: SeqKey,
+        table: &BlockTable,
+        pressure: Pressure,
+        out: &mut Vec<usize>,
+    );
+
+    /// The sequence ended: forget its state.
+    fn forget(&mut self, seq: SeqKey) {
+        let _ = seq;
+    }
+}
+
+/// StreamingLLM: the first `sink` and the newest `window` positions stay;
+/// every whole entry entirely between them is dropped, whatever the memory
+/// pressure (the cache then holds at most `sink + window` tokens plus two
+/// partial blocks).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SinkWindow {
+    sink: u64,
+    window: u64,
+}
+
+impl SinkWindow {
+    /// Keeps `sink` leading and `window` trailing tokens; the window must
+    /// hold at least one token (the newest).
+    pub fn new(sink: usize, window: usize) -> Result<Self> {
+        if window == 0 {
+            return Err(EvictError::Config(
+                "the recent window must keep at least one token".into(),
+            ));
+        }
+        Ok(SinkWindow {
+            sink: sink as u64,
+            window: window as u64,
+        })
+    }
+
+    /// Tokens kept at the start.
+    pub fn sink(&self) -> usize {
+        self.sink as usize
+    }
+
+    /// Tokens kept at the end.
+    pub fn window(&self) -> usize {
+        self.window as usize
+    }
+}
+
+impl EvictionPolicy for SinkWindow {
+    fn name(&self) -> String {
+        format!("sink{}-window{}", self.sink, self.window)
+    }
+
+    fn victims(&mut self, _seq: SeqKey, table: &BlockTable, _p: Pressure, out: &mut Vec<usize>) {
+        let recent = table.positions().saturating_sub(self.window);
+        for (i, e) in table.entries().iter().enumerate() {
+            if e.first() >= recent {
+                break;
+            }
+            if e.slot() != Slot::Dropped && e.first() >= self.sink && e.end() <= recent {
+                out.push(i);
+            }
+        }
+    }
+}

@@ -1,0 +1,90 @@
+//! The [`EvictionPolicy`] conformance suite: run it against every
+//! implementation.
+
+use kvforge_pool::{BlockId, BlockTable, Slot};
+
+use crate::{EvictionPolicy, Pressure};
+
+/// Tables of every kind of entry (hot, cold, alias, dropped, sealed
+/// partial, open) and length, under low and high pressure, with attention
+/// mass fed first when the policy wants it. Panics on the first violation
+/// of the [`EvictionPolicy`] contract.
+pub fn check_policy<P: EvictionPolicy + ?Sized>(p: &mut P, block_size: u32) {
+    let bs = block_size;
+    for n in 0..48u32 {
+        for used in [0.1, 0.95] {
+            let seq = u64::from(n);
+            let mut t = table(n, bs);
+            if p.wants_attention() {
+                let mass: Vec<f32> = t
+                    .entries()
+                    .iter()
+                    .enumerate()
+                    .map(|(i, e)| {
+                        if e.slot().is_live() {
+                            1.0 / (1 + i) as f32
+                        } else {
+                            0.0
+                        }
+                    })
+                    .collect();
+                p.observe(seq, &t, &mass);
+            }
+            let pressure = Pressure {
+                used,
+                new_tokens: 1,
+            };
+            let mut out = Vec::new();
+            p.victims(seq, &t, pressure, &mut out);
+            check_victims(&t, &out);
+            for &i in &out {
+                t.set_slot(i, Slot::Dropped)
+                    .expect("a victim can be dropped");
+            }
+            let mut again = Vec::new();
+            p.victims(seq, &t, pressure, &mut again);
+            check_victims(&t, &again);
+            assert!(
+                again.iter().all(|i| !out.contains(i)),
+                "{}: named twice: {again:?}",
+                p.name()
+            );
+            p.forget(seq);
+        }
+    }
+}
+
+fn check_victims(t: &BlockTable, out: &[usize]) {
+    assert!(out.windows(2).all(|w| w[0] < w[1]), "ascending: {out:?}");
+    let last = t.entries().len().wrapping_sub(1);
+    let newest = t.positions().saturating_sub(1);
+    for &i in out {
+        let e = t.entries().get(i).copied().expect("victim exists");
+        assert!(e.slot().is_live(), "entry {i} is already dropped");
+        assert!(!(t.is_open() && i == last), "entry {i} is the open one");
+        assert!(
+            !(e.first() <= newest && newest < e.end()),
+            "entry {i} holds the newest position"
+        );
+    }
+}
+
+fn table(n: u32, bs: u32) -> BlockTable {
+    let mut t = BlockTable::new(bs).expect("block size");
+    for i in 0..n {
+        let b = BlockId::new(i, 1);
+        let (slot, tokens) = match i % 9 {
+            2 => (Slot::Cold(b), bs),
+            4 => (Slot::Alias { canonical: b }, bs),
+            5 => (Slot::Hot(b), (bs / 2).max(1)),
+            7 => (Slot::Dropped, bs),
+            _ => (Slot::Hot(b), bs),
+        };
+        t.push(slot, tokens, false).expect("push");
+    }
+    if n % 2 == 1 && bs > 1 {
+        t.push(Slot::Hot(BlockId::new(999, 1)), 1, true)
+            .expect("open entry");
+    }
+    t
+}
