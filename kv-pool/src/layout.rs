@@ -67,6 +67,7 @@ pub struct KvLayout {
     head_dim: u32,
     block_size: u32,
     format: StorageFormat,
+    value_format: StorageFormat,
     block_bytes: u64,
 }
 
@@ -80,6 +81,21 @@ impl KvLayout {
         head_dim: u32,
         block_size: u32,
         format: StorageFormat,
+    ) -> Result<Self> {
+        Self::new_split(layers, kv_heads, head_dim, block_size, format, format)
+    }
+
+    /// [`KvLayout::new`] with keys and values stored differently (KIVI
+    /// quantizes keys per channel, in groups of one block's tokens, and
+    /// values per token in smaller groups): `layers × (key slab + value
+    /// slab)` bytes per block.
+    pub fn new_split(
+        layers: u32,
+        kv_heads: u32,
+        head_dim: u32,
+        block_size: u32,
+        format: StorageFormat,
+        value_format: StorageFormat,
     ) -> Result<Self> {
         for (field, v) in [
             ("layers", layers),
@@ -96,31 +112,10 @@ impl KvLayout {
             .checked_mul(u64::from(kv_heads))
             .and_then(|x| x.checked_mul(u64::from(head_dim)))
             .ok_or(overflow("elements per block"))?;
-        // elements * bits / 8, exact: every format has bits dividing 8 or a multiple of it,
-        // and an odd element count with 4- or 2-bit packing rounds up to a whole byte.
-        let data_bits = elements
-            .checked_mul(u64::from(format.bits()))
-            .ok_or(overflow("bits per slab"))?;
-        let mut slab = data_bits.div_ceil(8);
-        if let Some((group_size, param_bytes)) = format.group() {
-            if group_size == 0 {
-                return Err(PoolError::ZeroDimension {
-                    field: "group_size",
-                });
-            }
-            if elements % u64::from(group_size) != 0 {
-                return Err(PoolError::GroupSize {
-                    group_size,
-                    elements,
-                });
-            }
-            let params = (elements / u64::from(group_size))
-                .checked_mul(u64::from(param_bytes))
-                .ok_or(overflow("group parameter bytes"))?;
-            slab = slab.checked_add(params).ok_or(overflow("bytes per slab"))?;
-        }
-        let block_bytes = slab
-            .checked_mul(2)
+        let k = slab_bytes(elements, format)?;
+        let v = slab_bytes(elements, value_format)?;
+        let block_bytes = k
+            .checked_add(v)
             .and_then(|x| x.checked_mul(u64::from(layers)))
             .ok_or(overflow("bytes per block"))?;
         Ok(KvLayout {
@@ -129,6 +124,7 @@ impl KvLayout {
             head_dim,
             block_size,
             format,
+            value_format,
             block_bytes,
         })
     }
@@ -141,6 +137,18 @@ impl KvLayout {
             self.head_dim,
             self.block_size,
             format,
+        )
+    }
+
+    /// Same model and block size, keys and values in their own formats.
+    pub fn with_kv_formats(&self, key: StorageFormat, value: StorageFormat) -> Result<Self> {
+        KvLayout::new_split(
+            self.layers,
+            self.kv_heads,
+            self.head_dim,
+            self.block_size,
+            key,
+            value,
         )
     }
 
@@ -160,9 +168,13 @@ impl KvLayout {
     pub const fn block_size(&self) -> u32 {
         self.block_size
     }
-    /// Element storage.
+    /// Element storage (of keys, when keys and values differ).
     pub const fn format(&self) -> StorageFormat {
         self.format
+    }
+    /// Element storage of values.
+    pub const fn value_format(&self) -> StorageFormat {
+        self.value_format
     }
     /// Exact bytes of one block (all layers, K and V, group parameters).
     pub const fn block_bytes(&self) -> u64 {
@@ -182,6 +194,35 @@ impl KvLayout {
                 what: "bytes for blocks",
             })
     }
+}
+
+/// Bytes of one K or V slab of `elements` elements: packed data (an odd
+/// element count with 4- or 2-bit packing rounds up to a whole byte) plus
+/// group parameters.
+fn slab_bytes(elements: u64, format: StorageFormat) -> Result<u64> {
+    let overflow = |what| PoolError::Overflow { what };
+    let data_bits = elements
+        .checked_mul(u64::from(format.bits()))
+        .ok_or(overflow("bits per slab"))?;
+    let mut slab = data_bits.div_ceil(8);
+    if let Some((group_size, param_bytes)) = format.group() {
+        if group_size == 0 {
+            return Err(PoolError::ZeroDimension {
+                field: "group_size",
+            });
+        }
+        if elements % u64::from(group_size) != 0 {
+            return Err(PoolError::GroupSize {
+                group_size,
+                elements,
+            });
+        }
+        let params = (elements / u64::from(group_size))
+            .checked_mul(u64::from(param_bytes))
+            .ok_or(overflow("group parameter bytes"))?;
+        slab = slab.checked_add(params).ok_or(overflow("bytes per slab"))?;
+    }
+    Ok(slab)
 }
 
 #[cfg(test)]
@@ -205,6 +246,19 @@ mod tests {
         assert_eq!(l.block_bytes(), 2 * (64 + 2));
         let l = KvLayout::new(1, 1, 64, 1, StorageFormat::Int2 { group_size: 64 }).unwrap();
         assert_eq!(l.block_bytes(), 2 * (16 + 4));
+    }
+
+    #[test]
+    fn keys_and_values_can_be_stored_differently() {
+        let k = StorageFormat::Int4 { group_size: 16 };
+        let v = StorageFormat::Int4 { group_size: 32 };
+        let l = KvLayout::new_split(2, 1, 64, 1, k, v).unwrap();
+        // Keys: 32 B + 4 groups x 4 B; values: 32 B + 2 x 4 B; two layers.
+        assert_eq!(l.block_bytes(), 2 * ((32 + 16) + (32 + 8)));
+        assert_eq!((l.format(), l.value_format()), (k, v));
+        assert!(
+            KvLayout::new_split(1, 1, 64, 1, k, StorageFormat::Int4 { group_size: 48 }).is_err()
+        );
     }
 
     #[test]

@@ -51,8 +51,10 @@ impl Default for PrefixConfig {
 /// The quantized cold tier.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ColdConfig {
-    /// Storage of a cold block (the bytes the budget counts).
+    /// Storage of a cold block's keys (the bytes the budget counts).
     pub format: StorageFormat,
+    /// Storage of its values (KIVI groups them differently).
+    pub value_format: StorageFormat,
     /// Newest tokens kept hot: whole blocks.
     pub window: usize,
     /// First tokens kept hot (attention sinks): whole blocks.

@@ -123,13 +123,13 @@ impl Coordinator {
         let mut tiers = vec![(hot, PoolConfig::fixed(hot_max))];
         let mut tier_policy: Option<Box<dyn TierPolicy>> = None;
         if let Some(c) = cfg.cold {
-            if c.format.group().is_none() {
+            if c.format.group().is_none() || c.value_format.group().is_none() {
                 return Err(CoordError::Config(format!(
                     "the cold tier needs a quantized format, not {:?}",
                     c.format
                 )));
             }
-            let layout = hot.with_format(c.format)?;
+            let layout = hot.with_kv_formats(c.format, c.value_format)?;
             let cold_max = (budget / layout.block_bytes()).min(MAX_TIER_BLOCKS as u64) as usize;
             // Cold blocks appear as hot ones leave: grow in small batches.
             let pool = PoolConfig::fixed(cold_max.min(64)).with_max_blocks(cold_max);

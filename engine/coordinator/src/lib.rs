@@ -34,7 +34,8 @@
 //! let layout = KvLayout::new(2, 2, 8, 4, StorageFormat::F16)?;
 //! let mut cfg = CoordinatorConfig::new(layout, 64);
 //! cfg.prefix = Some(PrefixConfig { seed: Some(1), ..PrefixConfig::default() });
-//! cfg.cold = Some(ColdConfig { format: StorageFormat::Int4 { group_size: 8 }, window: 8, sink: 0 });
+//! let int4 = StorageFormat::Int4 { group_size: 8 };
+//! cfg.cold = Some(ColdConfig { format: int4, value_format: int4, window: 8, sink: 0 });
 //! let mut c = Coordinator::new(cfg)?;
 //!
 //! let prompt: Vec<u32> = (0..20).collect();

@@ -21,6 +21,7 @@ fn layout() -> KvLayout {
 fn cold() -> ColdConfig {
     ColdConfig {
         format: StorageFormat::Int4 { group_size: 8 },
+        value_format: StorageFormat::Int4 { group_size: 8 },
         window: 8,
         sink: 4,
     }
