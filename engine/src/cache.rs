@@ -1,122 +1,100 @@
-//! KV storage: the paged cache over `kvforge-pool` blocks, and a contiguous
-//! cache kept only as a test oracle.
+//! KV storage: the paged cache (tensors for the coordinator's blocks), and
+//! a contiguous cache kept only as a test oracle.
 //!
-//! The paged cache owns one K and one V tensor per layer, shaped
-//! `[max_blocks * block_size, kv_heads, head_dim]`: slot `b * block_size + o`
-//! holds offset `o` of block index `b`. A [`Sequence`] is a block table; a
-//! forward step writes its new K/V at the slots of its positions
-//! (`index_copy_`) and reads every position back through the table
-//! (`index_select`).
+//! The paged cache owns one K and one V tensor per layer for the hot tier,
+//! shaped `[hot_blocks * block_size, kv_heads, head_dim]` (slot
+//! `b * block_size + o` holds offset `o` of hot block `b`), and the cold
+//! tier's quantized blocks. Everything else — which blocks a sequence
+//! holds, what goes cold, what is dropped, what is shared — is decided by
+//! the tensor-free [`Coordinator`]: each forward step asks it for a plan,
+//! carries the plan out with tensors, attends through an
+//! [`AttentionBackend`], and commits (or, when anything failed, aborts).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 
-use kvforge_pool::{BlockAllocator, BlockId, BlockPool, KvLayout, PoolConfig, StorageFormat};
+use kvforge_coordinator::{
+    ColdConfig, Coordinator, CoordinatorConfig, SeqId, TierStats, TieredPool,
+};
+use kvforge_pool::{BlockTable, KvLayout, StorageFormat};
+use kvforge_prefix::ExtraKeys;
 use kvforge_quant::BlockShape;
 use tch::{Device, Kind, Tensor};
 
+use crate::attention::{AttentionBackend, KvTensors, ReferenceBackend, StepView};
 use crate::model::LlamaConfig;
-use crate::tier::{ColdBlock, ColdTier, KvQuant};
+use crate::tier::{ColdTier, KvQuant};
 use crate::{EngineError, Result};
 
 /// Where one forward step reads and writes K/V. Implemented by the paged
 /// cache (through [`PagedSeq`]) and by [`ContiguousCache`] (the oracle).
 pub trait KvStore {
-    /// Positions already stored (the new tokens start here).
+    /// The position of the next token (dropped positions included).
     fn len(&self) -> usize;
     /// Whether nothing is stored yet.
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
-    /// Makes room for `n` more positions (and, with a cold tier, first moves
-    /// blocks that left the hot window); errors leave the stored positions
-    /// unchanged — at most some older blocks have gone cold.
+    /// Makes room for `n` more positions (the cache's policies may demote
+    /// or drop older entries first); on error nothing changed.
     fn prepare(&mut self, n: usize) -> Result<()>;
-    /// Stores `k`, `v` (`[n, kv_heads, head_dim]`) for the prepared positions
-    /// of `layer`; returns keys and values of all positions `[len + n, ..]`.
-    fn update(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)>;
+    /// Stores `k`, `v` (`[n, kv_heads, head_dim]`) of the prepared positions
+    /// for `layer`, and attends `q` (`[n, heads, head_dim]`, rotated) over
+    /// every position the sequence holds: returns `[n, heads, head_dim]`.
+    fn attend(&mut self, layer: usize, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor>;
     /// Marks the `n` prepared positions as stored.
-    fn commit(&mut self, n: usize);
+    fn commit(&mut self, n: usize) -> Result<()>;
 }
 
-/// A sequence's block table in a [`PagedKvCache`].
-///
-/// Blocks may hold fewer than `block_size` tokens: a block reused from the
-/// prefix cache that was sealed at a turn boundary, or the sequence's own
-/// last block. Only that last block, when `open`, receives new tokens; blocks
-/// shared with other sequences are never written.
-///
-/// With a cold tier, positions run `[sink blocks | cold | hot]`: the first
-/// `KvQuant::sink` tokens stay in hot blocks, then `cold.len()` quantized
-/// blocks, then the rest of the hot `blocks`.
-#[derive(Clone, Debug, Default)]
+/// A sequence of a [`PagedKvCache`]: a handle on its block table in the
+/// coordinator. Free it with [`PagedKvCache::free`].
+#[derive(Debug, Default)]
 pub struct Sequence {
-    /// Hot blocks in position order (sink blocks, then those after the
-    /// cold ones).
-    pub blocks: Vec<BlockId>,
-    /// Tokens held by each hot block.
-    pub lens: Vec<u32>,
-    /// Positions stored (cold and hot).
-    pub len: usize,
-    /// Whether the last block is this sequence's own and not full.
-    pub open: bool,
-    /// Quantized blocks that left the hot window, oldest first (full
-    /// blocks only).
-    pub cold: Vec<ColdBlock>,
+    id: Option<SeqId>,
+    len: usize,
 }
 
 impl Sequence {
-    /// A sequence that starts with `blocks` (already holding KV, e.g. a
-    /// prefix-cache hit) of the given lengths; new tokens go to new blocks.
-    pub fn from_blocks(blocks: impl IntoIterator<Item = (BlockId, u32)>) -> Self {
-        let (blocks, lens): (Vec<BlockId>, Vec<u32>) = blocks.into_iter().unzip();
-        let len = lens.iter().map(|&l| l as usize).sum();
-        Sequence {
-            blocks,
-            lens,
-            len,
-            open: false,
-            cold: Vec::new(),
-        }
+    /// The position of the next token.
+    pub fn len(&self) -> usize {
+        self.len
     }
 
-    /// Bytes held by the sequence's cold tier.
-    pub fn cold_bytes(&self) -> u64 {
-        self.cold.iter().map(ColdBlock::bytes).sum()
+    /// Whether it holds nothing.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
 
-    /// Stops writing into the last block: the next token starts a new one
-    /// (a turn boundary, so the partial block can be cached and reused).
-    pub fn seal(&mut self) {
-        self.open = false;
-    }
-
-    /// The slot of every position, in order.
-    fn slots(&self, block_size: usize) -> Vec<i64> {
-        let mut v = Vec::with_capacity(self.len);
-        for (b, &l) in self.blocks.iter().zip(&self.lens) {
-            let base = b.index() as usize * block_size;
-            v.extend((base..base + l as usize).map(|s| s as i64));
-        }
-        v
+    /// Its id in the coordinator, once it holds anything.
+    pub fn id(&self) -> Option<SeqId> {
+        self.id
     }
 }
 
-/// Paged KV storage for one model over a `kvforge-pool` [`BlockPool`].
+/// Paged KV storage for one model: hot tensors, cold blocks, and the
+/// coordinator that owns every block table.
 pub struct PagedKvCache {
-    pool: BlockPool,
-    reclaimed: std::sync::Mutex<Vec<BlockId>>,
+    coord: Mutex<Coordinator>,
+    hot_layout: KvLayout,
+    hot_blocks: usize,
     block_size: usize,
     shape: BlockShape,
     k: Vec<Tensor>,
     v: Vec<Tensor>,
     cold: Option<ColdTier>,
-    cold_bytes: AtomicU64,
+    backend: Box<dyn AttentionBackend>,
 }
 
+// SAFETY: the tensors are only read concurrently, or written at slots of
+// hot blocks that the coordinator handed to exactly one sequence for the
+// step (a block with other holders is never written): concurrent steps
+// touch disjoint memory, and libtorch's tensor handles count references
+// atomically. Everything else is behind a mutex or a lock.
+unsafe impl Sync for PagedKvCache {}
+
 impl PagedKvCache {
-    /// Storage for `max_tokens` tokens (rounded up to whole blocks) on
-    /// `device` in `kind`. Memory is reserved up front; the pool hands out
-    /// block ids.
+    /// Storage for `max_tokens` tokens of hot KV (rounded up to whole
+    /// blocks) on `device` in `kind`, with every cache mechanism off.
+    /// Memory is reserved up front; the coordinator hands out blocks.
     pub fn new(
         cfg: &LlamaConfig,
         block_size: usize,
@@ -155,7 +133,7 @@ impl PagedKvCache {
                 }
             }
         }
-        let pool = BlockPool::new(layout, PoolConfig::fixed(blocks))?;
+        let coord = Coordinator::new(CoordinatorConfig::new(layout, blocks))?;
         let slots = (blocks * block_size) as i64;
         let shape = [slots, cfg.n_kv_heads as i64, cfg.head_dim as i64];
         let zeros = || Tensor::f_zeros(shape, (kind, device));
@@ -166,8 +144,9 @@ impl PagedKvCache {
             .map(|_| zeros())
             .collect::<std::result::Result<Vec<_>, _>>()?;
         Ok(PagedKvCache {
-            pool,
-            reclaimed: Default::default(),
+            coord: Mutex::new(coord),
+            hot_layout: layout,
+            hot_blocks: blocks,
             block_size,
             shape: BlockShape {
                 tokens: block_size,
@@ -177,22 +156,67 @@ impl PagedKvCache {
             k,
             v,
             cold: None,
-            cold_bytes: AtomicU64::new(0),
+            backend: Box::new(ReferenceBackend),
         })
     }
 
-    /// Installs (or with `None` removes) the quantized cold tier. `spec` is
-    /// checked against the block shape (group sizes, rotation, window).
-    /// Errors, changing nothing, while any sequence holds blocks.
-    pub fn set_cold_tier(&mut self, spec: Option<KvQuant>) -> Result<()> {
-        let tier = spec.map(|s| ColdTier::new(s, self.shape)).transpose()?;
-        if self.pool.stats().in_use > 0 || self.cold_bytes() > 0 {
+    /// A configuration for this cache's hot tier with every mechanism off,
+    /// to fill in and pass to [`configure`](Self::configure).
+    pub fn base_config(&self) -> CoordinatorConfig {
+        CoordinatorConfig::new(self.hot_layout, self.hot_blocks)
+    }
+
+    /// The coordinator's configuration now.
+    pub fn config(&self) -> CoordinatorConfig {
+        self.coordinator().config().clone()
+    }
+
+    /// Rebuilds the coordinator from `cfg` (prefix reuse, eviction,
+    /// sharing, lifecycle, budget) and installs the cold tier `quant` (its
+    /// formats fill `cfg.cold`). Errors, changing nothing, while any
+    /// sequence lives or blocks are in use, or when `cfg` cannot work.
+    pub fn configure(&mut self, mut cfg: CoordinatorConfig, quant: Option<KvQuant>) -> Result<()> {
+        let tier = quant.map(|s| ColdTier::new(s, self.shape)).transpose()?;
+        cfg.layout = self.hot_layout;
+        cfg.hot_blocks = self.hot_blocks;
+        cfg.cold = match (&tier, quant) {
+            (Some(t), Some(q)) => {
+                let (format, value_format) = t.formats();
+                Some(ColdConfig {
+                    format,
+                    value_format,
+                    window: q.window,
+                    sink: q.sink,
+                })
+            }
+            _ => None,
+        };
+        let coord = Coordinator::new(cfg)?;
+        let busy = {
+            let c = self.coordinator();
+            c.sequences() > 0 || c.bytes_in_use() > 0
+        };
+        if busy {
             return Err(EngineError::Request(
-                "the cold tier cannot change while sequences hold KV".into(),
+                "the cache cannot be reconfigured while sequences hold KV".into(),
             ));
         }
+        *self.coord.get_mut().unwrap_or_else(|e| e.into_inner()) = coord;
         self.cold = tier;
         Ok(())
+    }
+
+    /// Installs (or with `None` removes) the quantized cold tier, keeping
+    /// the other settings. Errors, changing nothing, while any sequence
+    /// holds blocks.
+    pub fn set_cold_tier(&mut self, spec: Option<KvQuant>) -> Result<()> {
+        let cfg = self.config();
+        self.configure(cfg, spec)
+    }
+
+    /// Replaces the attention backend.
+    pub fn set_backend(&mut self, backend: Box<dyn AttentionBackend>) {
+        self.backend = backend;
     }
 
     /// The cold tier's configuration, if there is one.
@@ -200,36 +224,9 @@ impl PagedKvCache {
         self.cold.as_ref().map(ColdTier::spec)
     }
 
-    /// Bytes held by the cold tiers of this cache's sequences.
-    pub fn cold_bytes(&self) -> u64 {
-        self.cold_bytes.load(Ordering::Relaxed)
-    }
-
-    /// Moves the oldest hot blocks of `seq` that have left the hot window
-    /// into its cold tier and releases them. On error (a non-finite K/V
-    /// value) the failing block stays hot and the sequence stays valid.
-    fn demote(&self, seq: &mut Sequence) -> Result<()> {
-        let Some(tier) = &self.cold else {
-            return Ok(());
-        };
-        let bs = self.block_size;
-        // Hot blocks before the cold ones: the attention sinks.
-        let at = tier.sink_blocks();
-        while seq.cold.len() < tier.cold_blocks(seq.len) {
-            // Only full blocks go cold (a sealed partial block stays hot).
-            let full = |i: usize| seq.lens.get(i).is_some_and(|&l| l as usize == bs);
-            if !(0..=at).all(full) {
-                break;
-            }
-            let b = seq.blocks[at];
-            let block = tier.quantize(&self.k, &self.v, b.index() as usize * bs)?;
-            self.pool.release(b)?;
-            self.cold_bytes.fetch_add(block.bytes(), Ordering::Relaxed);
-            seq.blocks.remove(at);
-            seq.lens.remove(at);
-            seq.cold.push(block);
-        }
-        Ok(())
+    /// The coordinator, locked (block tables, pools, index, policies).
+    pub fn coordinator(&self) -> MutexGuard<'_, Coordinator> {
+        self.coord.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Tokens per block.
@@ -237,30 +234,113 @@ impl PagedKvCache {
         self.block_size
     }
 
-    /// The block pool (ids, counts, bytes).
-    pub fn pool(&self) -> &BlockPool {
-        &self.pool
+    /// Blocks the hot tier holds at most.
+    pub fn hot_blocks(&self) -> usize {
+        self.hot_blocks
     }
 
-    /// Hot-tier KV bytes held by sequences now (pool blocks in use).
+    /// Per-tier occupancy (hot first).
+    pub fn tier_stats(&self) -> Vec<TierStats> {
+        self.coordinator().tier_stats()
+    }
+
+    /// KV bytes held by blocks in use, all tiers, each block once.
     pub fn bytes_in_use(&self) -> u64 {
-        self.pool.stats().in_use_bytes
+        self.coordinator().bytes_in_use()
     }
 
-    /// Releases a sequence's blocks (tail first) and cold tier, and
-    /// empties it.
-    pub fn free(&self, seq: &mut Sequence) -> Result<()> {
-        self.pool.release_sequence(&seq.blocks)?;
-        self.cold_bytes
-            .fetch_sub(seq.cold_bytes(), Ordering::Relaxed);
-        *seq = Sequence::default();
+    /// `(hot, cold)` bytes in use.
+    pub fn tier_bytes(&self) -> (u64, u64) {
+        let s = self.tier_stats();
+        let hot = s.first().map_or(0, |t| t.pool.in_use_bytes);
+        let cold = s.get(1).map_or(0, |t| t.pool.in_use_bytes);
+        (hot, cold)
+    }
+
+    /// A copy of a sequence's block table (empty before its first step).
+    pub fn table(&self, seq: &Sequence) -> Result<BlockTable> {
+        match seq.id {
+            Some(id) => Ok(self.coordinator().table(id)?.clone()),
+            None => Ok(BlockTable::new(self.block_size as u32)?),
+        }
+    }
+
+    /// Opens a sequence for a prompt: with prefix reuse on, it starts with
+    /// the longest cached prefix of `tokens` (all but the last token).
+    pub fn open(&self, tokens: &[u32], extra: &ExtraKeys) -> Result<Sequence> {
+        let o = self.coordinator().open(tokens, extra)?;
+        Ok(Sequence {
+            id: Some(o.seq),
+            len: o.reused,
+        })
+    }
+
+    /// Registers the completed blocks of `seq`, which holds the KV of
+    /// `tokens`, in the prefix index (no-op with reuse off).
+    pub fn register(&self, seq: &Sequence, tokens: &[u32], extra: &ExtraKeys) -> Result<usize> {
+        match seq.id {
+            Some(id) => Ok(self.coordinator().register(id, tokens, extra)?),
+            None => Ok(0),
+        }
+    }
+
+    /// Starts a turn that [`rollback_turn`](Self::rollback_turn) can undo.
+    pub fn begin_turn(&self, seq: &mut Sequence) -> Result<()> {
+        let id = self.ensure(seq)?;
+        Ok(self.coordinator().begin_turn(id)?)
+    }
+
+    /// Ends a turn (the lifecycle policy may drop old segments).
+    pub fn end_turn(&self, seq: &mut Sequence) -> Result<()> {
+        if let Some(id) = seq.id {
+            let mut c = self.coordinator();
+            c.end_turn(id)?;
+            seq.len = c.table(id)?.positions() as usize;
+            self.free_cold(&mut c);
+        }
         Ok(())
     }
 
-    /// Old handles of cached blocks the pool reclaimed for this cache's
-    /// allocations since the last call (for the prefix index to forget).
-    pub fn take_reclaimed(&self) -> Vec<BlockId> {
-        std::mem::take(&mut *self.reclaimed.lock().unwrap_or_else(|e| e.into_inner()))
+    /// Restores `seq` to the start of its turn.
+    pub fn rollback_turn(&self, seq: &mut Sequence) -> Result<()> {
+        if let Some(id) = seq.id {
+            let mut c = self.coordinator();
+            c.rollback_turn(id)?;
+            seq.len = c.table(id)?.positions() as usize;
+            self.free_cold(&mut c);
+        }
+        Ok(())
+    }
+
+    /// Releases a sequence's blocks and empties it.
+    pub fn free(&self, seq: &mut Sequence) -> Result<()> {
+        if let Some(id) = seq.id.take() {
+            let mut c = self.coordinator();
+            let r = c.close(id);
+            self.free_cold(&mut c);
+            r?;
+        }
+        seq.len = 0;
+        Ok(())
+    }
+
+    fn ensure(&self, seq: &mut Sequence) -> Result<SeqId> {
+        Ok(*seq
+            .id
+            .get_or_insert_with(|| self.coordinator().open_empty()))
+    }
+
+    /// Drops the stored content of cold blocks that nobody holds or caches.
+    fn free_cold(&self, c: &mut Coordinator) {
+        let freed = c.take_freed_cold();
+        if let Some(t) = &self.cold {
+            t.free(freed.iter().map(|&b| TieredPool::slot_of(b) as usize));
+        }
+    }
+
+    /// Bytes of quantized blocks stored now (held, cached, or shared).
+    pub fn cold_stored_bytes(&self) -> u64 {
+        self.cold.as_ref().map_or(0, ColdTier::stored_bytes)
     }
 
     /// A [`KvStore`] view of `seq` for one forward step.
@@ -268,22 +348,75 @@ impl PagedKvCache {
         PagedSeq {
             cache: self,
             seq,
-            new_slots: None,
-            all_slots: None,
-            pending: None,
+            step: None,
         }
     }
+
+    fn tensors(&self) -> KvTensors<'_> {
+        KvTensors {
+            k: &self.k,
+            v: &self.v,
+            cold: self.cold.as_ref(),
+        }
+    }
+}
+
+struct Step {
+    id: SeqId,
+    new_slots: Tensor,
+    view: StepView,
+    mass: Option<Vec<f32>>,
 }
 
 /// One sequence of a [`PagedKvCache`] seen as a [`KvStore`].
 pub struct PagedSeq<'a> {
     cache: &'a PagedKvCache,
     seq: &'a mut Sequence,
-    new_slots: Option<Tensor>,
-    all_slots: Option<Tensor>,
-    /// Prepared, not committed: tokens going into the open block, the new
-    /// blocks, and how many tokens each new block receives.
-    pending: Option<(usize, Vec<BlockId>, Vec<u32>)>,
+    step: Option<Step>,
+}
+
+impl PagedSeq<'_> {
+    /// Carries out the plan's demotions (quantize, offer for sharing) and
+    /// resolves the step's view. The caller aborts on error.
+    fn execute(&self, id: SeqId, plan: &kvforge_coordinator::Plan, n: usize) -> Result<Step> {
+        let c = self.cache;
+        let bs = c.block_size;
+        for d in plan.demotions.iter().filter(|d| d.quantize) {
+            let tier = c
+                .cold
+                .as_ref()
+                .ok_or_else(|| EngineError::Torch("a demotion without a cold tier".into()))?;
+            let base = TieredPool::slot_of(d.hot) as usize * bs;
+            let block = Arc::new(tier.quantize(&c.k, &c.v, base)?);
+            tier.put(TieredPool::slot_of(d.cold) as usize, Arc::clone(&block));
+            let content = block.content();
+            c.coordinator().share(id, d.cold, &content, &mut |other| {
+                tier.get(TieredPool::slot_of(other) as usize)
+                    .is_some_and(|o| *o == *block)
+            })?;
+        }
+        let mut new = Vec::with_capacity(n);
+        for w in &plan.writes {
+            let base = TieredPool::slot_of(w.block) as i64 * bs as i64 + i64::from(w.offset);
+            new.extend(base..base + i64::from(w.tokens));
+        }
+        let device = c.k[0].device();
+        let (view, mass) = {
+            let coord = c.coordinator();
+            let table = coord.view(id)?;
+            let view = StepView::new(table, n, bs, c.cold.as_ref(), device)?;
+            let mass = coord
+                .wants_attention()
+                .then(|| vec![0f32; table.entries().len()]);
+            (view, mass)
+        };
+        Ok(Step {
+            id,
+            new_slots: Tensor::f_from_slice(&new)?.f_to_device(device)?,
+            view,
+            mass,
+        })
+    }
 }
 
 impl KvStore for PagedSeq<'_> {
@@ -292,114 +425,81 @@ impl KvStore for PagedSeq<'_> {
     }
 
     fn prepare(&mut self, n: usize) -> Result<()> {
-        let c = self.cache;
-        let bs = c.block_size;
-        c.demote(self.seq)?;
-        let seq = &*self.seq;
-        let used = seq.lens.last().copied().unwrap_or(0) as usize;
-        let room = if seq.open { bs - used } else { 0 };
-        let need = n.saturating_sub(room).div_ceil(bs);
-        let fresh = if need > 0 {
-            let got = c.pool.allocate(need).ok_or_else(|| {
-                let s = c.pool.stats();
-                EngineError::CacheFull(format!(
-                    "{need} more blocks of {bs} tokens needed, {} of {} free",
-                    s.free(),
-                    s.capacity
-                ))
-            })?;
-            if !got.reclaimed.is_empty() {
-                c.reclaimed
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .extend(got.reclaimed);
+        if self.step.is_some() {
+            return Err(EngineError::Request("KvStore::prepare twice".into()));
+        }
+        let id = self.cache.ensure(self.seq)?;
+        let plan = self.cache.coordinator().plan(id, n)?;
+        match self.execute(id, &plan, n) {
+            Ok(step) => {
+                self.step = Some(step);
+                Ok(())
             }
-            got.blocks
-        } else {
-            Vec::new()
-        };
-        // New positions: the rest of the open block, then the new blocks.
-        let mut new = Vec::with_capacity(n);
-        let in_open = n.min(room);
-        if in_open > 0 {
-            let b = seq.blocks[seq.blocks.len() - 1];
-            let base = b.index() as usize * bs + used;
-            new.extend((base..base + in_open).map(|s| s as i64));
+            Err(e) => {
+                let mut c = self.cache.coordinator();
+                c.abort(id)?;
+                self.cache.free_cold(&mut c);
+                Err(e)
+            }
         }
-        let mut left = n - in_open;
-        let mut extent = Vec::with_capacity(fresh.len());
-        for b in &fresh {
-            let take = left.min(bs);
-            let base = b.index() as usize * bs;
-            new.extend((base..base + take).map(|s| s as i64));
-            extent.push(take as u32);
-            left -= take;
-        }
-        let mut all = seq.slots(bs);
-        all.extend_from_slice(&new);
-        let device = c.k[0].device();
-        self.new_slots = Some(Tensor::f_from_slice(&new)?.f_to_device(device)?);
-        self.all_slots = Some(Tensor::f_from_slice(&all)?.f_to_device(device)?);
-        self.pending = Some((in_open, fresh, extent));
-        Ok(())
     }
 
-    fn update(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
-        let (Some(new), Some(all)) = (&self.new_slots, &self.all_slots) else {
+    fn attend(&mut self, layer: usize, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        let c = self.cache;
+        let Some(step) = self.step.as_mut() else {
             return Err(EngineError::Request(
-                "KvStore::update before prepare".into(),
+                "KvStore::attend before prepare".into(),
             ));
         };
-        let mut ks = self.cache.k[layer].shallow_clone();
-        let mut vs = self.cache.v[layer].shallow_clone();
-        let _ = ks.f_index_copy_(0, new, &k.f_to_kind(ks.kind())?)?;
-        let _ = vs.f_index_copy_(0, new, &v.f_to_kind(vs.kind())?)?;
-        match &self.cache.cold {
-            Some(tier) if !self.seq.cold.is_empty() => Ok((
-                tier.assemble(&self.seq.cold, layer, false, &ks, all)?,
-                tier.assemble(&self.seq.cold, layer, true, &vs, all)?,
-            )),
-            _ => Ok((ks.f_index_select(0, all)?, vs.f_index_select(0, all)?)),
+        let mut ks = c.k[layer].shallow_clone();
+        let mut vs = c.v[layer].shallow_clone();
+        let _ = ks.f_index_copy_(0, &step.new_slots, &k.f_to_kind(ks.kind())?)?;
+        let _ = vs.f_index_copy_(0, &step.new_slots, &v.f_to_kind(vs.kind())?)?;
+        let want = step.mass.is_some();
+        let a = c.backend.attend(layer, q, &step.view, &c.tensors(), want)?;
+        if let (Some(acc), Some(m)) = (step.mass.as_mut(), a.mass) {
+            acc.iter_mut().zip(m).for_each(|(x, y)| *x += y);
         }
+        Ok(a.out)
     }
 
-    fn commit(&mut self, n: usize) {
-        let seq = &mut *self.seq;
-        if let Some((in_open, fresh, extent)) = self.pending.take() {
-            if in_open > 0 {
-                if let Some(last) = seq.lens.last_mut() {
-                    *last += in_open as u32;
-                }
-            }
-            seq.blocks.extend(fresh);
-            seq.lens.extend(extent);
-            let bs = self.cache.block_size;
-            // Still open if it was and is not full, or a new block is partial.
-            seq.open = seq.lens.last().is_some_and(|&l| (l as usize) < bs)
-                && (in_open == n && seq.open || in_open < n);
+    fn commit(&mut self, n: usize) -> Result<()> {
+        let Some(step) = self.step.take() else {
+            return Err(EngineError::Request(
+                "KvStore::commit before prepare".into(),
+            ));
+        };
+        let mut c = self.cache.coordinator();
+        if let Some(m) = &step.mass {
+            c.observe(step.id, m)?;
         }
-        seq.len += n;
-        self.new_slots = None;
-        self.all_slots = None;
+        c.commit(step.id)?;
+        self.cache.free_cold(&mut c);
+        self.seq.len = step.view.start() + n;
+        Ok(())
     }
 }
 
 impl Drop for PagedSeq<'_> {
-    /// A step prepared but not committed (the forward failed) gives its new
-    /// blocks back: the sequence is as it was.
+    /// A step prepared but not committed (the forward failed) is aborted:
+    /// the sequence, the pools and the index are as they were.
     fn drop(&mut self) {
-        if let Some((_, fresh, _)) = self.pending.take() {
-            let _ = self.cache.pool.release_sequence(&fresh);
+        if let Some(step) = self.step.take() {
+            let mut c = self.cache.coordinator();
+            let _ = c.abort(step.id);
+            self.cache.free_cold(&mut c);
         }
     }
 }
 
-/// Contiguous per-layer K/V, grown by concatenation. A test oracle only.
+/// Contiguous per-layer K/V, grown by concatenation, dense causal
+/// attention. A test oracle only.
 #[derive(Default)]
 pub struct ContiguousCache {
     k: Vec<Option<Tensor>>,
     v: Vec<Option<Tensor>>,
     len: usize,
+    n: usize,
 }
 
 impl ContiguousCache {
@@ -409,6 +509,7 @@ impl ContiguousCache {
             k: (0..layers).map(|_| None).collect(),
             v: (0..layers).map(|_| None).collect(),
             len: 0,
+            n: 0,
         }
     }
 }
@@ -417,10 +518,11 @@ impl KvStore for ContiguousCache {
     fn len(&self) -> usize {
         self.len
     }
-    fn prepare(&mut self, _n: usize) -> Result<()> {
+    fn prepare(&mut self, n: usize) -> Result<()> {
+        self.n = n;
         Ok(())
     }
-    fn update(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+    fn attend(&mut self, layer: usize, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         let cat = |old: &Option<Tensor>, new: &Tensor| -> Result<Tensor> {
             Ok(match old {
                 Some(o) => Tensor::f_cat(&[o, new], 0)?,
@@ -431,10 +533,34 @@ impl KvStore for ContiguousCache {
         let v_all = cat(&self.v[layer], v)?;
         self.k[layer] = Some(k_all.shallow_clone());
         self.v[layer] = Some(v_all.shallow_clone());
-        Ok((k_all, v_all))
+        let (n, total) = (self.n as i64, (self.len + self.n) as i64);
+        let dev = q.device();
+        let mask = if n > 1 && total > n {
+            let qp = Tensor::f_arange_start(total - n, total, (Kind::Int64, dev))?;
+            let kp = Tensor::f_arange(total, (Kind::Int64, dev))?;
+            Some(kp.f_unsqueeze(0)?.f_le_tensor(&qp.f_unsqueeze(1)?)?)
+        } else {
+            None
+        };
+        let prep = |t: &Tensor| -> Result<Tensor> {
+            Ok(t.f_to_kind(q.kind())?.f_transpose(0, 1)?.f_unsqueeze(0)?)
+        };
+        let (h, hkv) = (q.size()[1], k.size()[1]);
+        let out = Tensor::f_scaled_dot_product_attention(
+            &prep(q)?,
+            &prep(&k_all)?,
+            &prep(&v_all)?,
+            mask.as_ref(),
+            0.0,
+            n > 1 && total == n,
+            None::<f64>,
+            h != hkv,
+        )?;
+        Ok(out.f_squeeze_dim(0)?.f_transpose(0, 1)?)
     }
-    fn commit(&mut self, n: usize) {
+    fn commit(&mut self, n: usize) -> Result<()> {
         self.len += n;
+        Ok(())
     }
 }
 

@@ -37,6 +37,22 @@ pub enum EngineError {
     /// A bad quantization setting, or K/V that cannot be quantized.
     #[error(transparent)]
     Quant(#[from] kvforge_quant::QuantError),
+    /// A cache configuration or a coordinator call that cannot work.
+    #[error(transparent)]
+    Cache(kvforge_coordinator::CoordError),
+}
+
+impl From<kvforge_coordinator::CoordError> for EngineError {
+    fn from(e: kvforge_coordinator::CoordError) -> Self {
+        use kvforge_coordinator::CoordError as C;
+        match e {
+            C::CacheFull(s) => EngineError::CacheFull(s),
+            C::Pool(e) => EngineError::Pool(e),
+            C::Prefix(e) => EngineError::Prefix(e),
+            C::Quant(e) => EngineError::Quant(e),
+            other => EngineError::Cache(other),
+        }
+    }
 }
 
 impl EngineError {
@@ -54,6 +70,7 @@ impl EngineError {
             EngineError::Pool(e) => e.to_string(),
             EngineError::Prefix(e) => e.to_string(),
             EngineError::Quant(e) => e.to_string(),
+            EngineError::Cache(e) => e.to_string(),
         }
     }
 }

@@ -175,11 +175,11 @@ impl Engine {
             return Err(EngineError::Request("empty prompt".into()));
         }
         let ctx = self.model.cfg.max_ctx;
-        if seq.len + prompt.len() >= ctx {
+        if seq.len() + prompt.len() >= ctx {
             return Err(EngineError::Request(format!(
                 "prompt of {} tokens (after {} cached) leaves no room in the {ctx}-token context",
                 prompt.len(),
-                seq.len
+                seq.len()
             )));
         }
         let mut out = Generation {
@@ -216,7 +216,7 @@ impl Engine {
                 out.stopped_at_eos = true;
                 break;
             }
-            if !go_on || out.tokens.len() >= params.max_tokens || seq.len + 1 >= ctx {
+            if !go_on || out.tokens.len() >= params.max_tokens || seq.len() + 1 >= ctx {
                 break;
             }
             logits = self

@@ -8,10 +8,14 @@
 //! * [`tokenizer`]: GPT-2 byte-level BPE from GGUF metadata or
 //!   `tokenizer.json`; the ChatML template.
 //! * [`model`]: [`Llama`] — weights and the forward pass over a [`KvStore`].
-//! * [`cache`]: [`PagedKvCache`] (block tables over pool blocks; the engine
-//!   owns one K and one V tensor per layer) and [`ContiguousCache`], a test
-//!   oracle. Optionally a quantized cold tier ([`KvQuant`]): blocks older
-//!   than the hot window are quantized with `kvforge-quant` and released.
+//! * [`cache`]: [`PagedKvCache`] — the tensors behind the blocks of the
+//!   tensor-free [`Coordinator`] (`kvforge-coordinator`, which owns the
+//!   block tables, tiered pools, prefix index and policies): each forward
+//!   step plans, carries the plan out (writes, quantization into the cold
+//!   tier, [`KvQuant`]), attends, and commits or aborts. Also
+//!   [`ContiguousCache`], a test oracle.
+//! * [`attention`]: the [`AttentionBackend`] seam and its
+//!   [`ReferenceBackend`] (gather + SDPA over a [`StepView`]).
 //! * [`generate`]: seeded sampling and the generation loop.
 //! * [`ppl`]: window and streaming perplexity over the cache.
 //! * [`manager`]: [`CacheManager`] — prefix reuse across turns, requests and
@@ -28,6 +32,7 @@
 
 #![deny(missing_docs)]
 
+pub mod attention;
 pub mod cache;
 mod error;
 pub mod generate;
@@ -40,9 +45,13 @@ pub mod tokenizer;
 
 use std::path::Path;
 
+pub use attention::{Attended, AttentionBackend, KvTensors, ReferenceBackend, StepView};
 pub use cache::{ContiguousCache, KvStore, PagedKvCache, Sequence};
 pub use error::{EngineError, Result};
 pub use generate::{Generation, Sampler, SamplingParams};
+pub use kvforge_coordinator::{
+    Coordinator, CoordinatorConfig, DedupConfig, EvictionConfig, LifecycleConfig,
+};
 pub use kvforge_quant::Axis;
 pub use manager::{CacheManager, IndexKind, ReuseConfig, SessionId, TurnReport};
 pub use model::{Llama, LlamaConfig};
@@ -123,6 +132,14 @@ pub struct EngineConfig {
     pub kv_tokens: usize,
     /// A quantized cold tier for tokens older than its window.
     pub kv_quant: Option<KvQuant>,
+    /// Eviction (StreamingLLM's sink plus recent window).
+    pub eviction: Option<EvictionConfig>,
+    /// Sharing of identical cold blocks (needs `kv_quant`).
+    pub dedup: Option<DedupConfig>,
+    /// Dropping old turns at turn ends.
+    pub lifecycle: Option<LifecycleConfig>,
+    /// Bytes all KV tiers may hold in use (0 = the hot tier's capacity).
+    pub kv_budget: u64,
 }
 
 impl Default for EngineConfig {
@@ -135,6 +152,10 @@ impl Default for EngineConfig {
             block_size: 16,
             kv_tokens: 0,
             kv_quant: None,
+            eviction: None,
+            dedup: None,
+            lifecycle: None,
+            kv_budget: 0,
         }
     }
 }
@@ -169,7 +190,12 @@ impl Engine {
         };
         let kv_kind = cfg.kv_kind.unwrap_or(model.kind());
         let mut cache = PagedKvCache::new(&model.cfg, cfg.block_size, kv, model.device(), kv_kind)?;
-        cache.set_cold_tier(cfg.kv_quant)?;
+        let mut c = cache.base_config();
+        c.eviction = cfg.eviction;
+        c.dedup = cfg.dedup;
+        c.lifecycle = cfg.lifecycle;
+        c.budget_bytes = cfg.kv_budget;
+        cache.configure(c, cfg.kv_quant)?;
         Ok(Engine {
             model,
             tokenizer,

@@ -1,9 +1,12 @@
 //! The cache manager: prefix reuse across turns, requests and sessions.
 //!
-//! Every request asks the [`PrefixMatcher`] for its longest verified cached
-//! prefix, takes a reference on those blocks ([`acquire_prefix`]), prefills
-//! only the rest, and registers its completed blocks afterwards, so a system
-//! prompt shared by many requests is computed once. Two request shapes:
+//! Every request opens a sequence in the cache's coordinator, which starts
+//! it with the longest verified cached prefix (hot or quantized blocks,
+//! with a reference on each); the request prefills only the rest and
+//! registers its completed blocks afterwards, so a system prompt shared by
+//! many requests is computed once. Whatever else the cache is configured
+//! with (a quantized cold tier, eviction, sharing, lifecycle) runs inside
+//! the coordinator's steps, together with reuse. Two request shapes:
 //!
 //! * **stateless** ([`CacheManager::complete`]): the client sends the whole
 //!   history every turn, as OpenAI-style APIs do;
@@ -15,49 +18,29 @@
 //! With `seal_turns`, the partial last block of each turn is sealed and
 //! cached, so the next turn reuses every token computed before.
 //!
-//! All state sits behind one mutex: requests from many threads are served
-//! one step at a time (the CPU forward pass is the bottleneck anyway), and a
-//! failed request leaves the pool and the index as they were. So does a
-//! request that panics (in the model, or in the caller's `on_token`): its
-//! blocks are given back (a session is rolled back to before the turn)
-//! before the panic continues, so the state behind the lock stays whole.
+//! No lock is held across a generation: the coordinator is locked for the
+//! plan and the commit of each step, so requests and sessions of many
+//! threads generate at the same time. A session is busy while one of its
+//! turns runs. A failed request leaves the pools and the index as they
+//! were; a failed session turn is rolled back exactly (demotions and drops
+//! included). So does a request that panics (in the model, or in the
+//! caller's `on_token`): its blocks are given back (a session is rolled
+//! back to before the turn) before the panic continues.
 
 use std::any::Any;
 use std::collections::BTreeMap;
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use kvforge_pool::BlockAllocator;
-use kvforge_prefix::{
-    BlockRef, ExtraKeys, HashChainIndex, PrefixMatcher, RadixIndex, Xxh3Hasher, acquire_prefix,
-};
+pub use kvforge_coordinator::IndexKind;
+use kvforge_coordinator::PrefixConfig;
+use kvforge_prefix::ExtraKeys;
 
 use crate::cache::Sequence;
 use crate::generate::{Generation, SamplingParams};
 use crate::{Engine, EngineError, Result};
-
-/// Which prefix index to use.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum IndexKind {
-    /// [`HashChainIndex`]: chained xxh3-128 keys in a flat map.
-    HashChain,
-    /// [`RadixIndex`]: a radix tree over blocks.
-    Radix,
-}
-
-impl std::str::FromStr for IndexKind {
-    type Err = EngineError;
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "hash-chain" | "chain" => Ok(IndexKind::HashChain),
-            "radix" => Ok(IndexKind::Radix),
-            _ => Err(EngineError::Request(format!(
-                "unknown index {s:?}; use hash-chain or radix"
-            ))),
-        }
-    }
-}
 
 /// How the manager reuses KV.
 #[derive(Clone, Debug)]
@@ -117,62 +100,53 @@ struct Totals {
     last: Option<TurnReport>,
 }
 
-struct Inner {
-    engine: Engine,
-    index: Box<dyn PrefixMatcher>,
-    sessions: BTreeMap<u64, Session>,
-    next_session: u64,
-    totals: Totals,
-}
-
-/// An [`Engine`] with a prefix index, sessions and metrics.
+/// An [`Engine`] with prefix reuse, sessions and metrics.
 pub struct CacheManager {
     cfg: ReuseConfig,
-    inner: Mutex<Inner>,
+    engine: Engine,
+    /// `None` while a turn of the session runs.
+    sessions: Mutex<BTreeMap<SessionId, Option<Session>>>,
+    next_session: AtomicU64,
+    totals: Mutex<Totals>,
 }
 
 /// A session handle.
 pub type SessionId = u64;
 
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 impl CacheManager {
-    /// Wraps `engine`; the index uses the engine cache's block size. An
-    /// engine with a quantized cold tier is refused: cold blocks cannot be
-    /// shared through the index, and a failed session turn could not undo a
-    /// demotion (its rollback restores the block table).
-    pub fn new(engine: Engine, cfg: ReuseConfig) -> Result<Self> {
-        if engine.cache.cold_tier().is_some() {
-            return Err(EngineError::Request(
-                "the cache manager (chat sessions, prefix reuse) does not support a quantized cold tier yet: cold blocks are not shareable and a failed turn cannot undo a demotion".into(),
-            ));
-        }
-        let bs = engine.cache.block_size();
-        let hasher = cfg
-            .seed
-            .map_or_else(Xxh3Hasher::random, Xxh3Hasher::with_seed);
-        let index: Box<dyn PrefixMatcher> = match cfg.index {
-            IndexKind::HashChain => Box::new(HashChainIndex::with_hasher(bs, hasher)?),
-            IndexKind::Radix => Box::new(RadixIndex::new(bs)?),
-        };
-        let inner = Inner {
-            engine,
-            index,
-            sessions: BTreeMap::new(),
-            next_session: 1,
-            totals: Totals::default(),
-        };
+    /// Wraps `engine`, turning prefix reuse on (or off) in its cache on top
+    /// of whatever else the cache is configured with (cold tier, eviction,
+    /// sharing, lifecycle).
+    pub fn new(mut engine: Engine, cfg: ReuseConfig) -> Result<Self> {
+        let mut c = engine.cache.config();
+        c.prefix = cfg.enabled.then(|| PrefixConfig {
+            index: cfg.index,
+            seed: cfg.seed,
+            seal_turns: cfg.seal_turns,
+        });
+        let quant = engine.cache.cold_tier();
+        engine.cache.configure(c, quant)?;
         Ok(CacheManager {
             cfg,
-            inner: Mutex::new(inner),
+            engine,
+            sessions: Mutex::new(BTreeMap::new()),
+            next_session: AtomicU64::new(1),
+            totals: Mutex::new(Totals::default()),
         })
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    /// Runs `f` with the engine (tokenizer, model, cache).
+    pub fn with_engine<T>(&self, f: impl FnOnce(&Engine) -> T) -> T {
+        f(&self.engine)
     }
 
-    /// Runs `f` with the engine (tokenizer, model, cache) under the lock.
-    pub fn with_engine<T>(&self, f: impl FnOnce(&Engine) -> T) -> T {
-        f(&self.lock().engine)
+    /// The engine.
+    pub fn engine(&self) -> &Engine {
+        &self.engine
     }
 
     /// Stateless request: `tokens` is the whole conversation so far.
@@ -184,51 +158,41 @@ impl CacheManager {
         on_token: &mut dyn FnMut(u32, &str) -> bool,
     ) -> Result<TurnReport> {
         let start = Instant::now();
-        let mut guard = self.lock();
-        let inner = &mut *guard;
-        check_request(&inner.engine, 0, tokens, params)?;
+        let engine = &self.engine;
+        check_request(engine, 0, tokens, params)?;
         let extra = ExtraKeys::namespace(namespace);
-        let mut seq = self.acquire(inner, tokens, &extra)?;
-        let reused = seq.len;
-        let timed = generate_timed(
-            &inner.engine,
-            &mut seq,
-            &tokens[reused..],
-            params,
-            on_token,
-            start,
-        );
+        let mut seq = engine.cache.open(tokens, &extra)?;
+        let reused = seq.len();
+        let timed = generate_timed(engine, &mut seq, &tokens[reused..], params, on_token, start);
         let (generation, ttft) = match timed {
             Timed::Done(g, ttft) => (g, ttft),
             Timed::Failed(e) => {
-                inner.engine.cache.free(&mut seq)?;
+                engine.cache.free(&mut seq)?;
                 return Err(e);
             }
             Timed::Panicked(payload) => {
-                inner.engine.cache.free(&mut seq)?;
-                drop(guard);
+                engine.cache.free(&mut seq)?;
                 resume_unwind(payload);
             }
         };
         let mut held = tokens.to_vec();
         held.extend(&generation.tokens[..generation.tokens.len().saturating_sub(1)]);
-        self.register(inner, &mut seq, &held, &extra)?;
-        inner.engine.cache.free(&mut seq)?;
-        Ok(self.account(inner, tokens.len(), reused, ttft, generation))
+        let registered = engine.cache.register(&seq, &held, &extra);
+        engine.cache.free(&mut seq)?;
+        registered?;
+        Ok(self.account(tokens.len(), reused, ttft, generation))
     }
 
     /// Opens a session in `namespace`.
     pub fn open_session(&self, namespace: &str) -> SessionId {
-        let mut inner = self.lock();
-        let id = inner.next_session;
-        inner.next_session += 1;
+        let id = self.next_session.fetch_add(1, Ordering::Relaxed);
         let s = Session {
             extra: ExtraKeys::namespace(namespace),
             seq: Sequence::default(),
             tokens: Vec::new(),
             pending: Vec::new(),
         };
-        inner.sessions.insert(id, s);
+        lock(&self.sessions).insert(id, Some(s));
         id
     }
 
@@ -242,76 +206,106 @@ impl CacheManager {
         on_token: &mut dyn FnMut(u32, &str) -> bool,
     ) -> Result<TurnReport> {
         let start = Instant::now();
-        let mut guard = self.lock();
-        let inner = &mut *guard;
-        let mut s = take_session(inner, id)?;
-        let mut input = s.pending.clone();
-        input.extend_from_slice(new_tokens);
+        let mut s = self.take_session(id)?;
         let mut panicked = None;
-        let out = (|| {
-            if new_tokens.is_empty() {
-                return Err(EngineError::Request("empty prompt".into()));
-            }
-            check_request(&inner.engine, s.seq.len, &input, params)?;
-            let first_turn = s.seq.len == 0;
-            if first_turn {
-                s.seq = self.acquire(inner, &input, &s.extra)?;
-            }
-            let before = s.seq.clone();
-            let skip = s.seq.len - s.tokens.len();
-            let timed = generate_timed(
-                &inner.engine,
-                &mut s.seq,
-                &input[skip..],
-                params,
-                on_token,
-                start,
-            );
-            let (generation, ttft) = match timed {
-                Timed::Done(g, ttft) => (g, ttft),
-                Timed::Failed(e) => {
-                    rollback(&inner.engine, &mut s.seq, &before, first_turn)?;
-                    return Err(e);
-                }
-                Timed::Panicked(payload) => {
-                    rollback(&inner.engine, &mut s.seq, &before, first_turn)?;
-                    panicked = Some(payload);
-                    return Err(EngineError::Request("the turn panicked".into()));
-                }
-            };
-            let reused = skip.min(input.len());
-            let prompt_len = s.tokens.len() + input.len();
-            s.tokens.extend(&input);
-            let (last, rest) = generation.tokens.split_last().unwrap_or((&0, &[]));
-            s.tokens.extend(rest);
-            s.pending = vec![*last];
-            let extra = s.extra.clone();
-            self.register(inner, &mut s.seq, &s.tokens, &extra)?;
-            let prior = prompt_len - input.len();
-            Ok(self.account(inner, prompt_len, prior + reused, ttft, generation))
-        })();
-        inner.sessions.insert(id, s);
+        let out = self.run_turn(&mut s, new_tokens, params, on_token, start, &mut panicked);
+        lock(&self.sessions).insert(id, Some(s));
         if let Some(payload) = panicked {
-            drop(guard);
             resume_unwind(payload);
         }
         out
     }
 
-    /// Ends a session and releases its blocks (cached ones stay reusable).
-    pub fn close_session(&self, id: SessionId) -> Result<()> {
-        let mut inner = self.lock();
-        let mut s = take_session(&mut inner, id)?;
-        inner.engine.cache.free(&mut s.seq)
+    fn run_turn(
+        &self,
+        s: &mut Session,
+        new_tokens: &[u32],
+        params: &SamplingParams,
+        on_token: &mut dyn FnMut(u32, &str) -> bool,
+        start: Instant,
+        panicked: &mut Option<Box<dyn Any + Send>>,
+    ) -> Result<TurnReport> {
+        let engine = &self.engine;
+        if new_tokens.is_empty() {
+            return Err(EngineError::Request("empty prompt".into()));
+        }
+        let mut input = s.pending.clone();
+        input.extend_from_slice(new_tokens);
+        check_request(engine, s.seq.len(), &input, params)?;
+        let first_turn = s.tokens.is_empty();
+        if first_turn {
+            s.seq = engine.cache.open(&input, &s.extra)?;
+        }
+        if let Err(e) = engine.cache.begin_turn(&mut s.seq) {
+            if first_turn {
+                engine.cache.free(&mut s.seq)?;
+            }
+            return Err(e);
+        }
+        let skip = s.seq.len() - s.tokens.len();
+        let timed = generate_timed(engine, &mut s.seq, &input[skip..], params, on_token, start);
+        let undo = |s: &mut Session| -> Result<()> {
+            engine.cache.rollback_turn(&mut s.seq)?;
+            if first_turn {
+                engine.cache.free(&mut s.seq)?;
+            }
+            Ok(())
+        };
+        let (generation, ttft) = match timed {
+            Timed::Done(g, ttft) => (g, ttft),
+            Timed::Failed(e) => {
+                undo(s)?;
+                return Err(e);
+            }
+            Timed::Panicked(payload) => {
+                undo(s)?;
+                *panicked = Some(payload);
+                return Err(EngineError::Request("the turn panicked".into()));
+            }
+        };
+        let reused = skip.min(input.len());
+        let prompt_len = s.tokens.len() + input.len();
+        s.tokens.extend(&input);
+        let (last, rest) = generation.tokens.split_last().unwrap_or((&0, &[]));
+        s.tokens.extend(rest);
+        s.pending = vec![*last];
+        engine.cache.register(&s.seq, &s.tokens, &s.extra)?;
+        engine.cache.end_turn(&mut s.seq)?;
+        let prior = prompt_len - input.len();
+        Ok(self.account(prompt_len, prior + reused, ttft, generation))
     }
 
-    /// Metrics as JSON: requests, reuse, pool occupancy and bytes, index
-    /// counters, and the last turn.
+    /// Ends a session and releases its blocks (cached ones stay reusable).
+    pub fn close_session(&self, id: SessionId) -> Result<()> {
+        let mut s = self.take_session(id)?;
+        lock(&self.sessions).remove(&id);
+        self.engine.cache.free(&mut s.seq)
+    }
+
+    fn take_session(&self, id: SessionId) -> Result<Session> {
+        let mut map = lock(&self.sessions);
+        match map.get_mut(&id) {
+            None => Err(EngineError::Request(format!("session {id} does not exist"))),
+            Some(slot) => slot.take().ok_or_else(|| {
+                EngineError::Request(format!("session {id} is busy with another turn"))
+            }),
+        }
+    }
+
+    /// Metrics as JSON: requests, reuse, per-tier occupancy and bytes,
+    /// index and sharing counters, and the last turn.
     pub fn metrics(&self) -> serde_json::Value {
-        let inner = self.lock();
-        let p = inner.engine.cache.pool().stats();
-        let i = inner.index.stats();
-        let t = &inner.totals;
+        let (tiers, index, share, budget, bytes) = {
+            let c = self.engine.cache.coordinator();
+            (
+                c.tier_stats(),
+                c.index_stats(),
+                c.share_stats(),
+                c.budget(),
+                c.bytes_in_use(),
+            )
+        };
+        let t = lock(&self.totals);
         let last = t.last.as_ref().map(|r| {
             serde_json::json!({
                 "prompt_tokens": r.prompt_tokens,
@@ -323,109 +317,80 @@ impl CacheManager {
                 "kv_bytes_in_use": r.kv_bytes_in_use,
             })
         });
+        let hot = tiers.first().map(|t| t.pool).unwrap_or_default();
+        let tier_json: Vec<serde_json::Value> = tiers
+            .iter()
+            .map(|t| {
+                serde_json::json!({
+                    "tier": t.name,
+                    "block_bytes": t.pool.block_bytes,
+                    "capacity_blocks": t.pool.capacity,
+                    "max_blocks": t.pool.max_blocks,
+                    "blocks_in_use": t.pool.in_use,
+                    "cached_free_blocks": t.pool.cached_free,
+                    "bytes_in_use": t.pool.in_use_bytes,
+                })
+            })
+            .collect();
+        let index = index.unwrap_or_default();
         serde_json::json!({
             "requests": t.requests,
             "prompt_tokens": t.prompt_tokens,
             "reused_tokens": t.reused_tokens,
             "reuse_rate": t.reused_tokens as f64 / t.prompt_tokens.max(1) as f64,
-            "sessions_open": inner.sessions.len(),
+            "sessions_open": lock(&self.sessions).len(),
+            "kv_bytes_in_use": bytes,
+            "kv_budget_bytes": budget,
             "pool": {
-                "block_size": inner.engine.cache.block_size(),
-                "capacity_blocks": p.capacity,
-                "blocks_in_use": p.in_use,
-                "cached_free_blocks": p.cached_free,
-                "kv_bytes_in_use": p.in_use_bytes,
-                "kv_bytes_capacity": p.capacity_bytes,
+                "block_size": self.engine.cache.block_size(),
+                "capacity_blocks": hot.capacity,
+                "blocks_in_use": hot.in_use,
+                "cached_free_blocks": hot.cached_free,
+                "kv_bytes_in_use": hot.in_use_bytes,
+                "kv_bytes_capacity": hot.capacity_bytes,
             },
+            "tiers": tier_json,
             "index": {
                 "kind": format!("{:?}", self.cfg.index),
-                "queries": i.queries,
-                "query_tokens": i.query_tokens,
-                "hit_tokens": i.hit_tokens,
-                "hit_rate": i.hit_rate(),
-                "cached_blocks": i.cached_blocks,
-                "namespaces": i.namespaces,
-                "inserted_blocks": i.inserted_blocks,
-                "duplicate_blocks": i.duplicate_blocks,
-                "collisions": i.collisions,
-                "forgotten_blocks": i.forgotten_blocks,
+                "enabled": self.cfg.enabled,
+                "queries": index.queries,
+                "query_tokens": index.query_tokens,
+                "hit_tokens": index.hit_tokens,
+                "hit_rate": index.hit_rate(),
+                "cached_blocks": index.cached_blocks,
+                "namespaces": index.namespaces,
+                "inserted_blocks": index.inserted_blocks,
+                "duplicate_blocks": index.duplicate_blocks,
+                "collisions": index.collisions,
+                "forgotten_blocks": index.forgotten_blocks,
             },
+            "sharing": share.map(|s| serde_json::json!({
+                "offered": s.offered, "shared": s.shared, "rejected": s.rejected,
+                "canonical": s.canonical,
+            })),
             "last_turn": last,
         })
     }
 
-    /// The longest cached prefix of `tokens` (leaving at least the last token
-    /// to compute), retained, as the start of a sequence.
-    fn acquire(&self, inner: &mut Inner, tokens: &[u32], extra: &ExtraKeys) -> Result<Sequence> {
-        if !self.cfg.enabled {
-            return Ok(Sequence::default());
-        }
-        let forgotten = inner.engine.cache.take_reclaimed();
-        inner.index.forget_all(&forgotten);
-        let m = acquire_prefix(
-            &mut inner.index,
-            inner.engine.cache.pool(),
-            &tokens[..tokens.len() - 1],
-            extra,
-        )?;
-        Ok(Sequence::from_blocks(
-            m.blocks.iter().map(|b| (b.block, b.len)),
-        ))
-    }
-
-    /// Registers every completed (full or, at a turn end, sealed) block of
-    /// `seq`, which holds the KV of `tokens`.
-    fn register(
-        &self,
-        inner: &mut Inner,
-        seq: &mut Sequence,
-        tokens: &[u32],
-        extra: &ExtraKeys,
-    ) -> Result<()> {
-        if !self.cfg.enabled {
-            return Ok(());
-        }
-        if self.cfg.seal_turns {
-            seq.seal();
-        }
-        let forgotten = inner.engine.cache.take_reclaimed();
-        inner.index.forget_all(&forgotten);
-        let done = if seq.open {
-            seq.blocks.len() - 1
-        } else {
-            seq.blocks.len()
-        };
-        let refs: Vec<BlockRef> = (0..done)
-            .map(|i| BlockRef::new(seq.blocks[i], seq.lens[i]))
-            .collect();
-        inner.index.insert(tokens, extra, &refs)?;
-        let pool = inner.engine.cache.pool();
-        for r in &refs {
-            pool.mark_cached(r.block)?;
-        }
-        Ok(())
-    }
-
     fn account(
         &self,
-        inner: &mut Inner,
         prompt: usize,
         reused: usize,
         ttft: Option<f64>,
         generation: Generation,
     ) -> TurnReport {
-        let t = &mut inner.totals;
-        t.requests += 1;
-        t.prompt_tokens += prompt as u64;
-        t.reused_tokens += reused as u64;
         let report = TurnReport {
             prompt_tokens: prompt,
             reused_tokens: reused,
             prefilled_tokens: prompt - reused,
             ttft_secs: ttft.unwrap_or(generation.prefill_secs),
-            kv_bytes_in_use: inner.engine.cache.bytes_in_use(),
+            kv_bytes_in_use: self.engine.cache.bytes_in_use(),
             generation,
         };
+        let mut t = lock(&self.totals);
+        t.requests += 1;
+        t.prompt_tokens += prompt as u64;
+        t.reused_tokens += reused as u64;
         t.last = Some(report.clone());
         report
     }
@@ -460,8 +425,14 @@ fn check_request(
     let need = (cached + tokens.len() + params.max_tokens)
         .min(ctx)
         .div_ceil(bs);
-    let have = engine.cache.pool().stats().max_blocks;
-    if need > have {
+    let have = engine.cache.hot_blocks();
+    // A cold tier or eviction keeps a long sequence in fewer hot blocks:
+    // then only its steps can tell (a full cache is a clean error there).
+    let bounded = {
+        let c = engine.cache.coordinator();
+        c.config().cold.is_none() && c.config().eviction.is_none()
+    };
+    if bounded && need > have {
         return Err(EngineError::Request(format!(
             "request needs up to {need} KV blocks but the whole pool has {have}"
         )));
@@ -501,28 +472,4 @@ fn generate_timed(
         Ok(Err(e)) => Timed::Failed(e),
         Err(payload) => Timed::Panicked(payload),
     }
-}
-
-fn take_session(inner: &mut Inner, id: SessionId) -> Result<Session> {
-    inner
-        .sessions
-        .remove(&id)
-        .ok_or_else(|| EngineError::Request(format!("session {id} does not exist")))
-}
-
-/// Shrinks `seq` back to `before` (a failed turn), releasing added blocks;
-/// on a session's first turn, also gives back the prefix it acquired.
-fn rollback(
-    engine: &Engine,
-    seq: &mut Sequence,
-    before: &Sequence,
-    first_turn: bool,
-) -> Result<()> {
-    let added: Vec<_> = seq.blocks[before.blocks.len()..].to_vec();
-    engine.cache.pool().release_sequence(&added)?;
-    *seq = before.clone();
-    if first_turn {
-        engine.cache.free(seq)?;
-    }
-    Ok(())
 }

@@ -199,6 +199,13 @@ pub struct Llama {
     kind: Kind,
 }
 
+// SAFETY: the weight tensors are written only while the model is built
+// (and by `with_weight_kind`, which takes it by value); afterwards every
+// method reads them through `&self`, and libtorch ops that only read a
+// tensor are safe from several threads (its handles count references
+// atomically). The RoPE tables sit behind a mutex.
+unsafe impl Sync for Llama {}
+
 /// Positions the RoPE tables cover at first.
 const ROPE_INITIAL: usize = 4096;
 
@@ -655,11 +662,9 @@ impl Llama {
             )));
         }
         store.prepare(n)?;
-        let out = self.forward_inner(tokens, start, store, all_logits);
-        if out.is_ok() {
-            store.commit(n);
-        }
-        out
+        let out = self.forward_inner(tokens, start, store, all_logits)?;
+        store.commit(n)?;
+        Ok(out)
     }
 
     fn forward_inner(
@@ -671,21 +676,10 @@ impl Llama {
     ) -> Result<Tensor> {
         let c = &self.cfg;
         let (n, s0) = (tokens.len() as i64, start as i64);
-        let total = s0 + n;
         let ids: Vec<i64> = tokens.iter().map(|&t| i64::from(t)).collect();
         let ids = Tensor::f_from_slice(&ids)?.f_to_device(self.device)?;
         let mut x = self.embed.f_index_select(0, &ids)?.f_to_kind(self.kind)?; // [n, d]
         let (nh, nkv, hd) = (c.n_heads as i64, c.n_kv_heads as i64, c.head_dim as i64);
-        // Query i (absolute position s0 + i) sees keys 0..=s0 + i.
-        let mask = if n > 1 && s0 > 0 {
-            let q =
-                Tensor::f_arange_start(s0, total, (Kind::Int64, self.device))?.f_unsqueeze(1)?;
-            let k = Tensor::f_arange(total, (Kind::Int64, self.device))?.f_unsqueeze(0)?;
-            Some(k.f_le_tensor(&q)?)
-        } else {
-            None
-        };
-        let causal = n > 1 && s0 == 0;
         for (l, layer) in self.layers.iter().enumerate() {
             let h = self.rms_norm(&x, &layer.attn_norm)?;
             let q = self.linear(&h, &layer.wq)?.f_reshape([n, nh, hd])?;
@@ -693,31 +687,9 @@ impl Llama {
             let v = self.linear(&h, &layer.wv)?.f_reshape([n, nkv, hd])?;
             let q = self.rope(&q, s0, n)?;
             let k = self.rope(&k, s0, n)?;
-            let (k_all, v_all) = store.update(l, &k, &v)?;
-            // [1, heads, seq, hd]
-            let q = q.f_transpose(0, 1)?.f_unsqueeze(0)?;
-            let k_all = k_all
-                .f_to_kind(self.kind)?
-                .f_transpose(0, 1)?
-                .f_unsqueeze(0)?;
-            let v_all = v_all
-                .f_to_kind(self.kind)?
-                .f_transpose(0, 1)?
-                .f_unsqueeze(0)?;
-            let att = Tensor::f_scaled_dot_product_attention(
-                &q,
-                &k_all,
-                &v_all,
-                mask.as_ref(),
-                0.0,
-                causal,
-                None::<f64>,
-                nkv != nh,
-            )?;
-            let att = att
-                .f_squeeze_dim(0)?
-                .f_transpose(0, 1)?
-                .f_reshape([n, nh * hd])?;
+            // The store writes this step's K/V and attends over every
+            // position it holds (which ones, and how, is its business).
+            let att = store.attend(l, &q, &k, &v)?.f_reshape([n, nh * hd])?;
             x += self.linear(&att, &layer.wo)?;
             let h = self.rms_norm(&x, &layer.ffn_norm)?;
             let gate = self.linear(&h, &layer.w_gate)?.f_silu()?;

@@ -117,7 +117,8 @@ impl Engine {
                 }
                 last = logits.f_narrow(0, piece.len() as i64 - 1, 1)?;
                 r.scored += piece.len();
-                r.peak(self.cache.bytes_in_use(), seq.cold_bytes(), seq.len);
+                let (hot, cold) = self.cache.tier_bytes();
+                r.peak(hot, cold, seq.len());
                 p = end;
             }
             let elapsed = t0.elapsed().as_secs_f64();

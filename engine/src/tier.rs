@@ -1,16 +1,21 @@
-//! The quantized cold tier of the paged cache.
+//! The quantized cold tier of the paged cache: its quantizers and the
+//! storage of its blocks.
 //!
-//! The newest `window` tokens of a sequence stay in the cache's dtype. Every
-//! whole block entirely older than that is quantized with `kvforge-quant`
-//! (K and V of every layer) into a [`ColdBlock`] owned by the sequence, and
-//! its hot block goes back to the pool: the bytes are really released.
-//! Attention reads cold blocks dequantized on the fly, per layer and step,
+//! The coordinator decides which hot blocks go cold (the newest `window`
+//! tokens and the first `sink` ones stay in the cache's dtype) and hands
+//! out a cold block id for each; the engine quantizes the hot block with
+//! `kvforge-quant` (K and V of every layer) into a [`ColdBlock`] stored at
+//! that id's slot. Cold blocks are shared by reference like hot ones.
+//! Attention reads them dequantized on the fly, per layer and step,
 //! straight into the K/V tensor it attends over (dequantize-then-attend).
 //!
 //! Keys may be Hadamard-rotated before quantizing; dequantizing rotates them
 //! back, so the attention path does not change.
 
 use std::mem::MaybeUninit;
+use std::sync::{Arc, RwLock};
+
+use kvforge_pool::StorageFormat;
 
 use kvforge_quant::{
     Axis, BlockShape, GroupQuantizer, QuantConfig, QuantError, QuantizedBlock, Quantizer, Rotated,
@@ -76,7 +81,7 @@ impl KvQuant {
 }
 
 /// One block of the cold tier: K and V of every layer, quantized.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct ColdBlock {
     k: Vec<QuantizedBlock>,
     v: Vec<QuantizedBlock>,
@@ -87,15 +92,31 @@ impl ColdBlock {
     pub fn bytes(&self) -> u64 {
         self.k.iter().chain(&self.v).map(|b| b.bytes() as u64).sum()
     }
+
+    /// Every code and group parameter, layer by layer (what a
+    /// deduplicator compares).
+    pub fn content(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.bytes() as usize);
+        for q in self.k.iter().chain(&self.v) {
+            out.extend_from_slice(&q.packed);
+            for x in q.scales.iter().chain(&q.mins) {
+                out.extend_from_slice(&x.to_bits().to_le_bytes());
+            }
+        }
+        out
+    }
 }
 
-/// The quantizers and plan of a cache's cold tier.
+/// The quantizers of a cache's cold tier and the blocks it stores, by
+/// cold slot.
 pub(crate) struct ColdTier {
     spec: KvQuant,
-    plan: TierPlan,
     shape: BlockShape,
     keys: Box<dyn Quantizer>,
     values: Box<dyn Quantizer>,
+    key_format: StorageFormat,
+    value_format: StorageFormat,
+    blocks: RwLock<Vec<Option<Arc<ColdBlock>>>>,
 }
 
 impl ColdTier {
@@ -103,7 +124,7 @@ impl ColdTier {
     /// their axis, a power-of-two head dim for rotation, the window a
     /// multiple of the block size) by quantizing a zero block.
     pub(crate) fn new(spec: KvQuant, shape: BlockShape) -> Result<Self> {
-        let plan = TierPlan::new(shape.tokens, spec.window)?;
+        TierPlan::new(shape.tokens, spec.window)?;
         if spec.sink % shape.tokens != 0 {
             return Err(EngineError::Request(format!(
                 "a sink of {} tokens is not a multiple of the block size {}",
@@ -141,12 +162,23 @@ impl ColdTier {
         let zeros = vec![0f32; shape.len()];
         keys.quantize(shape, &zeros)?;
         values.quantize(shape, &zeros)?;
+        let format = |group: usize| -> Result<StorageFormat> {
+            let group_size = u32::try_from(group)
+                .map_err(|_| EngineError::Request(format!("group size {group} is too large")))?;
+            Ok(match spec.bits {
+                8 => StorageFormat::Int8 { group_size },
+                4 => StorageFormat::Int4 { group_size },
+                _ => StorageFormat::Int2 { group_size },
+            })
+        };
         Ok(ColdTier {
             spec,
-            plan,
             shape,
             keys,
             values,
+            key_format: format(key_group)?,
+            value_format: format(spec.group_size)?,
+            blocks: RwLock::new(Vec::new()),
         })
     }
 
@@ -154,15 +186,40 @@ impl ColdTier {
         self.spec
     }
 
-    /// Cold blocks a sequence of `len` tokens should have: whole blocks
-    /// after the sink and older than the window.
-    pub(crate) fn cold_blocks(&self, len: usize) -> usize {
-        self.plan.cold_blocks(len.saturating_sub(self.spec.sink))
+    /// Storage of keys and values, for the coordinator's byte counts.
+    pub(crate) fn formats(&self) -> (StorageFormat, StorageFormat) {
+        (self.key_format, self.value_format)
     }
 
-    /// Blocks of the sink.
-    pub(crate) fn sink_blocks(&self) -> usize {
-        self.spec.sink / self.shape.tokens
+    /// Stores `block` at cold slot `slot`.
+    pub(crate) fn put(&self, slot: usize, block: Arc<ColdBlock>) {
+        let mut v = self.blocks.write().unwrap_or_else(|e| e.into_inner());
+        if v.len() <= slot {
+            v.resize(slot + 1, None);
+        }
+        v[slot] = Some(block);
+    }
+
+    /// The block at cold slot `slot`.
+    pub(crate) fn get(&self, slot: usize) -> Option<Arc<ColdBlock>> {
+        let v = self.blocks.read().unwrap_or_else(|e| e.into_inner());
+        v.get(slot).cloned().flatten()
+    }
+
+    /// Frees the storage of cold slots no one holds or caches any more.
+    pub(crate) fn free(&self, slots: impl IntoIterator<Item = usize>) {
+        let mut v = self.blocks.write().unwrap_or_else(|e| e.into_inner());
+        for s in slots {
+            if let Some(b) = v.get_mut(s) {
+                *b = None;
+            }
+        }
+    }
+
+    /// Bytes of stored blocks (held, cached, or not yet freed).
+    pub(crate) fn stored_bytes(&self) -> u64 {
+        let v = self.blocks.read().unwrap_or_else(|e| e.into_inner());
+        v.iter().flatten().map(|b| b.bytes()).sum()
     }
 
     /// Quantizes the block at slot `base` of every layer's K and V.
@@ -191,30 +248,21 @@ impl ColdTier {
         Ok(block)
     }
 
-    /// All positions of one layer's K or V, `[sink | cold | hot]`: `slots`
-    /// are the hot positions' slots in `hot` (the cache tensor), the sink's
-    /// first; the cold blocks are dequantized in between.
-    pub(crate) fn assemble(
+    /// Dequantizes layer `layer`'s K (or V, with `values`) of `blocks`,
+    /// in order, into `dst` (`[blocks × tokens, heads, head_dim]`, any
+    /// dtype and device).
+    pub(crate) fn dequantize_into(
         &self,
-        cold: &[ColdBlock],
+        blocks: &[Arc<ColdBlock>],
         layer: usize,
         values: bool,
-        hot: &Tensor,
-        slots: &Tensor,
-    ) -> Result<Tensor> {
-        let (t, h, d) = (self.shape.tokens, self.shape.heads, self.shape.head_dim);
-        let cold_len = (cold.len() * t) as i64;
-        let sink = self.spec.sink as i64;
-        let hot_len = slots.size1()? - sink;
-        let (h, d) = (h as i64, d as i64);
-        let direct = hot.kind() == Kind::Float && hot.device() == Device::Cpu;
-        let total = sink + cold_len + hot_len;
-        let out = Tensor::f_empty([total, h, d], (hot.kind(), hot.device()))?;
+        dst: &mut Tensor,
+    ) -> Result<()> {
         let q = if values { &*self.values } else { &*self.keys };
-        let fill = |dst: &mut Tensor| -> Result<()> {
-            with_uninit_f32(dst, |buf| {
+        let fill = |t: &mut Tensor| -> Result<()> {
+            with_uninit_f32(t, |buf| {
                 buf.chunks_mut(self.shape.len())
-                    .zip(cold.iter())
+                    .zip(blocks)
                     .try_for_each(|(o, b)| {
                         let src = if values { &b.v[layer] } else { &b.k[layer] };
                         q.dequantize_uninit(src, o).map(|_| ())
@@ -222,20 +270,15 @@ impl ColdTier {
                     .map_err(EngineError::from)
             })
         };
-        if direct {
-            fill(&mut out.f_narrow(0, sink, cold_len)?)?;
-        } else {
-            let mut tmp = Tensor::f_empty([cold_len, h, d], (Kind::Float, Device::Cpu))?;
-            fill(&mut tmp)?;
-            out.f_narrow(0, sink, cold_len)?.f_copy_(&tmp)?;
+        if dst.kind() == Kind::Float && dst.device() == Device::Cpu && dst.is_contiguous() {
+            return fill(dst);
         }
-        for (at, from, n) in [(0, 0, sink), (sink + cold_len, sink, hot_len)] {
-            if n > 0 {
-                let dst = out.f_narrow(0, at, n)?;
-                let _ = hot.f_index_select_out(&dst, 0, &slots.f_narrow(0, from, n)?)?;
-            }
-        }
-        Ok(out)
+        let (h, d) = (self.shape.heads as i64, self.shape.head_dim as i64);
+        let n = (blocks.len() * self.shape.tokens) as i64;
+        let mut tmp = Tensor::f_empty([n, h, d], (Kind::Float, Device::Cpu))?;
+        fill(&mut tmp)?;
+        dst.f_copy_(&tmp)?;
+        Ok(())
     }
 }
 

@@ -395,10 +395,12 @@ fn many_threads_with_shared_prefixes_and_aborts_leak_nothing() {
     );
     // Every block can be handed out again: nothing leaked, nothing double-freed.
     m.with_engine(|e| {
-        let pool = e.cache.pool();
+        let c = e.cache.coordinator();
+        let pool = c.pools().tier(0).unwrap();
         let cap = pool.stats().capacity;
         let all = pool.allocate(cap).expect("all blocks free");
         pool.release_sequence(&all.blocks).unwrap();
+        assert_eq!(c.sequences(), 0);
     });
 }
 

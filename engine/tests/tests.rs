@@ -71,8 +71,9 @@ fn paged_attention_equals_the_contiguous_oracle() {
             let want_chunked = run(&model, &mut oracle, &tokens, chunks);
             let d = max_diff(&got, &want_chunked);
             assert!(d < 1e-5, "block size {bs}, chunks {chunks:?}: max diff {d}");
-            assert_eq!(seq.len, tokens.len());
-            assert_eq!(seq.blocks.len(), tokens.len().div_ceil(bs));
+            assert_eq!(seq.len(), tokens.len());
+            let t = cache.table(&seq).unwrap();
+            assert_eq!(t.entries().len(), tokens.len().div_ceil(bs));
             cache.free(&mut seq).unwrap();
             assert_eq!(cache.bytes_in_use(), 0);
         }
@@ -521,7 +522,7 @@ fn prompt_longer_than_the_context_is_an_error() {
             .unwrap(),
     );
     assert!(e.contains("exceed the model's context"), "{e}");
-    assert_eq!(seq.len, 0, "nothing stored");
+    assert_eq!(seq.len(), 0, "nothing stored");
     assert_eq!(cache.bytes_in_use(), 0);
 }
 
@@ -546,7 +547,9 @@ fn full_kv_cache_is_an_error_and_changes_nothing() {
             .unwrap(),
     );
     assert!(e.contains("KV cache full"), "{e}");
-    assert_eq!((seq.len, seq.blocks.len()), (0, 0));
+    assert_eq!(seq.len(), 0);
+    assert!(cache.table(&seq).unwrap().entries().is_empty());
+    assert_eq!(cache.bytes_in_use(), 0);
 }
 
 #[test]
@@ -571,7 +574,7 @@ fn invalid_sampling_parameters_are_errors() {
             .unwrap(),
     );
     assert!(e.contains("empty prompt"), "{e}");
-    assert_eq!(seq.len, 0);
+    assert_eq!(seq.len(), 0);
 }
 
 #[test]
@@ -908,21 +911,73 @@ fn cli_cold_tier_bad_settings_are_one_line_errors() {
         args.extend_from_slice(extra);
         assert_one_line_error(&args, needle);
     }
+    // Options that cannot work together.
+    assert_one_line_error(&["chat", "--kv-share"], "configure a cold tier");
     assert_one_line_error(
-        &["chat", "--kv-quant", "int4", "--block-size", "32"],
-        "does not support a quantized cold tier",
+        &["chat", "--kv-quant", "int4", "--evict-window", "64"],
+        "at least as long",
+    );
+    assert_one_line_error(
+        &["chat", "--kv-budget-mib", "99999999999999999"],
+        "too large",
     );
     assert_one_line_error(
         &[
-            "chat",
-            "--no-reuse",
+            "generate",
+            "--prompt",
+            "x",
+            "--kv-budget-mib",
+            "0",
+            "--keep-turns",
+            "0",
+            "--evict-window",
+            "0",
             "--kv-quant",
             "int4",
-            "--block-size",
-            "32",
+            "--kv-sink",
+            "8",
         ],
-        "does not support a quantized cold tier",
+        "not a multiple",
     );
+}
+
+/// `kvforge chat` with prefix reuse, the INT4 cold tier, eviction,
+/// sharing and the lifecycle rule all on: every turn answers, old blocks
+/// go cold, the first turn's prefix is reused.
+#[test]
+fn cli_chat_runs_every_mechanism_together() {
+    let (err, metrics) = chat_session(
+        &[
+            "--max-tokens",
+            "24",
+            "--ignore-eos",
+            "--kv-quant",
+            "int4",
+            "--kv-window",
+            "32",
+            "--kv-sink",
+            "16",
+            "--evict-window",
+            "96",
+            "--evict-sink",
+            "16",
+            "--kv-share",
+            "--keep-turns",
+            "2",
+        ],
+        b"Hi!\nWhat is a KV cache?\nAnd why quantize it?\nThanks.\n\n",
+    );
+    assert_eq!(metrics.len(), 4, "{err}");
+    let last = &metrics[3];
+    assert_eq!(last["requests"], 4);
+    assert!(last["reused_tokens"].as_u64().unwrap() > 100, "{last}");
+    let cold = |m: &serde_json::Value| m["tiers"][1]["blocks_in_use"].as_u64().unwrap();
+    assert!(
+        metrics.iter().any(|m| cold(m) > 0),
+        "the cold tier engaged: {err}"
+    );
+    assert_eq!(last["tiers"][1]["tier"], "cold");
+    assert!(last["sharing"]["offered"].as_u64().unwrap() > 0, "{last}");
 }
 
 #[test]

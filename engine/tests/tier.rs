@@ -1,14 +1,12 @@
 //! The quantized cold tier: what it keeps, what it frees, how close it stays
 //! to the unquantized cache, and every bad setting.
 
-use kvforge_engine::gguf::GgufFile;
 use kvforge_engine::{
-    Axis, CacheManager, ContiguousCache, Device, Engine, EngineConfig, Kind, KvQuant, PagedKvCache,
-    ReuseConfig, Sequence, Tensor, Tokenizer,
+    Axis, ContiguousCache, Device, Kind, KvQuant, PagedKvCache, Sequence, Tensor,
 };
-use kvforge_pool::BlockAllocator;
+use kvforge_pool::{BlockId, Slot};
 
-use super::{max_diff, model_path, run, tiny};
+use super::{max_diff, run, tiny};
 
 const BS: usize = 8;
 
@@ -27,6 +25,27 @@ fn tokens(n: usize) -> Vec<u32> {
     (0..n as u32).map(|i| (i * 37 + 11) % 97).collect()
 }
 
+/// Entries of `seq` that are cold.
+fn cold(cache: &PagedKvCache, seq: &Sequence) -> usize {
+    let t = cache.table(seq).unwrap();
+    t.entries()
+        .iter()
+        .filter(|e| matches!(e.slot(), Slot::Cold(_)))
+        .count()
+}
+
+/// Hot blocks of `seq`, in position order.
+fn hot(cache: &PagedKvCache, seq: &Sequence) -> Vec<BlockId> {
+    let t = cache.table(seq).unwrap();
+    t.entries()
+        .iter()
+        .filter_map(|e| match e.slot() {
+            Slot::Hot(b) => Some(b),
+            _ => None,
+        })
+        .collect()
+}
+
 fn tiered(q: Option<KvQuant>) -> PagedKvCache {
     let model = tiny();
     let mut cache = PagedKvCache::new(&model.cfg, BS, 256, Device::Cpu, Kind::Float).unwrap();
@@ -43,7 +62,7 @@ fn a_window_covering_the_sequence_changes_nothing() {
     let cache = tiered(Some(spec(2, 64, false, Axis::PerChannel)));
     let mut seq = Sequence::default();
     let got = run(&model, &mut cache.view(&mut seq), &toks, &[20]);
-    assert!(seq.cold.is_empty());
+    assert_eq!(cold(&cache, &seq), 0);
     assert!(max_diff(&got, &want) < 1e-5);
     cache.free(&mut seq).unwrap();
 }
@@ -54,38 +73,39 @@ fn old_blocks_go_cold_and_their_pool_blocks_are_freed() {
     let toks = tokens(100);
     for window in [0, 16, 32] {
         let cache = tiered(Some(spec(4, window, false, Axis::PerChannel)));
-        let block_bytes = cache.pool().layout().block_bytes();
+        let block_bytes = cache.tier_stats()[0].pool.block_bytes;
         let mut seq = Sequence::default();
         for chunk in toks.chunks(7) {
-            let before = seq.len;
+            let before = seq.len();
             let _ = model
                 .forward(chunk, &mut cache.view(&mut seq), false)
                 .unwrap();
             // Demotion runs when a step starts: every whole block older than
             // the window at that point is cold.
-            assert_eq!(seq.cold.len(), before.saturating_sub(window) / BS);
+            assert_eq!(cold(&cache, &seq), before.saturating_sub(window) / BS);
+            let t = cache.table(&seq).unwrap();
+            assert_eq!(seq.len() as u64, t.positions());
+            assert_eq!(t.live_tokens(), t.positions(), "nothing dropped");
+            let stats = cache.tier_stats();
             assert_eq!(
-                seq.len,
-                seq.cold.len() * BS + seq.lens.iter().sum::<u32>() as usize
+                stats[0].pool.in_use,
+                hot(&cache, &seq).len(),
+                "hot blocks = hot pool blocks in use"
             );
-            let s = cache.pool().stats();
-            assert_eq!(
-                s.in_use,
-                seq.blocks.len(),
-                "hot blocks = pool blocks in use"
-            );
-            assert_eq!(cache.bytes_in_use(), seq.blocks.len() as u64 * block_bytes);
-            assert_eq!(cache.cold_bytes(), seq.cold_bytes());
+            assert_eq!(stats[1].pool.in_use, cold(&cache, &seq));
+            let (h, c) = cache.tier_bytes();
+            assert_eq!(h, hot(&cache, &seq).len() as u64 * block_bytes);
+            assert_eq!(c, cold(&cache, &seq) as u64 * stats[1].pool.block_bytes);
+            assert_eq!(cache.cold_stored_bytes(), c, "stored = counted");
         }
-        assert!(!seq.cold.is_empty());
+        assert!(cold(&cache, &seq) > 0);
         // INT4 at 8-element groups: 4 bits + 4 bytes of f16 scale and min per
         // group of 8 = 1 byte per element, a quarter of f32.
-        let per_block = seq.cold[0].bytes();
+        let per_block = cache.tier_stats()[1].pool.block_bytes;
         assert_eq!(per_block, block_bytes / 4, "window {window}");
         cache.free(&mut seq).unwrap();
         assert_eq!(cache.bytes_in_use(), 0);
-        assert_eq!(cache.cold_bytes(), 0);
-        assert_eq!(cache.pool().stats().in_use, 0);
+        assert_eq!(cache.cold_stored_bytes(), 0, "storage really freed");
     }
 }
 
@@ -102,7 +122,7 @@ fn sink_blocks_stay_hot_in_front_of_the_cold_ones() {
     }));
     let mut seq = Sequence::default();
     let got = run(&model, &mut cache.view(&mut seq), &toks, &[30]);
-    assert!(seq.cold.is_empty());
+    assert_eq!(cold(&cache, &seq), 0);
     assert!(max_diff(&got, &want) < 1e-5);
     cache.free(&mut seq).unwrap();
     // Sink of two blocks, window of one: [2 hot | cold | hot].
@@ -114,17 +134,26 @@ fn sink_blocks_stay_hot_in_front_of_the_cold_ones() {
     let _ = model
         .forward(&toks[..30], &mut cache.view(&mut seq), false)
         .unwrap();
-    let first = seq.blocks[..2].to_vec();
+    let first = hot(&cache, &seq)[..2].to_vec();
     let got = run(&model, &mut cache.view(&mut seq), &toks[30..], &[]);
-    assert_eq!(&seq.blocks[..2], &first[..], "sink blocks never move");
+    assert_eq!(
+        &hot(&cache, &seq)[..2],
+        &first[..],
+        "sink blocks never move"
+    );
     // Demotion ran before the last step, at 89 tokens.
-    assert_eq!(seq.cold.len(), (89 - 16 - 8) / BS);
-    assert_eq!(seq.len, 90);
+    assert_eq!(cold(&cache, &seq), (89 - 16 - 8) / BS);
+    let t = cache.table(&seq).unwrap();
+    assert!(
+        matches!(t.entries()[2].slot(), Slot::Cold(_)),
+        "[sink | cold | hot]"
+    );
+    assert_eq!(seq.len(), 90);
     let want_tail = want.narrow(0, 30, 60);
     let d = max_diff(&got, &want_tail);
     assert!(d > 0.0 && d < 0.1, "int8 with a sink: max logit diff {d}");
     cache.free(&mut seq).unwrap();
-    assert_eq!(cache.pool().stats().in_use, 0);
+    assert_eq!(cache.bytes_in_use(), 0);
 }
 
 #[test]
@@ -141,7 +170,7 @@ fn quantized_attention_stays_close_to_full_precision() {
                 let cache = tiered(Some(spec(bits, 0, rotate, axis)));
                 let mut seq = Sequence::default();
                 let got = run(&model, &mut cache.view(&mut seq), &toks, &[40]);
-                assert_eq!(seq.cold.len(), 118 / BS);
+                assert_eq!(cold(&cache, &seq), 118 / BS);
                 let d = max_diff(&got, &want);
                 assert!(
                     d < bound,
@@ -217,7 +246,7 @@ fn bad_tier_settings_are_errors_that_change_nothing() {
         .forward(&tokens(20), &mut cache.view(&mut seq), false)
         .unwrap();
     let e = cache.set_cold_tier(None).unwrap_err().to_string();
-    assert!(e.contains("cannot change"), "{e}");
+    assert!(e.contains("cannot be reconfigured"), "{e}");
     assert!(cache.cold_tier().is_some());
     cache.free(&mut seq).unwrap();
     cache.set_cold_tier(None).unwrap();
@@ -239,7 +268,8 @@ fn poisoned_values_are_reported_and_the_block_stays_hot(poison: impl Fn(&Tensor)
     let _ = model
         .forward(&toks[..10], &mut cache.view(&mut seq), false)
         .unwrap();
-    let (len, hot) = (seq.len, seq.blocks.clone());
+    let before = cache.table(&seq).unwrap();
+    let stats = cache.tier_stats();
     let e = model
         .forward(&toks[10..], &mut cache.view(&mut seq), false)
         .unwrap_err()
@@ -247,11 +277,12 @@ fn poisoned_values_are_reported_and_the_block_stays_hot(poison: impl Fn(&Tensor)
     assert!(e.contains(needle) && e.contains("layer 0"), "{e}");
     assert!(e.contains("stays in the hot tier"), "{e}");
     assert_eq!(e.lines().count(), 1);
-    assert_eq!((seq.len, &seq.blocks), (len, &hot));
-    assert!(seq.cold.is_empty());
-    assert_eq!(cache.cold_bytes(), 0);
+    assert_eq!(seq.len(), 10);
+    assert_eq!(cache.table(&seq).unwrap(), before, "table unchanged");
+    assert_eq!(cache.tier_stats(), stats, "pools unchanged");
+    assert_eq!(cache.cold_stored_bytes(), 0);
     cache.free(&mut seq).unwrap();
-    assert_eq!(cache.pool().stats().in_use, 0);
+    assert_eq!(cache.bytes_in_use(), 0);
 }
 
 #[test]
@@ -277,34 +308,4 @@ fn out_of_range_kv_is_reported_and_the_block_stays_hot() {
         },
         "is outside what int4",
     );
-}
-
-#[test]
-fn the_cache_manager_refuses_a_cold_tier() {
-    // With reuse on (shared blocks) and off (sessions roll back a failed turn
-    // by restoring the block table, which a demotion would invalidate).
-    for enabled in [true, false] {
-        let cfg = EngineConfig {
-            block_size: BS,
-            kv_quant: Some(spec(4, 16, false, Axis::PerChannel)),
-            ..Default::default()
-        };
-        let tokenizer = Tokenizer::from_gguf(&GgufFile::open(&model_path()).unwrap()).unwrap();
-        let engine = Engine::new(tiny(), tokenizer, &cfg);
-        let Ok(engine) = engine else {
-            panic!("engine with a cold tier: {:?}", engine.err())
-        };
-        let reuse = ReuseConfig {
-            enabled,
-            ..Default::default()
-        };
-        let e = CacheManager::new(engine, reuse)
-            .err()
-            .map(|e| e.to_string())
-            .unwrap_or_default();
-        assert!(
-            e.contains("does not support a quantized cold tier"),
-            "reuse {enabled}: {e}"
-        );
-    }
 }

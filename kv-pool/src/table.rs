@@ -243,10 +243,10 @@ impl BlockTable {
         before - self.entries.len()
     }
 
-    /// Empties the table, returning the blocks it held (tail first, the
-    /// order to release them in).
+    /// Empties the table, returning the blocks it held in position order
+    /// (release them tail first, as `release_sequence` does).
     pub fn clear(&mut self) -> Vec<BlockId> {
-        let held: Vec<BlockId> = self.held().rev().collect();
+        let held: Vec<BlockId> = self.held().collect();
         self.entries.clear();
         self.open = false;
         held

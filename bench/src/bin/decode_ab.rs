@@ -132,7 +132,7 @@ fn run() -> Result<()> {
     );
     for arm in &arms {
         let rate = n / arm.time.as_secs_f64();
-        let (hot, cold) = (arm.cache.bytes_in_use(), arm.cache.cold_bytes());
+        let (hot, cold) = arm.cache.tier_bytes();
         println!(
             "| {} | {rate:.2} | {:.2} | {:.1} ({:.1} + {:.1}) |",
             arm.name,

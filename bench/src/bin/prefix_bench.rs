@@ -25,7 +25,6 @@ use kvforge_engine::{
     CacheManager, Engine, EngineConfig, Message, ReuseConfig, Sampler, SamplingParams, Sequence,
     Tokenizer,
 };
-use kvforge_pool::BlockAllocator;
 
 struct Args {
     chats: usize,
@@ -183,8 +182,11 @@ fn run() -> Result<()> {
                 Ok(secs)
             })?;
             let kv_cached_bytes = m.with_engine(|e| {
-                let s = e.cache.pool().stats();
-                (s.in_use + s.cached_free) as u64 * s.block_bytes
+                e.cache
+                    .tier_stats()
+                    .iter()
+                    .map(|t| (t.pool.in_use + t.pool.cached_free) as u64 * t.pool.block_bytes)
+                    .sum::<u64>()
             });
             rows.push(Row {
                 chat: c,

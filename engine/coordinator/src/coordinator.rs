@@ -1,7 +1,7 @@
 //! [`Coordinator`]: block tables of many sequences over tiered pools, with
 //! the optional policies, one step at a time.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ops::Range;
 
 use kvforge_evict::{EvictionPolicy, Pressure, SinkWindow};
@@ -94,6 +94,11 @@ pub struct Coordinator {
     /// Hot block -> the cold block its content was quantized into, so a
     /// second holder of the hot block reuses that copy.
     demoted: HashMap<BlockId, BlockId>,
+    /// Cold blocks marked cached (their content must outlive their last
+    /// holder), and cold blocks whose last holder let go of them without
+    /// that: the engine may free their storage.
+    cached_cold: HashSet<BlockId>,
+    freed_cold: Vec<BlockId>,
     scratch: Vec<usize>,
 }
 
@@ -188,6 +193,8 @@ impl Coordinator {
             seqs: BTreeMap::new(),
             next_seq: 1,
             demoted: HashMap::new(),
+            cached_cold: HashSet::new(),
+            freed_cold: Vec::new(),
             scratch: Vec::new(),
             cfg,
         })
@@ -460,9 +467,7 @@ impl Coordinator {
             + fresh.len() as u64 * cold_bytes)
             .saturating_sub(freed);
         let fail = |this: &mut Self, taken: &[BlockId], msg: String| {
-            for &b in taken.iter().rev() {
-                let _ = this.tiers.release(b);
-            }
+            let _ = this.release_all(taken);
             CoordError::CacheFull(msg)
         };
         if want > self.budget {
@@ -545,6 +550,44 @@ impl Coordinator {
         Ok(plan)
     }
 
+    /// Drops one reference; notes a cold block whose storage can go.
+    fn release_one(&mut self, b: BlockId) -> Result<u32> {
+        let left = self.tiers.release(b)?;
+        if left == 0 && TieredPool::tier_of(b) != HOT && !self.cached_cold.contains(&b) {
+            self.freed_cold.push(b);
+        }
+        Ok(left)
+    }
+
+    /// Releases `blocks` tail first, after checking every handle (on error
+    /// nothing changed).
+    fn release_all(&mut self, blocks: &[BlockId]) -> Result<()> {
+        for &b in blocks {
+            self.tiers.ref_count(b)?;
+        }
+        let mut first_err = None;
+        for &b in blocks.iter().rev() {
+            if let Err(e) = self.release_one(b) {
+                first_err.get_or_insert(e);
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    fn mark_cached(&mut self, b: BlockId) -> Result<()> {
+        self.tiers.mark_cached(b)?;
+        if TieredPool::tier_of(b) != HOT {
+            self.cached_cold.insert(b);
+        }
+        Ok(())
+    }
+
+    /// Cold blocks released for good since the last call, never cached:
+    /// their stored content can be freed.
+    pub fn take_freed_cold(&mut self) -> Vec<BlockId> {
+        std::mem::take(&mut self.freed_cold)
+    }
+
     /// The cache forgot reclaimed blocks' content: so do the index and the
     /// deduplicator.
     fn forget_reclaimed(&mut self, reclaimed: &[BlockId]) {
@@ -561,6 +604,9 @@ impl Coordinator {
         }
         self.demoted
             .retain(|h, c| !reclaimed.contains(h) && !reclaimed.contains(c));
+        for b in reclaimed {
+            self.cached_cold.remove(b);
+        }
     }
 
     /// Offers a cold block this step quantized (`content`: its bytes) to
@@ -653,19 +699,15 @@ impl Coordinator {
                 if let Some(i) = self.index.as_mut() {
                     if TieredPool::tier_of(cold) == COLD && i.relocate(hot, cold) {
                         self.tiers.mark_cached(cold)?;
+                        self.cached_cold.insert(cold);
                     }
                 }
             }
             self.demoted.insert(hot, cold);
         }
-        let mut first_err = None;
-        for &b in &p.release {
-            if let Err(e) = self.tiers.release(b) {
-                first_err.get_or_insert(e);
-            }
-        }
+        let r = self.release_all(&p.release);
         self.prune_demoted();
-        first_err.map_or(Ok(()), |e| Err(e.into()))
+        r
     }
 
     /// The step failed: give back what the plan took; table, counts and
@@ -683,8 +725,7 @@ impl Coordinator {
                 d.forget(b);
             }
         }
-        self.tiers.release_sequence(&p.taken)?;
-        Ok(())
+        self.release_all(&p.taken)
     }
 
     /// Stale entries of the demotion map (their hot block's slot was handed
@@ -748,7 +789,7 @@ impl Coordinator {
         }
         index.insert(&tokens[..covered], extra, &refs)?;
         for r in &refs {
-            self.tiers.mark_cached(r.block)?;
+            self.mark_cached(r.block)?;
         }
         Ok(covered)
     }
@@ -771,9 +812,7 @@ impl Coordinator {
                 Retained::Held(_) => Ok(()),
                 Retained::Reclaimed => Err(kvforge_pool::PoolError::NotHeld { id: b }),
             }) {
-                for &g in held[..k].iter().rev() {
-                    let _ = self.tiers.release(g);
-                }
+                let _ = self.release_all(&held[..k]);
                 return Err(e.into());
             }
         }
@@ -802,7 +841,7 @@ impl Coordinator {
         }
         s.turns += 1;
         if let Some(mut snap) = snap {
-            self.tiers.release_sequence(&snap.clear())?;
+            self.release_all(&snap.clear())?;
         }
         let Some(lc) = self.lifecycle.as_mut() else {
             return Ok(0);
@@ -824,9 +863,7 @@ impl Coordinator {
         }
         s.table.compact();
         let dropped = release.len();
-        for b in release {
-            self.tiers.release(b)?;
-        }
+        self.release_all(&release)?;
         Ok(dropped)
     }
 
@@ -845,8 +882,7 @@ impl Coordinator {
         };
         let mut now = std::mem::replace(&mut s.table, snap);
         let held = now.clear();
-        self.tiers.release_sequence(&held)?;
-        Ok(())
+        self.release_all(&held)
     }
 
     /// Ends a sequence: aborts a step in flight, rolls back a turn in
@@ -858,7 +894,7 @@ impl Coordinator {
             self.abort(seq)?;
         }
         let mut s = self.seqs.remove(&seq).ok_or(CoordError::UnknownSeq(seq))?;
-        self.tiers.release_sequence(&s.table.clear())?;
+        self.release_all(&s.table.clear())?;
         if let Some(e) = self.evict.as_mut() {
             e.forget(seq);
         }

@@ -18,10 +18,10 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 use kvforge_engine::{
-    Axis, CacheManager, Engine, EngineConfig, EngineError, Generation, IndexKind, KvQuant, Message,
-    PplReport, ReuseConfig, SamplingParams, Sequence, Tokenizer, parse_device, parse_dtype,
+    Axis, CacheManager, DedupConfig, Engine, EngineConfig, EngineError, EvictionConfig, Generation,
+    IndexKind, KvQuant, LifecycleConfig, Message, PplReport, ReuseConfig, SamplingParams, Sequence,
+    Tokenizer, parse_device, parse_dtype,
 };
-use kvforge_pool::BlockAllocator;
 
 /// The model `cargo xtask setup` installs.
 const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -179,9 +179,45 @@ struct Tier {
     /// --block-size; 0 = none).
     #[arg(long, default_value_t = 32)]
     kv_sink: usize,
+    /// Evict (StreamingLLM): keep only the newest N tokens besides
+    /// --evict-sink; whole blocks in between are dropped (0 = off).
+    #[arg(long, default_value_t = 0)]
+    evict_window: usize,
+    /// First tokens eviction never drops (attention sinks).
+    #[arg(long, default_value_t = 4)]
+    evict_sink: usize,
+    /// Store identical quantized blocks once (needs --kv-quant).
+    #[arg(long)]
+    kv_share: bool,
+    /// Chat: drop turns older than the newest N (the first turn stays;
+    /// 0 = keep everything).
+    #[arg(long, default_value_t = 0)]
+    keep_turns: u32,
+    /// Bytes all KV tiers may hold, in MiB (0 = the hot tier's capacity).
+    #[arg(long, default_value_t = 0)]
+    kv_budget_mib: u64,
 }
 
 impl Tier {
+    fn apply(&self, cfg: &mut EngineConfig) -> Result<(), EngineError> {
+        cfg.kv_quant = self.spec()?;
+        cfg.eviction = (self.evict_window > 0).then_some(EvictionConfig::SinkWindow {
+            sink: self.evict_sink,
+            window: self.evict_window,
+        });
+        cfg.dedup = self.kv_share.then_some(DedupConfig::Exact);
+        cfg.lifecycle = (self.keep_turns > 0).then_some(LifecycleConfig::RecentTurns {
+            keep: self.keep_turns,
+        });
+        cfg.kv_budget = self.kv_budget_mib.checked_mul(1 << 20).ok_or_else(|| {
+            EngineError::Request(format!(
+                "--kv-budget-mib {} is too large",
+                self.kv_budget_mib
+            ))
+        })?;
+        Ok(())
+    }
+
     fn spec(&self) -> Result<Option<KvQuant>, EngineError> {
         let Some(format) = &self.kv_quant else {
             return Ok(None);
@@ -285,15 +321,15 @@ impl Common {
         if self.threads > 0 {
             tch::set_num_threads(self.threads);
         }
-        let cfg = EngineConfig {
+        let mut cfg = EngineConfig {
             device: parse_device(&self.device)?,
             kind: parse_dtype(&self.dtype)?,
             weight_kind: self.weights.as_deref().map(parse_dtype).transpose()?,
             kv_kind: self.kv_dtype.as_deref().map(parse_dtype).transpose()?,
             block_size: self.block_size,
-            kv_tokens: 0,
-            kv_quant: self.tier.spec()?,
+            ..EngineConfig::default()
         };
+        self.tier.apply(&mut cfg)?;
         let path = self
             .model
             .clone()
@@ -308,15 +344,21 @@ impl Common {
 }
 
 fn report(engine: &Engine, g: &Generation) {
+    let (hot, cold) = engine.cache.tier_bytes();
+    let blocks = engine
+        .cache
+        .tier_stats()
+        .first()
+        .map_or(0, |t| t.pool.in_use);
     eprintln!(
-        "[{} prompt tokens, prefill {:.1} tok/s | {} new tokens, decode {:.1} tok/s | KV {} bytes in {} blocks + {} cold bytes]",
+        "[{} prompt tokens, prefill {:.1} tok/s | {} new tokens, decode {:.1} tok/s | KV {} hot bytes in {} blocks + {} cold bytes]",
         g.prompt_tokens,
         g.prompt_tokens as f64 / g.prefill_secs.max(1e-9),
         g.tokens.len(),
         g.decode_tokens_per_sec(),
-        engine.cache.bytes_in_use(),
-        engine.cache.pool().stats().in_use,
-        engine.cache.cold_bytes(),
+        hot,
+        blocks,
+        cold,
     );
 }
 
@@ -485,8 +527,8 @@ fn bench(text: &std::path::Path, context: usize, common: &Common) -> Result<(), 
         g.prompt_tokens as f64 / g.prefill_secs.max(1e-9),
         g.decode_tokens_per_sec(),
         tch::get_num_threads(),
-        engine.cache.bytes_in_use() + engine.cache.cold_bytes(),
-        engine.cache.cold_bytes(),
+        engine.cache.bytes_in_use(),
+        engine.cache.tier_bytes().1,
         engine
             .cache
             .cold_tier()

@@ -1,0 +1,309 @@
+//! The attention-backend seam: one layer's queries over a block table.
+//!
+//! A [`StepView`] is what one step attends over, resolved once per step
+//! from the coordinator's table: the live entries in position order as
+//! runs of hot slots and cold blocks (aliases resolved to their canonical
+//! block, dropped entries skipped), the position of every key, and where
+//! the queries sit. An [`AttentionBackend`] attends one layer over it and,
+//! when asked, says how much attention each entry received (an eviction
+//! policy's input).
+//!
+//! Keys are stored after RoPE at the position they were computed at, and
+//! the mask compares positions, not indexes: when entries are dropped, the
+//! keys after them keep their positions and causality holds.
+
+use std::sync::Arc;
+
+use kvforge_coordinator::{BlockTable, Slot, TieredPool};
+use tch::{Device, Kind, Tensor};
+
+use crate::tier::{ColdBlock, ColdTier};
+use crate::{EngineError, Result};
+
+/// Consecutive live keys stored the same way.
+enum Run {
+    /// Hot-tier slots (`[len]` int64 indexes into the layer's K/V tensors).
+    Hot { slots: Tensor, len: i64 },
+    /// Cold blocks, dequantized on the fly.
+    Cold {
+        blocks: Vec<Arc<ColdBlock>>,
+        len: i64,
+    },
+}
+
+/// What one step of one sequence attends over.
+pub struct StepView {
+    runs: Vec<Run>,
+    /// Live keys.
+    keys: i64,
+    /// Position of the first query; queries are `start..start + n`.
+    start: i64,
+    n: i64,
+    /// `[n, keys]` bool, true where a query may see a key; `None` when
+    /// every key is visible to every query, or the keys are exactly the
+    /// positions `0..start + n` from an empty start (plain causal).
+    mask: Option<Tensor>,
+    causal: bool,
+    /// Per table entry, the live keys it holds (0 when dropped): to sum the
+    /// attention mass per entry.
+    entry_keys: Vec<i64>,
+}
+
+impl StepView {
+    /// Resolves `table` (the planned table of the step, holding the `n`
+    /// new tokens at its end) against the hot tensors' block size and the
+    /// cold tier's storage.
+    pub(crate) fn new(
+        table: &BlockTable,
+        n: usize,
+        block_size: usize,
+        cold: Option<&ColdTier>,
+        device: Device,
+    ) -> Result<Self> {
+        let positions = table.positions() as i64;
+        let (start, n) = (positions - n as i64, n as i64);
+        let mut runs: Vec<Run> = Vec::new();
+        let mut hot: Vec<i64> = Vec::new();
+        let mut cold_run: Vec<Arc<ColdBlock>> = Vec::new();
+        let mut key_pos: Vec<i64> = Vec::new();
+        let mut entry_keys = Vec::with_capacity(table.entries().len());
+        let dense = table.entries().iter().all(|e| e.slot().is_live());
+        let bs = block_size as i64;
+        let flush_hot = |hot: &mut Vec<i64>, runs: &mut Vec<Run>| -> Result<()> {
+            if !hot.is_empty() {
+                let len = hot.len() as i64;
+                let slots = Tensor::f_from_slice(hot)?.f_to_device(device)?;
+                runs.push(Run::Hot { slots, len });
+                hot.clear();
+            }
+            Ok(())
+        };
+        let flush_cold = |c: &mut Vec<Arc<ColdBlock>>, runs: &mut Vec<Run>| {
+            if !c.is_empty() {
+                let len = c.len() as i64 * bs;
+                runs.push(Run::Cold {
+                    blocks: std::mem::take(c),
+                    len,
+                });
+            }
+        };
+        for e in table.entries() {
+            let first = e.first() as i64;
+            let len = i64::from(e.tokens());
+            match e.slot() {
+                Slot::Hot(b) => {
+                    flush_cold(&mut cold_run, &mut runs);
+                    let base = i64::from(TieredPool::slot_of(b)) * bs;
+                    hot.extend(base..base + len);
+                }
+                Slot::Cold(b) | Slot::Alias { canonical: b } => {
+                    flush_hot(&mut hot, &mut runs)?;
+                    let block = cold
+                        .and_then(|c| c.get(TieredPool::slot_of(b) as usize))
+                        .ok_or_else(|| {
+                            EngineError::Torch(format!("cold block {b} has no stored content"))
+                        })?;
+                    cold_run.push(block);
+                }
+                Slot::Dropped => {
+                    entry_keys.push(0);
+                    continue;
+                }
+            }
+            entry_keys.push(len);
+            if !dense {
+                key_pos.extend(first..first + len);
+            }
+        }
+        flush_hot(&mut hot, &mut runs)?;
+        flush_cold(&mut cold_run, &mut runs);
+        let keys: i64 = entry_keys.iter().sum();
+        let causal = dense && start == 0 && n > 1;
+        let mask = if n > 1 && !causal {
+            let k = if dense {
+                Tensor::f_arange(keys, (Kind::Int64, device))?
+            } else {
+                Tensor::f_from_slice(&key_pos)?.f_to_device(device)?
+            };
+            let q = Tensor::f_arange_start(start, start + n, (Kind::Int64, device))?;
+            Some(k.f_unsqueeze(0)?.f_le_tensor(&q.f_unsqueeze(1)?)?)
+        } else {
+            None
+        };
+        Ok(StepView {
+            runs,
+            keys,
+            start,
+            n,
+            mask,
+            causal,
+            entry_keys,
+        })
+    }
+
+    /// Live keys attended over.
+    pub fn keys(&self) -> usize {
+        self.keys as usize
+    }
+
+    /// Position of the first query.
+    pub fn start(&self) -> usize {
+        self.start as usize
+    }
+
+    /// One layer's K (or V, with `values`) of every live key, in position
+    /// order: `[keys, kv_heads, head_dim]` in the storage dtype.
+    fn gather(&self, kv: &KvTensors<'_>, layer: usize, values: bool) -> Result<Tensor> {
+        let src = if values { &kv.v[layer] } else { &kv.k[layer] };
+        if let [Run::Hot { slots, .. }] = self.runs.as_slice() {
+            return Ok(src.f_index_select(0, slots)?);
+        }
+        let size = src.size();
+        let out = Tensor::f_empty([self.keys, size[1], size[2]], (src.kind(), src.device()))?;
+        let mut at = 0;
+        for run in &self.runs {
+            match run {
+                Run::Hot { slots, len } => {
+                    let dst = out.f_narrow(0, at, *len)?;
+                    let _ = src.f_index_select_out(&dst, 0, slots)?;
+                    at += len;
+                }
+                Run::Cold { blocks, len } => {
+                    let tier = kv.cold.ok_or_else(|| {
+                        EngineError::Torch("cold entries without a cold tier".into())
+                    })?;
+                    let mut dst = out.f_narrow(0, at, *len)?;
+                    tier.dequantize_into(blocks, layer, values, &mut dst)?;
+                    at += len;
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// The storage a backend reads: the hot tier's per-layer K/V tensors and
+/// the cold tier.
+pub struct KvTensors<'a> {
+    pub(crate) k: &'a [Tensor],
+    pub(crate) v: &'a [Tensor],
+    pub(crate) cold: Option<&'a ColdTier>,
+}
+
+/// One layer's attention output, and the mass each entry received.
+pub struct Attended {
+    /// `[n, heads, head_dim]` in the query's dtype.
+    pub out: Tensor,
+    /// Per entry of the step's table: attention weight summed over heads
+    /// and queries (0 for dropped entries). Present when asked for.
+    pub mass: Option<Vec<f32>>,
+}
+
+/// Attends one layer's queries over a [`StepView`].
+pub trait AttentionBackend: Send + Sync {
+    /// A short name for reports.
+    fn name(&self) -> &'static str;
+
+    /// `q`: `[n, heads, head_dim]`, already rotated, at positions
+    /// `view.start()..`. Every live key of the view (the step's own
+    /// included, already written) at or before a query's position is
+    /// visible to it. With `mass`, also returns the attention each entry
+    /// received.
+    fn attend(
+        &self,
+        layer: usize,
+        q: &Tensor,
+        view: &StepView,
+        kv: &KvTensors<'_>,
+        mass: bool,
+    ) -> Result<Attended>;
+}
+
+/// Gather + SDPA: the live keys are gathered into one tensor (cold blocks
+/// dequantized, aliases read from their canonical block), then
+/// libtorch's scaled dot-product attention runs with a position mask. The
+/// attention mass, when asked, comes from an explicit softmax.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ReferenceBackend;
+
+impl AttentionBackend for ReferenceBackend {
+    fn name(&self) -> &'static str {
+        "reference"
+    }
+
+    fn attend(
+        &self,
+        layer: usize,
+        q: &Tensor,
+        view: &StepView,
+        kv: &KvTensors<'_>,
+        mass: bool,
+    ) -> Result<Attended> {
+        let kind = q.kind();
+        let (h, hkv) = (q.size()[1], kv.k[layer].size()[1]);
+        // [1, heads, len, hd]
+        let prep = |t: Tensor| -> Result<Tensor> {
+            Ok(t.f_to_kind(kind)?.f_transpose(0, 1)?.f_unsqueeze(0)?)
+        };
+        let k = prep(view.gather(kv, layer, false)?)?;
+        let v = prep(view.gather(kv, layer, true)?)?;
+        let q4 = q.f_transpose(0, 1)?.f_unsqueeze(0)?;
+        let out = Tensor::f_scaled_dot_product_attention(
+            &q4,
+            &k,
+            &v,
+            view.mask.as_ref(),
+            0.0,
+            view.causal,
+            None::<f64>,
+            hkv != h,
+        )?;
+        let out = out.f_squeeze_dim(0)?.f_transpose(0, 1)?;
+        let mass = if mass {
+            Some(entry_mass(view, &q4, &k, h / hkv)?)
+        } else {
+            None
+        };
+        Ok(Attended { out, mass })
+    }
+}
+
+/// Softmax weights of every query over the keys, summed over heads and
+/// queries, then per table entry.
+fn entry_mass(view: &StepView, q: &Tensor, k: &Tensor, group: i64) -> Result<Vec<f32>> {
+    let d = q.size()[3] as f64;
+    let k = if group > 1 {
+        k.f_repeat_interleave_self_int(group, 1, None)?
+    } else {
+        k.shallow_clone()
+    };
+    let q = q.f_to_kind(Kind::Float)?;
+    let k = k.f_to_kind(Kind::Float)?;
+    let mut scores = q.f_matmul(&k.f_transpose(2, 3)?)? / d.sqrt(); // [1, h, n, keys]
+    let visible = match (&view.mask, view.causal) {
+        (Some(m), _) => Some(m.shallow_clone()),
+        (None, true) => {
+            let dev = q.device();
+            let kp = Tensor::f_arange(view.keys, (Kind::Int64, dev))?;
+            let qp = Tensor::f_arange(view.n, (Kind::Int64, dev))?;
+            Some(kp.f_unsqueeze(0)?.f_le_tensor(&qp.f_unsqueeze(1)?)?)
+        }
+        (None, false) => None,
+    };
+    if let Some(m) = visible {
+        scores = scores.f_masked_fill(&m.f_logical_not()?, f64::NEG_INFINITY)?;
+    }
+    let w = scores
+        .f_softmax(-1, Kind::Float)?
+        .f_sum_dim_intlist([0i64, 1, 2].as_slice(), false, Kind::Float)?
+        .f_to_device(Device::Cpu)?;
+    let per_key = Vec::<f32>::try_from(w)?;
+    let mut out = Vec::with_capacity(view.entry_keys.len());
+    let mut at = 0usize;
+    for &len in &view.entry_keys {
+        let len = len as usize;
+        out.push(per_key[at..at + len].iter().sum());
+        at += len;
+    }
+    Ok(out)
+}
