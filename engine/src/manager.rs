@@ -123,7 +123,7 @@ impl CacheManager {
     /// sharing, lifecycle).
     pub fn new(mut engine: Engine, cfg: ReuseConfig) -> Result<Self> {
         let mut c = engine.cache.config();
-        c.prefix = cfg.enabled.then(|| PrefixConfig {
+        c.prefix = cfg.enabled.then_some(PrefixConfig {
             index: cfg.index,
             seed: cfg.seed,
             seal_turns: cfg.seal_turns,

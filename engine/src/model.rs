@@ -433,6 +433,10 @@ impl Llama {
     /// runs at real model shapes without the real weights.
     pub fn random(cfg: LlamaConfig, seed: i64, device: Device, kind: Kind) -> Result<Self> {
         cfg.check()?;
+        // libtorch's generator is global: two models built at once (tests
+        // run in parallel) would interleave their draws.
+        static SEEDED: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _draws = SEEDED.lock().unwrap_or_else(|e| e.into_inner());
         tch::manual_seed(seed);
         let (d, hd, ff, v) = (
             cfg.d_model as i64,

@@ -13,6 +13,7 @@ use kvforge_engine::{
 };
 use tch::Tensor;
 
+mod compose;
 mod hardening;
 mod manager;
 mod tier;

@@ -70,6 +70,10 @@ struct SeqState {
     snapshot: Option<BlockTable>,
     segments: Vec<Segment>,
     turns: u32,
+    /// Index moves (hot -> its cold copy) of demotions committed during
+    /// the current turn: applied when the turn ends, dropped if it is
+    /// rolled back, so a failed turn leaves the index as it was.
+    relocations: Vec<(BlockId, BlockId)>,
 }
 
 /// The tensor-free cache coordinator.
@@ -326,6 +330,7 @@ impl Coordinator {
                 snapshot: None,
                 segments: Vec::new(),
                 turns: 0,
+                relocations: Vec::new(),
             },
         );
         id
@@ -694,20 +699,37 @@ impl Coordinator {
         };
         s.table = p.next;
         s.table.compact();
+        let in_turn = s.snapshot.is_some();
+        let mut moves = Vec::new();
         for &(hot, cold, quantized) in &p.demoted {
-            if quantized {
-                if let Some(i) = self.index.as_mut() {
-                    if TieredPool::tier_of(cold) == COLD && i.relocate(hot, cold) {
-                        self.tiers.mark_cached(cold)?;
-                        self.cached_cold.insert(cold);
-                    }
-                }
+            if quantized && TieredPool::tier_of(cold) == COLD {
+                moves.push((hot, cold));
             }
             self.demoted.insert(hot, cold);
+        }
+        if in_turn {
+            s.relocations.extend(moves);
+        } else {
+            self.relocate(&moves)?;
         }
         let r = self.release_all(&p.release);
         self.prune_demoted();
         r
+    }
+
+    /// Points index entries of demoted hot blocks at their cold copies
+    /// (those still held), so later requests match the quantized blocks.
+    fn relocate(&mut self, moves: &[(BlockId, BlockId)]) -> Result<()> {
+        let Some(i) = self.index.as_mut() else {
+            return Ok(());
+        };
+        for &(hot, cold) in moves {
+            if self.tiers.ref_count(cold).is_ok_and(|c| c > 0) && i.relocate(hot, cold) {
+                self.tiers.mark_cached(cold)?;
+                self.cached_cold.insert(cold);
+            }
+        }
+        Ok(())
     }
 
     /// The step failed: give back what the plan took; table, counts and
@@ -831,6 +853,7 @@ impl Coordinator {
             });
         }
         let snap = s.snapshot.take();
+        let moves = std::mem::take(&mut s.relocations);
         let start = s.segments.last().map_or(0, |g| g.range.end);
         let end = s.table.positions();
         if end > start {
@@ -840,6 +863,7 @@ impl Coordinator {
             });
         }
         s.turns += 1;
+        self.relocate(&moves)?;
         if let Some(mut snap) = snap {
             self.release_all(&snap.clear())?;
         }
@@ -874,6 +898,7 @@ impl Coordinator {
             self.abort(seq)?;
         }
         let s = self.seq_mut(seq)?;
+        s.relocations.clear();
         let Some(snap) = s.snapshot.take() else {
             return Err(CoordError::Order {
                 seq,
