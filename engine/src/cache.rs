@@ -381,6 +381,19 @@ impl PagedSeq<'_> {
     fn execute(&self, id: SeqId, plan: &kvforge_coordinator::Plan, n: usize) -> Result<Step> {
         let c = self.cache;
         let bs = c.block_size;
+        let device = c.k[0].device();
+        for cp in &plan.copies {
+            let slots = |b| {
+                let base = i64::from(TieredPool::slot_of(b)) * bs as i64;
+                Tensor::f_from_slice(&(base..base + i64::from(cp.tokens)).collect::<Vec<_>>())?
+                    .f_to_device(device)
+            };
+            let (src, dst) = (slots(cp.src)?, slots(cp.dst)?);
+            for t in c.k.iter().chain(&c.v) {
+                let rows = t.f_index_select(0, &src)?;
+                let _ = t.shallow_clone().f_index_copy_(0, &dst, &rows)?;
+            }
+        }
         for d in plan.demotions.iter().filter(|d| d.quantize) {
             let tier = c
                 .cold
@@ -400,7 +413,6 @@ impl PagedSeq<'_> {
             let base = TieredPool::slot_of(w.block) as i64 * bs as i64 + i64::from(w.offset);
             new.extend(base..base + i64::from(w.tokens));
         }
-        let device = c.k[0].device();
         let (view, mass) = {
             let coord = c.coordinator();
             let table = coord.view(id)?;

@@ -53,7 +53,7 @@ pub use kvforge_coordinator::{
     Coordinator, CoordinatorConfig, DedupConfig, EvictionConfig, LifecycleConfig,
 };
 pub use kvforge_quant::Axis;
-pub use manager::{CacheManager, IndexKind, ReuseConfig, SessionId, TurnReport};
+pub use manager::{CacheManager, IndexKind, ReuseConfig, SessionId, TurnReport, TurnTail};
 pub use model::{Llama, LlamaConfig};
 pub use ppl::PplReport;
 pub use tch::{Device, Kind, Tensor};

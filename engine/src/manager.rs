@@ -15,8 +15,11 @@
 //!   session still reuses what other requests cached.
 //!
 //! A namespace comes with every request; two namespaces never share a block.
-//! With `seal_turns`, the partial last block of each turn is sealed and
-//! cached, so the next turn reuses every token computed before.
+//! The partial last block of each turn is cached too ([`TurnTail::Copy`],
+//! the default): the session goes on filling it, and a request that
+//! continues it copies its tokens into a block of its own, so the next
+//! turn reuses every token computed before without leaving partly empty
+//! blocks behind.
 //!
 //! No lock is held across a generation: the coordinator is locked for the
 //! plan and the commit of each step, so requests and sessions of many
@@ -34,8 +37,8 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-pub use kvforge_coordinator::IndexKind;
 use kvforge_coordinator::PrefixConfig;
+pub use kvforge_coordinator::{IndexKind, TurnTail};
 use kvforge_prefix::ExtraKeys;
 
 use crate::cache::Sequence;
@@ -49,8 +52,8 @@ pub struct ReuseConfig {
     pub enabled: bool,
     /// The index implementation.
     pub index: IndexKind,
-    /// Seal (and cache) the partial last block of every turn.
-    pub seal_turns: bool,
+    /// What becomes of the partial last block of every turn.
+    pub tail: TurnTail,
     /// Hash seed; `None` draws a random one (the safe default).
     pub seed: Option<u64>,
 }
@@ -60,7 +63,7 @@ impl Default for ReuseConfig {
         ReuseConfig {
             enabled: true,
             index: IndexKind::HashChain,
-            seal_turns: true,
+            tail: TurnTail::Copy,
             seed: None,
         }
     }
@@ -126,7 +129,7 @@ impl CacheManager {
         c.prefix = cfg.enabled.then_some(PrefixConfig {
             index: cfg.index,
             seed: cfg.seed,
-            seal_turns: cfg.seal_turns,
+            tail: cfg.tail,
         });
         let quant = engine.cache.cold_tier();
         engine.cache.configure(c, quant)?;

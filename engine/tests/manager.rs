@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use kvforge_engine::gguf::GgufFile;
 use kvforge_engine::{
-    CacheManager, Engine, EngineConfig, IndexKind, ReuseConfig, SamplingParams, Tokenizer,
+    CacheManager, Engine, EngineConfig, IndexKind, ReuseConfig, SamplingParams, Tokenizer, TurnTail,
 };
 use kvforge_pool::BlockAllocator;
 
@@ -100,17 +100,18 @@ fn reuse_gives_identical_greedy_outputs_over_16_turns() {
     let (want, none) = stateless(&tiny_manager(4, 512, off), &users, &p);
     assert!(none.iter().all(|&r| r == 0));
     for bs in [1usize, 4, 16] {
-        for seal in [false, true] {
+        for tail in [TurnTail::Skip, TurnTail::Seal, TurnTail::Copy] {
+            let seal = tail != TurnTail::Skip;
             for index in [IndexKind::HashChain, IndexKind::Radix] {
                 let cfg = ReuseConfig {
                     enabled: true,
                     index,
-                    seal_turns: seal,
+                    tail,
                     seed: Some(1),
                 };
                 let m = tiny_manager(bs, 512, cfg.clone());
                 let (got, reused) = stateless(&m, &users, &p);
-                let label = format!("block {bs}, seal {seal}, {index:?}");
+                let label = format!("block {bs}, {tail:?}, {index:?}");
                 assert_eq!(got, want, "{label}: answers differ with reuse");
                 // Reusable: everything computed before (history minus the
                 // last sampled token, which was never run through the model).
@@ -330,7 +331,6 @@ fn many_threads_with_shared_prefixes_and_aborts_leak_nothing() {
         256,
         ReuseConfig {
             seed: Some(9),
-            seal_turns: true,
             ..Default::default()
         },
     );

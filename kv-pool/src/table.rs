@@ -221,6 +221,23 @@ impl BlockTable {
         Ok(std::mem::replace(&mut e.slot, slot))
     }
 
+    /// Gives the sealed, partial last entry a block of its own that takes
+    /// more tokens (copy-on-partial-reuse: the caller copied the entry's
+    /// tokens from the shared block into `block`). Returns the old slot,
+    /// whose reference the caller now owns.
+    pub fn reopen_tail(&mut self, block: BlockId) -> Result<Slot> {
+        let bs = self.block_size;
+        match self.entries.last_mut() {
+            Some(e) if !self.open && matches!(e.slot, Slot::Hot(_)) && e.tokens < bs => {
+                self.open = true;
+                Ok(std::mem::replace(&mut e.slot, Slot::Hot(block)))
+            }
+            _ => Err(invalid(
+                "only a sealed, partial, hot last entry can be reopened".into(),
+            )),
+        }
+    }
+
     /// Merges runs of adjacent dropped entries into one entry per block
     /// boundary run (positions unchanged), so a long-evicting sequence's
     /// table does not grow with what it forgot. Returns the entries removed.
@@ -305,6 +322,20 @@ mod tests {
         t.fill(2).unwrap();
         assert!(!t.is_open());
         assert_eq!(t.held().collect::<Vec<_>>(), vec![b(0), b(3), b(9)]);
+    }
+
+    #[test]
+    fn a_sealed_partial_tail_reopens_in_a_block_of_its_own() {
+        let mut t = BlockTable::new(4).unwrap();
+        t.push(Slot::Hot(b(0)), 4, false).unwrap();
+        assert!(t.reopen_tail(b(5)).is_err(), "full");
+        t.push(Slot::Hot(b(1)), 3, false).unwrap();
+        assert_eq!(t.reopen_tail(b(5)).unwrap(), Slot::Hot(b(1)));
+        assert!(t.is_open());
+        assert!(t.reopen_tail(b(6)).is_err(), "already open");
+        t.fill(1).unwrap();
+        assert_eq!(t.held().collect::<Vec<_>>(), vec![b(0), b(5)]);
+        t.check().unwrap();
     }
 
     #[test]

@@ -27,6 +27,35 @@ impl std::str::FromStr for IndexKind {
     }
 }
 
+/// What becomes of the partial last block of a turn.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TurnTail {
+    /// Not cached: the next request recomputes its tokens.
+    Skip,
+    /// Sealed and cached: the next token starts a new block, so every turn
+    /// leaves a partly empty block behind.
+    Seal,
+    /// Cached as it is, still open: the sequence goes on filling it, and a
+    /// request that continues it copies its tokens into a fresh block of
+    /// its own (copy-on-partial-reuse, as in TensorRT-LLM). Hits like
+    /// `Seal`, holds memory like `Skip`.
+    Copy,
+}
+
+impl std::str::FromStr for TurnTail {
+    type Err = CoordError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "skip" => Ok(TurnTail::Skip),
+            "seal" => Ok(TurnTail::Seal),
+            "copy" => Ok(TurnTail::Copy),
+            _ => Err(CoordError::Config(format!(
+                "unknown turn tail {s:?}; use skip, seal or copy"
+            ))),
+        }
+    }
+}
+
 /// Prefix reuse across requests.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PrefixConfig {
@@ -34,8 +63,8 @@ pub struct PrefixConfig {
     pub index: IndexKind,
     /// Hash seed; `None` draws a random one (the safe default).
     pub seed: Option<u64>,
-    /// Seal (and cache) the partial last block at every turn end.
-    pub seal_turns: bool,
+    /// What becomes of the partial last block at every turn end.
+    pub tail: TurnTail,
 }
 
 impl Default for PrefixConfig {
@@ -43,7 +72,7 @@ impl Default for PrefixConfig {
         PrefixConfig {
             index: IndexKind::HashChain,
             seed: None,
-            seal_turns: true,
+            tail: TurnTail::Copy,
         }
     }
 }

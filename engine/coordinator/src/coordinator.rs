@@ -17,9 +17,10 @@ use kvforge_prefix::{
 };
 use kvforge_quant::{TierPlan, TierPolicy};
 
-use crate::plan::{Demotion, Plan, Write};
+use crate::plan::{CopyOp, Demotion, Plan, Write};
 use crate::{
     CoordError, CoordinatorConfig, DedupConfig, EvictionConfig, IndexKind, LifecycleConfig, Result,
+    TurnTail,
 };
 
 /// Names one sequence of a coordinator.
@@ -60,6 +61,8 @@ struct Pending {
     demoted: Vec<(BlockId, BlockId, bool)>,
     /// Cold blocks quantized by this step (offered to the deduplicator).
     fresh_cold: Vec<BlockId>,
+    /// The step copies the shared partial tail.
+    copies_tail: bool,
 }
 
 struct SeqState {
@@ -74,6 +77,12 @@ struct SeqState {
     /// the current turn: applied when the turn ends, dropped if it is
     /// rolled back, so a failed turn leaves the index as it was.
     relocations: Vec<(BlockId, BlockId)>,
+    /// The last entry is a partial block matched from the index, shared:
+    /// the next step copies it into a block of the sequence's own.
+    copy_tail: bool,
+    /// The open partial block this sequence registered last (its index
+    /// entry is replaced when it is registered again, longer).
+    partial: Option<BlockId>,
 }
 
 /// The tensor-free cache coordinator.
@@ -291,6 +300,10 @@ impl Coordinator {
         self.seqs.len()
     }
 
+    fn tail(&self) -> Option<TurnTail> {
+        self.cfg.prefix.as_ref().map(|p| p.tail)
+    }
+
     /// Whether prefix reuse is on.
     pub fn reuses_prefixes(&self) -> bool {
         self.index.is_some()
@@ -331,6 +344,8 @@ impl Coordinator {
                 segments: Vec::new(),
                 turns: 0,
                 relocations: Vec::new(),
+                copy_tail: false,
+                partial: None,
             },
         );
         id
@@ -353,6 +368,16 @@ impl Coordinator {
                 return Err(e.into());
             }
         };
+        let copy = self.tail() == Some(TurnTail::Copy);
+        let bs = self.block_size() as u32;
+        let mut m = m;
+        // A partial tail can only be copied out of the hot tier.
+        if let Some(last) = m.blocks.last().copied() {
+            if copy && last.len < bs && TieredPool::tier_of(last.block) != HOT {
+                self.release_all(&[last.block])?;
+                m.truncate(m.blocks.len() - 1);
+            }
+        }
         let s = self.seqs.get_mut(&seq).ok_or(CoordError::UnknownSeq(seq))?;
         for b in &m.blocks {
             let slot = if TieredPool::tier_of(b.block) == HOT {
@@ -362,6 +387,7 @@ impl Coordinator {
             };
             s.table.push(slot, b.len, false)?;
         }
+        s.copy_tail = copy && m.blocks.last().is_some_and(|b| b.len < bs);
         Ok(Opened {
             seq,
             reused: m.tokens,
@@ -389,6 +415,7 @@ impl Coordinator {
             });
         }
         let mut next = s.table.clone();
+        let copy_tail = s.copy_tail;
         let mut plan = Plan {
             start: next.positions(),
             ..Plan::default()
@@ -444,9 +471,23 @@ impl Coordinator {
         }
         // 3. Blocks: fresh cold ones, hot ones for the new tokens; both
         // inside the budget, or nothing.
-        let room = next.room() as usize;
+        // A shared partial tail is copied into a block of our own, which
+        // then takes the new tokens.
+        let copy_src = match next.entries().last() {
+            Some(e) if copy_tail && !next.is_open() && (e.tokens() as usize) < bs => {
+                match e.slot() {
+                    Slot::Hot(b) => Some((b, e.tokens())),
+                    _ => None,
+                }
+            }
+            _ => None,
+        };
+        let room = match copy_src {
+            Some((_, len)) => bs - len as usize,
+            None => next.room() as usize,
+        };
         let in_open = n.min(room);
-        let need_hot = (n - in_open).div_ceil(bs);
+        let need_hot = (n - in_open).div_ceil(bs) + usize::from(copy_src.is_some());
         let cold_bytes = self.cold_layout().map_or(0, |l| l.block_bytes());
         // The budget holds between steps: blocks this step lets go of for
         // good (dropped or demoted, no other holder) make room. Until the
@@ -462,6 +503,7 @@ impl Coordinator {
         };
         let freed: u64 = release
             .iter()
+            .chain(copy_src.iter().map(|(b, _)| b))
             .chain(fresh.iter().map(|(_, h)| h))
             .chain(plan.demotions.iter().map(|d| &d.hot))
             .filter(|&&b| self.tiers.ref_count(b).is_ok_and(|c| c == 1))
@@ -521,7 +563,16 @@ impl Coordinator {
             release.push(d.hot);
             demoted.push((d.hot, d.cold, d.quantize));
         }
-        // 4. Writes: the rest of the open block, then the new blocks.
+        // 4. The copy, then writes: the rest of the open block, then the
+        // new blocks.
+        let mut hot_new = &got.blocks[cold_new.len()..];
+        if let Some((src, tokens)) = copy_src {
+            let dst = hot_new[0];
+            hot_new = &hot_new[1..];
+            next.reopen_tail(dst)?;
+            release.push(src);
+            plan.copies.push(CopyOp { src, dst, tokens });
+        }
         if in_open > 0 {
             if let Some(Slot::Hot(b)) = next.entries().last().map(|e| e.slot()) {
                 let offset = next.entries().last().map_or(0, |e| e.tokens());
@@ -534,7 +585,7 @@ impl Coordinator {
             next.fill(in_open as u32)?;
         }
         let mut left = n - in_open;
-        for &b in &got.blocks[cold_new.len()..] {
+        for &b in hot_new {
             let take = left.min(bs);
             next.push(Slot::Hot(b), take as u32, take < bs)?;
             plan.writes.push(Write {
@@ -551,6 +602,7 @@ impl Coordinator {
             release,
             demoted,
             fresh_cold: cold_new,
+            copies_tail: copy_src.is_some(),
         });
         Ok(plan)
     }
@@ -699,6 +751,9 @@ impl Coordinator {
         };
         s.table = p.next;
         s.table.compact();
+        if p.copies_tail {
+            s.copy_tail = false;
+        }
         let in_turn = s.snapshot.is_some();
         let mut moves = Vec::new();
         for &(hot, cold, quantized) in &p.demoted {
@@ -773,13 +828,13 @@ impl Coordinator {
         Ok(())
     }
 
-    /// Registers in the prefix index every completed entry from the start
-    /// of `seq` (hot or cold; sealing the last one first when configured),
-    /// up to the first alias or dropped entry: `tokens` are the tokens whose
-    /// KV the table holds. Returns the tokens registered.
+    /// Registers in the prefix index every entry from the start of `seq`
+    /// (hot or cold) up to the first alias or dropped entry; `tokens` are
+    /// the tokens whose KV the table holds. The partial last block is
+    /// handled as the configured [`TurnTail`] says. Returns the tokens
+    /// registered.
     pub fn register(&mut self, seq: SeqId, tokens: &[u32], extra: &ExtraKeys) -> Result<usize> {
-        let seal = self.cfg.prefix.as_ref().is_some_and(|p| p.seal_turns);
-        let Some(index) = self.index.as_mut() else {
+        let Some(tail) = self.tail() else {
             return Ok(0);
         };
         let s = self.seqs.get_mut(&seq).ok_or(CoordError::UnknownSeq(seq))?;
@@ -789,11 +844,12 @@ impl Coordinator {
                 what: "registered during a step",
             });
         }
-        if seal {
+        if tail == TurnTail::Seal {
             s.table.seal();
         }
         let t = &s.table;
-        let done = t.entries().len() - usize::from(t.is_open());
+        let open = t.is_open();
+        let done = t.entries().len() - usize::from(open && tail == TurnTail::Skip);
         let mut refs = Vec::with_capacity(done);
         let mut covered = 0usize;
         for e in &t.entries()[..done] {
@@ -808,6 +864,21 @@ impl Coordinator {
                 seq,
                 what: "registered with fewer tokens than the table holds",
             });
+        }
+        let registered_open = open && tail == TurnTail::Copy && refs.len() == done;
+        let last_open = registered_open
+            .then(|| refs.last().map(|r| r.block))
+            .flatten();
+        let before = std::mem::replace(&mut s.partial, last_open);
+        let Some(index) = self.index.as_mut() else {
+            return Ok(0);
+        };
+        // The block registered open last time holds more tokens now: its
+        // shorter entry gives way to the longer one.
+        if let Some(b) = before {
+            if refs.iter().any(|r| r.block == b) {
+                index.forget(b);
+            }
         }
         index.insert(&tokens[..covered], extra, &refs)?;
         for r in &refs {

@@ -60,7 +60,7 @@ mod plan;
 
 pub use config::{
     ColdConfig, CoordinatorConfig, DedupConfig, EvictionConfig, IndexKind, LifecycleConfig,
-    PrefixConfig,
+    PrefixConfig, TurnTail,
 };
 pub use coordinator::{COLD, Coordinator, HOT, Opened, SeqId, TierStats};
 pub use error::{CoordError, Result};

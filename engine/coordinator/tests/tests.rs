@@ -485,3 +485,57 @@ fn many_threads_share_prefixes_over_one_budget_and_leak_nothing() {
     );
     let _ = TieredPool::tier_of(BlockId::new(0, 0));
 }
+
+#[test]
+fn a_continued_partial_block_is_copied_not_sealed() {
+    let mut c = Coordinator::new(config(64)).unwrap();
+    let e = ExtraKeys::default();
+    let tokens: Vec<u32> = (0..40).collect();
+    // A holds 10 tokens: two full blocks and an open one of 2.
+    let a = c.open(&tokens[..10], &e).unwrap().seq;
+    step(&mut c, a, 10);
+    assert_eq!(c.register(a, &tokens[..10], &e).unwrap(), 10);
+    assert!(c.table(a).unwrap().is_open(), "registered, not sealed");
+    let a_tail = c.table(a).unwrap().held().last().unwrap();
+    // B continues A's 10 tokens: it reuses all of them and copies the
+    // partial block into a block of its own, which takes the new tokens.
+    let b = c.open(&tokens[..14], &e).unwrap();
+    assert_eq!(b.reused, 10);
+    let before = state(&c, &[a, b.seq]);
+    let p = c.plan(b.seq, 3).unwrap();
+    assert_eq!(p.copies.len(), 1);
+    let cp = p.copies[0];
+    assert_eq!((cp.src, cp.tokens), (a_tail, 2));
+    assert_eq!(p.writes[0].block, cp.dst);
+    assert_eq!((p.writes[0].offset, p.writes[0].tokens), (2, 2));
+    assert_eq!(p.writes[1].tokens, 1);
+    c.abort(b.seq).unwrap();
+    assert_eq!(state(&c, &[a, b.seq]), before, "abort of a copy");
+    step(&mut c, b.seq, 3);
+    let tb = c.table(b.seq).unwrap();
+    assert!(!tb.held().any(|x| x == a_tail), "B let go of A's block");
+    assert_eq!(tb.positions(), 13);
+    assert_eq!(c.pools().ref_count(a_tail).unwrap(), 1, "A's own again");
+    // A goes on filling its block and registers it again, longer: the
+    // shorter entry gives way.
+    step(&mut c, a, 4);
+    assert_eq!(c.register(a, &tokens[..14], &e).unwrap(), 14);
+    let m = c.open(&tokens[..15], &e).unwrap();
+    assert_eq!(m.reused, 14);
+    let tm = c.table(m.seq).unwrap();
+    assert_eq!(tm.held().nth(2), Some(a_tail), "A's block, now full");
+    for s in [a, b.seq, m.seq] {
+        c.close(s).unwrap();
+    }
+    assert_eq!(c.pools().stats().in_use, 0);
+    // With sealing instead, the partial block stays partial in A's table.
+    let mut cfg = config(64);
+    cfg.prefix.as_mut().unwrap().tail = kvforge_coordinator::TurnTail::Seal;
+    let mut c = Coordinator::new(cfg).unwrap();
+    let a = c.open_empty();
+    step(&mut c, a, 10);
+    c.register(a, &tokens[..10], &e).unwrap();
+    let p = step(&mut c, a, 1);
+    assert_eq!(p.writes[0].offset, 0, "a new block after the sealed one");
+    c.close(a).unwrap();
+}

@@ -20,7 +20,7 @@ use clap::{Args, Parser, Subcommand};
 use kvforge_engine::{
     Axis, CacheManager, DedupConfig, Engine, EngineConfig, EngineError, EvictionConfig, Generation,
     IndexKind, KvQuant, LifecycleConfig, Message, PplReport, ReuseConfig, SamplingParams, Sequence,
-    Tokenizer, parse_device, parse_dtype,
+    Tokenizer, TurnTail, parse_device, parse_dtype,
 };
 
 /// The model `cargo xtask setup` installs.
@@ -247,9 +247,11 @@ struct Reuse {
     /// Prefix index: hash-chain or radix.
     #[arg(long, default_value = "hash-chain")]
     index: String,
-    /// Do not seal the partial last block of each turn.
-    #[arg(long)]
-    no_seal: bool,
+    /// The partial last block of each turn: copy (cached; a request that
+    /// continues it copies it), seal (cached; new tokens start a new
+    /// block) or skip (not cached).
+    #[arg(long, default_value = "copy")]
+    turn_tail: String,
     /// Recompute everything (no prefix cache).
     #[arg(long)]
     no_reuse: bool,
@@ -266,7 +268,7 @@ impl Reuse {
         Ok(ReuseConfig {
             enabled: !self.no_reuse,
             index: self.index.parse::<IndexKind>()?,
-            seal_turns: !self.no_seal,
+            tail: self.turn_tail.parse::<TurnTail>()?,
             seed: None,
         })
     }
