@@ -1,13 +1,16 @@
-//! Round sealing: what sealing the partial last block of each turn buys in
-//! hit rate and costs in memory, on synthetic multi-turn chats.
+//! Turn tails: what caching the partial last block of each turn buys in hit
+//! rate and costs in memory — not cached (skip), sealed, or cached open and
+//! copied by the request that continues it (copy) — on multi-turn chats.
 //!
 //! Each conversation is replayed statelessly, as OpenAI-style clients do:
 //! turn N's prompt is turn N-1's prompt and answer plus the new user message.
 //! *Reusable* tokens are those already computed in an earlier turn (the whole
 //! previous prompt and answer); the hit rate is the share of them the index
 //! returns. Memory is the KV blocks the live conversation holds after its
-//! last turn: a sealed block occupies a whole block but holds fewer tokens.
+//! last turn: a sealed block occupies a whole block but holds fewer tokens;
+//! a copied one is the conversation's own block, filled on.
 
+pub use kvforge_coordinator::TurnTail;
 use kvforge_pool::BlockId;
 use kvforge_prefix::{BlockRef, ExtraKeys, HashChainIndex, PrefixMatcher, RadixIndex};
 
@@ -80,8 +83,8 @@ impl Replay {
 pub struct SealRun {
     /// Tokens per block.
     pub block_size: usize,
-    /// Whether turn tails were sealed.
-    pub sealed: bool,
+    /// What became of turn tails.
+    pub tail: TurnTail,
     /// Totals.
     pub replay: Replay,
 }
@@ -99,7 +102,7 @@ impl SealRun {
 pub fn replay(
     chats: &[Vec<Turn>],
     block_size: usize,
-    seal: bool,
+    tail: TurnTail,
     kind: IndexKind,
 ) -> anyhow::Result<SealRun> {
     let mut index: Box<dyn PrefixMatcher> = match kind {
@@ -120,9 +123,15 @@ pub fn replay(
             total.hit_tokens += m.tokens.min(history.len()) as u64;
             total.prefill_tokens += (seq.len() - m.tokens) as u64;
             seq.extend(&turn.answer);
-            // New blocks after the hit: full ones, then the tail (sealed or not).
+            // The hit's blocks; a partial last one is copied into a block of
+            // the conversation's own when tails are copied. New blocks
+            // follow: full ones, then the tail.
             table = m.blocks.clone();
-            let mut left = seq.len() - m.tokens;
+            if tail == TurnTail::Copy && table.last().is_some_and(|b| (b.len as usize) < block_size)
+            {
+                table.pop();
+            }
+            let mut left = seq.len() - table.iter().map(|b| b.len as usize).sum::<usize>();
             while left > 0 {
                 let len = left.min(block_size);
                 table.push(BlockRef::new(BlockId::new(next_slot, 1), len as u32));
@@ -130,7 +139,7 @@ pub fn replay(
                 left -= len;
             }
             let indexed = match table.last() {
-                Some(last) if !seal && (last.len as usize) < block_size => {
+                Some(last) if tail == TurnTail::Skip && (last.len as usize) < block_size => {
                     &table[..table.len() - 1]
                 }
                 _ => &table[..],
@@ -143,7 +152,7 @@ pub fn replay(
     }
     Ok(SealRun {
         block_size,
-        sealed: seal,
+        tail,
         replay: total,
     })
 }

@@ -2,11 +2,14 @@
 //!
 //! 1. Replays conversations from `chitchat-dataset` (10–20 human turns; each
 //!    human turn is a user message, SmolLM2 writes the answers) statelessly
-//!    through the engine's `CacheManager`, and reports per turn the prompt
-//!    tokens, reused tokens, hit rate, time to first token with reuse and
-//!    with a full recompute, and KV bytes cached.
+//!    through the engine's `CacheManager` (partial turn tails copied), for
+//!    each block size of `--block-sizes`, `--repeats` times. Per turn it
+//!    times the first token with reuse and with a full recompute of the same
+//!    prompt, the two interleaved (their order alternates), and reports
+//!    medians over chats and repeats: single sequential runs on a busy
+//!    2-core machine swing by 10x.
 //! 2. Replays the same token streams through the prefix index alone for
-//!    block sizes 16…512, with and without sealing turn tails, for both
+//!    block sizes 16…512, with turn tails skipped, sealed or copied, for both
 //!    index kinds (hit rate of reusable tokens, KV held).
 //!
 //! Writes `per_turn.csv`, `sweep.csv`, `report.md`, `ttft.png` and
@@ -19,7 +22,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
-use kvforge_bench::sealing::{self, Turn};
+use kvforge_bench::sealing::{self, Turn, TurnTail};
 use kvforge_bench::smollm2_layout;
 use kvforge_engine::{
     CacheManager, Engine, EngineConfig, Message, ReuseConfig, Sampler, SamplingParams, Sequence,
@@ -30,7 +33,8 @@ struct Args {
     chats: usize,
     turns: usize,
     answer_tokens: usize,
-    block_size: usize,
+    block_sizes: Vec<usize>,
+    repeats: usize,
     weights: String,
     model: PathBuf,
     data: PathBuf,
@@ -42,7 +46,8 @@ fn parse_args() -> Result<Args> {
         chats: 2,
         turns: 16,
         answer_tokens: 32,
-        block_size: 16,
+        block_sizes: vec![16, 128, 256],
+        repeats: 3,
         weights: "f32".into(),
         model: PathBuf::from("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
         data: PathBuf::from("data/chitchat/dataset.json"),
@@ -54,13 +59,19 @@ fn parse_args() -> Result<Args> {
             "--chats" => a.chats = num()?,
             "--turns" => a.turns = num()?,
             "--answer-tokens" => a.answer_tokens = num()?,
-            "--block-size" => a.block_size = num()?,
+            "--block-sizes" => {
+                a.block_sizes = value
+                    .split(',')
+                    .map(|v| kvforge_bench::positive(&flag, v.trim()))
+                    .collect::<Result<_>>()?
+            }
+            "--repeats" => a.repeats = num()?,
             "--model" => a.model = value.into(),
             "--weights" => a.weights = value,
             "--data" => a.data = value.into(),
             "--out" => a.out = value.into(),
             _ => bail!(
-                "unknown flag {flag}; flags: --chats --turns --answer-tokens --block-size --weights --model --data --out"
+                "unknown flag {flag}; flags: --chats --turns --answer-tokens --block-sizes --repeats --weights --model --data --out"
             ),
         }
     }
@@ -115,6 +126,8 @@ fn load_chats(path: &Path, turns: usize, n: usize) -> Result<Vec<Vec<String>>> {
 }
 
 struct Row {
+    block_size: usize,
+    repeat: usize,
     chat: usize,
     turn: usize,
     prompt: usize,
@@ -132,9 +145,61 @@ fn main() -> std::process::ExitCode {
 fn run() -> Result<()> {
     let a = parse_args()?;
     let chats = load_chats(&a.data, a.turns, a.chats)?;
+    let total = (a.repeats * a.block_sizes.len() * a.chats * a.turns) as u64;
+    let bar = ProgressBar::new(total);
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40} {pos}/{len} turns {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let mut rows = Vec::new();
+    let mut streams: Vec<Vec<Turn>> = Vec::new();
+    for repeat in 0..a.repeats {
+        for &bs in &a.block_sizes {
+            bar.set_message(format!("block {bs}, repeat {}", repeat + 1));
+            let got = replay_chats(&a, &chats, bs, repeat, &mut rows, &bar)?;
+            if streams.is_empty() {
+                streams = got;
+            } else if got
+                .iter()
+                .zip(&streams)
+                .any(|(x, y)| x.iter().map(|t| &t.answer).ne(y.iter().map(|t| &t.answer)))
+            {
+                bail!("greedy answers differ between runs (block {bs}, repeat {repeat})");
+            }
+        }
+    }
+    bar.finish_and_clear();
+
+    // The sweep: the same token streams through the index alone.
+    let mut sweep = Vec::new();
+    for bs in [16usize, 32, 64, 128, 256, 512] {
+        for tail in [TurnTail::Skip, TurnTail::Seal, TurnTail::Copy] {
+            let chain = sealing::replay(&streams, bs, tail, sealing::IndexKind::HashChain)?;
+            let radix = sealing::replay(&streams, bs, tail, sealing::IndexKind::Radix)?;
+            if chain.replay != radix.replay {
+                bail!("hash chain and radix disagree at block {bs}, {tail:?}");
+            }
+            sweep.push(chain);
+        }
+    }
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    write_outputs(&a, &rows, &sweep)?;
+    Ok(())
+}
+
+/// One stateless replay of every chat at block size `bs`; returns the token
+/// streams (user messages and answers).
+fn replay_chats(
+    a: &Args,
+    chats: &[Vec<String>],
+    bs: usize,
+    repeat: usize,
+    rows: &mut Vec<Row>,
+    bar: &ProgressBar,
+) -> Result<Vec<Vec<Turn>>> {
     let cfg = EngineConfig {
         weight_kind: Some(kvforge_engine::parse_dtype(&a.weights)?),
-        block_size: a.block_size,
+        block_size: bs,
         ..Default::default()
     };
     let engine =
@@ -148,14 +213,22 @@ fn run() -> Result<()> {
         max_tokens: a.answer_tokens,
         ..Default::default()
     };
-    let bar = ProgressBar::new((a.chats * a.turns) as u64);
-    bar.set_style(
-        ProgressStyle::with_template("{bar:40} {pos}/{len} turns {msg}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
     let eos = m.with_engine(|e| e.tokenizer.eos);
-    let mut rows = Vec::new();
-    let mut streams: Vec<Vec<Turn>> = Vec::new();
+    let recompute = |prompt: &[u32]| {
+        m.with_engine(|e| -> Result<f64> {
+            let t0 = Instant::now();
+            let mut seq = Sequence::default();
+            let logits = e
+                .model
+                .forward(prompt, &mut e.cache.view(&mut seq), false)?;
+            let row: Vec<f32> = Vec::<f32>::try_from(logits.flatten(0, -1))?;
+            let _first = Sampler::new(SamplingParams::default())?.sample(&row);
+            let secs = t0.elapsed().as_secs_f64();
+            e.cache.free(&mut seq)?;
+            Ok(secs)
+        })
+    };
+    let mut streams = Vec::new();
     for (c, chat) in chats.iter().enumerate() {
         let mut prompt: Vec<u32> = Vec::new();
         let mut forwarded = 0usize;
@@ -168,19 +241,19 @@ fn run() -> Result<()> {
             };
             let user = m.with_engine(|e| e.tokenizer.encode(&text))?;
             prompt.extend(&user);
+            // Interleaved: the recompute runs before or after the request,
+            // alternating, so neither always meets a warmer machine.
+            let first = (repeat + t) % 2 == 0;
+            let before = if first {
+                Some(recompute(&prompt)?)
+            } else {
+                None
+            };
             let r = m.complete(&prompt, &format!("chat-{c}"), &params, &mut |_, _| true)?;
-            let ttft_recompute = m.with_engine(|e| -> Result<f64> {
-                let t0 = Instant::now();
-                let mut seq = Sequence::default();
-                let logits = e
-                    .model
-                    .forward(&prompt, &mut e.cache.view(&mut seq), false)?;
-                let row: Vec<f32> = Vec::<f32>::try_from(logits.flatten(0, -1))?;
-                let _first = Sampler::new(SamplingParams::default())?.sample(&row);
-                let secs = t0.elapsed().as_secs_f64();
-                e.cache.free(&mut seq)?;
-                Ok(secs)
-            })?;
+            let ttft_recompute = match before {
+                Some(x) => x,
+                None => recompute(&prompt)?,
+            };
             let kv_cached_bytes = m.with_engine(|e| {
                 e.cache
                     .tier_stats()
@@ -189,6 +262,8 @@ fn run() -> Result<()> {
                     .sum::<u64>()
             });
             rows.push(Row {
+                block_size: bs,
+                repeat,
                 chat: c,
                 turn: t + 1,
                 prompt: prompt.len(),
@@ -210,28 +285,25 @@ fn run() -> Result<()> {
         }
         streams.push(stream);
     }
-    bar.finish_and_clear();
+    Ok(streams)
+}
 
-    // The sweep: the same token streams through the index alone.
-    let mut sweep = Vec::new();
-    for bs in [16usize, 32, 64, 128, 256, 512] {
-        for seal in [false, true] {
-            let chain = sealing::replay(&streams, bs, seal, sealing::IndexKind::HashChain)?;
-            let radix = sealing::replay(&streams, bs, seal, sealing::IndexKind::Radix)?;
-            if chain.replay != radix.replay {
-                bail!("hash chain and radix disagree at block {bs}, seal {seal}");
-            }
-            sweep.push(chain);
-        }
+fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
     }
-    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
-    write_outputs(&a, &rows, &sweep)?;
-    Ok(())
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
 }
 
 fn write_outputs(a: &Args, rows: &[Row], sweep: &[sealing::SealRun]) -> Result<()> {
     let mut csv = String::from(
-        "chat,turn,prompt_tokens,reusable_tokens,reused_tokens,hit_rate,ttft_reuse_ms,ttft_recompute_ms,kv_cached_bytes\n",
+        "block_size,repeat,chat,turn,prompt_tokens,reusable_tokens,reused_tokens,hit_rate,ttft_reuse_ms,ttft_recompute_ms,kv_cached_bytes\n",
     );
     for r in rows {
         let hit = if r.reusable == 0 {
@@ -240,7 +312,9 @@ fn write_outputs(a: &Args, rows: &[Row], sweep: &[sealing::SealRun]) -> Result<(
             r.reused as f64 / r.reusable as f64
         };
         csv.push_str(&format!(
-            "{},{},{},{},{},{:.4},{:.2},{:.2},{}\n",
+            "{},{},{},{},{},{},{},{:.4},{:.2},{:.2},{}\n",
+            r.block_size,
+            r.repeat,
             r.chat,
             r.turn,
             r.prompt,
@@ -253,12 +327,12 @@ fn write_outputs(a: &Args, rows: &[Row], sweep: &[sealing::SealRun]) -> Result<(
         ));
     }
     std::fs::write(a.out.join("per_turn.csv"), csv)?;
-    let mut scsv = String::from("block_size,sealed,hit_rate,kv_held_mib_per_chat,empty_slots\n");
+    let mut scsv = String::from("block_size,tail,hit_rate,kv_held_mib_per_chat,empty_slots\n");
     for s in sweep {
         scsv.push_str(&format!(
-            "{},{},{:.4},{:.3},{:.4}\n",
+            "{},{:?},{:.4},{:.3},{:.4}\n",
             s.block_size,
-            s.sealed,
+            s.tail,
             s.replay.hit_rate(),
             kv_mib(s, a.chats),
             s.waste()
@@ -266,49 +340,82 @@ fn write_outputs(a: &Args, rows: &[Row], sweep: &[sealing::SealRun]) -> Result<(
     }
     std::fs::write(a.out.join("sweep.csv"), scsv)?;
 
-    // Per-turn means over chats.
-    let mean = |turn: usize, f: &dyn Fn(&Row) -> f64| {
-        let v: Vec<f64> = rows.iter().filter(|r| r.turn == turn).map(f).collect();
-        v.iter().sum::<f64>() / v.len().max(1) as f64
-    };
     let mut md = format!(
         "Stateless replay of {} chitchat conversations x {} turns (SmolLM2-135M, {} weights, \
-         block {}, sealed turns, hash-chain index; answers {} greedy tokens). Means over chats.\n\n\
-         | turn | prompt tokens | reused tokens | hit rate | TTFT reuse (ms) | TTFT recompute (ms) | ratio | KV cached (MiB) |\n\
-         |---:|---:|---:|---:|---:|---:|---:|---:|\n",
-        a.chats, a.turns, a.weights, a.block_size, a.answer_tokens
+         hash-chain index, turn tails copied; answers {} greedy tokens), {} repeats per block size. \
+         Time to first token with reuse and with a full recompute of the same prompt, measured \
+         interleaved; medians over chats and repeats.\n\n\
+         | block | hit rate | TTFT reuse, median (ms) | TTFT recompute, median (ms) | median ratio, turns 2+ | KV cached, last turn (MiB) |\n\
+         |---:|---:|---:|---:|---:|---:|\n",
+        a.chats, a.turns, a.weights, a.answer_tokens, a.repeats
     );
+    for &bs in &a.block_sizes {
+        let of: Vec<&Row> = rows.iter().filter(|r| r.block_size == bs).collect();
+        let later: Vec<&&Row> = of.iter().filter(|r| r.turn > 1).collect();
+        let reusable: usize = later.iter().map(|r| r.reusable).sum();
+        let reused: usize = later.iter().map(|r| r.reused.min(r.reusable)).sum();
+        let last: Vec<f64> = of
+            .iter()
+            .filter(|r| r.turn == a.turns)
+            .map(|r| r.kv_cached_bytes as f64 / (1 << 20) as f64)
+            .collect();
+        md.push_str(&format!(
+            "| {bs} | {:.1}% | {:.1} | {:.1} | {:.3} | {:.1} |\n",
+            100.0 * reused as f64 / reusable.max(1) as f64,
+            median(later.iter().map(|r| r.ttft_reuse * 1e3).collect()),
+            median(later.iter().map(|r| r.ttft_recompute * 1e3).collect()),
+            median(
+                later
+                    .iter()
+                    .map(|r| r.ttft_reuse / r.ttft_recompute)
+                    .collect()
+            ),
+            median(last),
+        ));
+    }
+    let bs0 = a.block_sizes[0];
+    let per_turn = |turn: usize, f: &dyn Fn(&Row) -> f64| {
+        median(
+            rows.iter()
+                .filter(|r| r.turn == turn && r.block_size == bs0)
+                .map(f)
+                .collect(),
+        )
+    };
+    md.push_str(&format!(
+        "\nPer turn at block {bs0} (medians over chats and repeats):\n\n\
+         | turn | prompt tokens | reused tokens | TTFT reuse (ms) | TTFT recompute (ms) | ratio |\n\
+         |---:|---:|---:|---:|---:|---:|\n"
+    ));
     for t in 1..=a.turns {
-        let reusable = mean(t, &|r| r.reusable as f64);
-        let reused = mean(t, &|r| r.reused as f64);
         let (tr, tc) = (
-            mean(t, &|r| r.ttft_reuse * 1e3),
-            mean(t, &|r| r.ttft_recompute * 1e3),
+            per_turn(t, &|r| r.ttft_reuse * 1e3),
+            per_turn(t, &|r| r.ttft_recompute * 1e3),
         );
         md.push_str(&format!(
-            "| {t} | {:.0} | {reused:.0} | {} | {tr:.1} | {tc:.1} | {:.3} | {:.1} |\n",
-            mean(t, &|r| r.prompt as f64),
-            if reusable > 0.0 {
-                format!("{:.1}%", 100.0 * reused / reusable)
-            } else {
-                "–".into()
-            },
-            tr / tc,
-            mean(t, &|r| r.kv_cached_bytes as f64) / (1 << 20) as f64,
+            "| {t} | {:.0} | {:.0} | {tr:.1} | {tc:.1} | {:.3} |\n",
+            per_turn(t, &|r| r.prompt as f64),
+            per_turn(t, &|r| r.reused as f64),
+            per_turn(t, &|r| r.ttft_reuse / r.ttft_recompute),
         ));
     }
     md.push_str(
-        "\nSweep: the same token streams through the prefix index alone (hash chain and radix agree exactly).\n\n\
-         | block | hit rate, no seal | hit rate, sealed | KV held per chat, no seal (MiB) | sealed (MiB) |\n|---:|---:|---:|---:|---:|\n",
+        "\nSweep: the same token streams through the prefix index alone (hash chain and radix agree exactly). \
+         KV held: the blocks the live conversation holds after its last turn.\n\n\
+         | block | hit rate, skip | sealed | copy | KV held per chat, skip (MiB) | sealed | copy | copy / skip |\n\
+         |---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
-    for pair in sweep.chunks(2) {
+    for tri in sweep.chunks(3) {
         md.push_str(&format!(
-            "| {} | {:.1}% | {:.1}% | {:.2} | {:.2} |\n",
-            pair[0].block_size,
-            100.0 * pair[0].replay.hit_rate(),
-            100.0 * pair[1].replay.hit_rate(),
-            kv_mib(&pair[0], a.chats),
-            kv_mib(&pair[1], a.chats)
+            "| {} | {:.1}% | {:.1}% | {:.1}% | {:.2} | {:.2} | {:.2} | {:.3}x |\n",
+            tri[0].block_size,
+            100.0 * tri[0].replay.hit_rate(),
+            100.0 * tri[1].replay.hit_rate(),
+            100.0 * tri[2].replay.hit_rate(),
+            kv_mib(&tri[0], a.chats),
+            kv_mib(&tri[1], a.chats),
+            kv_mib(&tri[2], a.chats),
+            tri[2].replay.blocks_held as f64 / tri[0].replay.blocks_held.max(1) as f64,
         ));
     }
     std::fs::write(a.out.join("report.md"), &md)?;
@@ -317,26 +424,26 @@ fn write_outputs(a: &Args, rows: &[Row], sweep: &[sealing::SealRun]) -> Result<(
     let turns: Vec<usize> = (1..=a.turns).collect();
     let reuse: Vec<(f64, f64)> = turns
         .iter()
-        .map(|&t| (t as f64, mean(t, &|r| r.ttft_reuse * 1e3)))
+        .map(|&t| (t as f64, per_turn(t, &|r| r.ttft_reuse * 1e3)))
         .collect();
     let full: Vec<(f64, f64)> = turns
         .iter()
-        .map(|&t| (t as f64, mean(t, &|r| r.ttft_recompute * 1e3)))
+        .map(|&t| (t as f64, per_turn(t, &|r| r.ttft_recompute * 1e3)))
         .collect();
     let ymax = full.iter().chain(&reuse).map(|p| p.1).fold(1.0, f64::max) * 1.1;
     kvforge_bench::plot::line_plot(
         &a.out.join("ttft.png"),
-        "Time to first token per turn",
+        &format!("Time to first token per turn (block {bs0}, medians)"),
         "turn",
         "ms",
         (1.0, a.turns as f64),
         (0.0, ymax),
         &[("full recompute", full), ("prefix reuse", reuse)],
     )?;
-    let xs = |seal: bool| -> Vec<(f64, f64)> {
+    let xs = |tail: TurnTail| -> Vec<(f64, f64)> {
         sweep
             .iter()
-            .filter(|s| s.sealed == seal)
+            .filter(|s| s.tail == tail)
             .map(|s| ((s.block_size as f64).log2(), 100.0 * s.replay.hit_rate()))
             .collect()
     };
@@ -347,7 +454,11 @@ fn write_outputs(a: &Args, rows: &[Row], sweep: &[sealing::SealRun]) -> Result<(
         "%",
         (4.0, 9.0),
         (0.0, 100.0),
-        &[("no seal", xs(false)), ("sealed turns", xs(true))],
+        &[
+            ("tail not cached", xs(TurnTail::Skip)),
+            ("sealed", xs(TurnTail::Seal)),
+            ("copied", xs(TurnTail::Copy)),
+        ],
     )?;
     println!("written to {}", a.out.display());
     Ok(())

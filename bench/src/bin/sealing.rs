@@ -1,5 +1,6 @@
-//! Round-sealing experiment: hit rate of reusable tokens and KV memory held,
-//! per block size, with and without sealing the last block of each turn.
+//! Turn-tail experiment: hit rate of reusable tokens and KV memory held, per
+//! block size, with the last block of each turn not cached, sealed, or
+//! copied by the request that continues it.
 //!
 //! `cargo run -p kvforge-bench --release --bin sealing [CHATS] [TURNS]`
 //! (defaults: 200 chats of 16 turns). Prints a Markdown table. Both index
@@ -8,7 +9,7 @@
 #![allow(clippy::print_stdout)] // a report printer
 
 use anyhow::{Context, bail};
-use kvforge_bench::sealing::{IndexKind, replay, synthetic_chat};
+use kvforge_bench::sealing::{IndexKind, TurnTail, replay, synthetic_chat};
 use kvforge_bench::smollm2_layout;
 
 fn arg(args: &[String], i: usize, name: &str, default: usize) -> anyhow::Result<usize> {
@@ -45,31 +46,33 @@ fn run() -> anyhow::Result<()> {
         "Synthetic chats: {chats} x {turns} turns (user 16-160, answer 32-400 tokens). \
          KV in SmolLM2-135M f16 (23,040 B/token).\n\n"
     ));
-    out.push_str("| block | hit rate (no seal) | hit rate (sealed) | KV held (no seal) | KV held (sealed) | memory cost | empty slots (sealed) |\n");
-    out.push_str("|---:|---:|---:|---:|---:|---:|---:|\n");
+    out.push_str("| block | hit rate (skip) | hit rate (sealed) | hit rate (copy) | KV held (skip) | KV held (sealed) | KV held (copy) | copy vs skip | empty slots (sealed) |\n");
+    out.push_str("|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for bs in [16usize, 32, 64, 128, 256, 512] {
         let mut rows = Vec::new();
-        for seal in [false, true] {
-            let a = replay(&data, bs, seal, IndexKind::HashChain)?;
-            let b = replay(&data, bs, seal, IndexKind::Radix)?;
+        for tail in [TurnTail::Skip, TurnTail::Seal, TurnTail::Copy] {
+            let a = replay(&data, bs, tail, IndexKind::HashChain)?;
+            let b = replay(&data, bs, tail, IndexKind::Radix)?;
             if a.replay != b.replay {
-                bail!("hash chain and radix disagree at block {bs}, seal {seal}: {a:?} vs {b:?}");
+                bail!("hash chain and radix disagree at block {bs}, {tail:?}: {a:?} vs {b:?}");
             }
             rows.push(a);
         }
-        let (plain, sealed) = (rows[0], rows[1]);
+        let (skip, sealed, copy) = (rows[0], rows[1], rows[2]);
         let bytes = |r: &kvforge_bench::sealing::SealRun| {
             r.replay.blocks_held as f64 * smollm2_layout(bs as u32).block_bytes() as f64
                 / chats as f64
                 / (1 << 20) as f64
         };
         out.push_str(&format!(
-            "| {bs} | {:.1}% | {:.1}% | {:.1} MiB | {:.1} MiB | +{:.1}% | {:.1}% |\n",
-            100.0 * plain.replay.hit_rate(),
+            "| {bs} | {:.1}% | {:.1}% | {:.1}% | {:.1} MiB | {:.1} MiB | {:.1} MiB | {:.3}x | {:.1}% |\n",
+            100.0 * skip.replay.hit_rate(),
             100.0 * sealed.replay.hit_rate(),
-            bytes(&plain),
+            100.0 * copy.replay.hit_rate(),
+            bytes(&skip),
             bytes(&sealed),
-            100.0 * (sealed.replay.blocks_held as f64 / plain.replay.blocks_held as f64 - 1.0),
+            bytes(&copy),
+            copy.replay.blocks_held as f64 / skip.replay.blocks_held as f64,
             100.0 * sealed.waste(),
         ));
     }
