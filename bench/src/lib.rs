@@ -2,15 +2,20 @@
 //!
 //! * [`smollm2_layout`], [`synthetic_tokens`], [`cached_index`]: fixtures for
 //!   the criterion benches in `benches/`.
-//! * [`sealing`]: the round-sealing experiment (hit rate gained against
-//!   memory spent), run by `cargo run -p kvforge-bench --release --bin sealing`.
-//! * [`flag_pairs`], [`count`], [`positive`], [`longest_article`]: command
-//!   lines and inputs of the experiment binaries; [`plot`]: their PNGs.
+//! * [`sealing`]: the turn-tail experiment (hit rate gained against memory
+//!   spent: tails skipped, sealed or copied), run by
+//!   `cargo run -p kvforge-bench --release --bin sealing`.
+//! * [`flag_pairs`], [`count`], [`positive`], `longest_article` (feature
+//!   `engine`): command lines and inputs of the experiment binaries;
+//!   [`plot`]: their PNGs.
+//!
+//! Feature `engine` (default) adds the libtorch-backed experiments
+//! (`prefix_bench`, `quant_sweep`, `decode_ab`); without it the criterion
+//! benches (pool, hashing, matching, quantization) and `sealing` build and
+//! run on a machine with no libtorch.
 
 pub mod plot;
 pub mod sealing;
-
-use std::path::Path;
 
 use anyhow::{Context, bail};
 use kvforge_pool::{BlockId, KvLayout, StorageFormat};
@@ -59,7 +64,8 @@ pub fn positive(flag: &str, value: &str) -> anyhow::Result<usize> {
 
 /// The longest article of a text file (`<doc …>` files such as the setup's
 /// `wiki.utf8` are split into articles; plain text is one).
-pub fn longest_article(path: &Path) -> anyhow::Result<String> {
+#[cfg(feature = "engine")]
+pub fn longest_article(path: &std::path::Path) -> anyhow::Result<String> {
     let body =
         std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
     Ok(kvforge_engine::ppl::longest_article(&body))

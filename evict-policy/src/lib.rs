@@ -139,3 +139,8 @@ impl EvictionPolicy for SinkWindow {
         }
     }
 }
+
+/// The README's example, compiled and run as a doctest.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

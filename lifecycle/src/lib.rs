@@ -105,3 +105,8 @@ impl LifecyclePolicy for RecentTurns {
         }
     }
 }
+
+/// The README's example, compiled and run as a doctest.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

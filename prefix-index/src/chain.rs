@@ -165,6 +165,102 @@ impl<H: BlockHasher> HashChainIndex<H> {
             next = stack.pop();
         }
     }
+
+    /// Inserts `blocks` (holding `tokens`) below `parent`: the root of
+    /// `root = Some((key, namespace))` (created if its serial is `None`),
+    /// or, with `root = None`, an entry.
+    fn insert_below(
+        &mut self,
+        root: Option<(BlockHash, &ExtraKeys)>,
+        mut parent: (BlockHash, Option<u64>),
+        tokens: &[u32],
+        blocks: &[BlockRef],
+        out: &mut Inserted,
+    ) {
+        let mut p = 0;
+        for b in blocks {
+            let toks = &tokens[p..p + b.len as usize];
+            self.stats.insert_tokens += toks.len() as u64;
+            let key = block_key(&self.hasher, parent.0, toks, &mut self.scratch);
+            if let Some(e) = self.entries.get(&key) {
+                if Some(e.parent_serial) == parent.1 && *e.tokens == *toks {
+                    out.already_cached += 1;
+                    self.stats.duplicate_blocks += 1;
+                    parent = (key, Some(e.serial));
+                    p += b.len as usize;
+                    continue;
+                }
+                // Every entry is reachable: another prefix owns this key.
+                out.collisions += 1;
+                self.stats.collisions += 1;
+                break;
+            }
+            if self.slots.contains_key(&b.block.index()) {
+                // The same handle is indexed elsewhere, or the slot holds a
+                // newer epoch than the caller's (older ones were removed).
+                out.already_indexed += 1;
+                break;
+            }
+            let parent_serial = match (parent.1, root) {
+                (Some(s), _) => s,
+                (None, Some((rk, extra))) => {
+                    let serial = self.serial();
+                    let root = Root {
+                        extra: extra.clone(),
+                        serial,
+                        children: 0,
+                        sealed: SealedLens::default(),
+                    };
+                    self.roots.insert(rk, root);
+                    serial
+                }
+                (None, None) => break,
+            };
+            let serial = self.serial();
+            let (bs, len) = (self.block_size, toks.len());
+            let under_root = root.is_some_and(|(rk, _)| parent.0 == rk);
+            if under_root {
+                if let Some(r) = self.roots.get_mut(&parent.0) {
+                    r.children += 1;
+                    if len < bs {
+                        r.sealed.add(len as u32);
+                    }
+                }
+            } else if let Some(pe) = self.entries.get_mut(&parent.0) {
+                pe.add_child(key, len, bs);
+            }
+            self.entries.insert(
+                key,
+                Entry {
+                    block: b.block,
+                    serial,
+                    parent_serial,
+                    parent_key: parent.0,
+                    under_root,
+                    tokens: toks.into(),
+                    sealed: SealedLens::default(),
+                    children: None,
+                },
+            );
+            self.slots.insert(b.block.index(), (b.block, key));
+            out.new += 1;
+            self.stats.inserted_blocks += 1;
+            parent = (key, Some(serial));
+            p += b.len as usize;
+        }
+    }
+
+    /// Slots handed out again since they were indexed: their old content
+    /// is gone.
+    fn forget_stale(&mut self, blocks: &[BlockRef]) {
+        for b in blocks {
+            if let Some(&(old, key)) = self.slots.get(&b.block.index()) {
+                if old.epoch() < b.block.epoch() {
+                    self.remove_subtree(key);
+                }
+            }
+        }
+    }
 }
 
 impl<H: BlockHasher> PrefixMatcher for HashChainIndex<H> {
@@ -247,18 +343,11 @@ impl<H: BlockHasher> PrefixMatcher for HashChainIndex<H> {
         blocks: &[BlockRef],
     ) -> Result<Inserted> {
         validate_insert(tokens, blocks, self.block_size)?;
-        // Slots handed out again since they were indexed: their old content is gone.
-        for b in blocks {
-            if let Some(&(old, key)) = self.slots.get(&b.block.index()) {
-                if old.epoch() < b.block.epoch() {
-                    self.remove_subtree(key);
-                }
-            }
-        }
+        self.forget_stale(blocks);
         let mut out = Inserted::default();
         let rk = root_key(&self.hasher, extra);
         // The parent's (key, serial); `None` while the root does not exist.
-        let mut parent: (BlockHash, Option<u64>) = match self.roots.get(&rk) {
+        let parent: (BlockHash, Option<u64>) = match self.roots.get(&rk) {
             Some(r) if r.extra != *extra => {
                 out.collisions += 1;
                 self.stats.collisions += 1;
@@ -267,76 +356,35 @@ impl<H: BlockHasher> PrefixMatcher for HashChainIndex<H> {
             Some(r) => (rk, Some(r.serial)),
             None => (rk, None),
         };
-        let mut p = 0;
-        for b in blocks {
-            let toks = &tokens[p..p + b.len as usize];
-            let key = block_key(&self.hasher, parent.0, toks, &mut self.scratch);
-            if let Some(e) = self.entries.get(&key) {
-                if Some(e.parent_serial) == parent.1 && *e.tokens == *toks {
-                    out.already_cached += 1;
-                    self.stats.duplicate_blocks += 1;
-                    parent = (key, Some(e.serial));
-                    p += b.len as usize;
-                    continue;
-                }
-                // Every entry is reachable: another prefix owns this key.
-                out.collisions += 1;
-                self.stats.collisions += 1;
-                break;
-            }
-            if self.slots.contains_key(&b.block.index()) {
-                // The same handle is indexed elsewhere, or the slot holds a
-                // newer epoch than the caller's (older ones were removed).
-                out.already_indexed += 1;
-                break;
-            }
-            let parent_serial = match parent.1 {
-                Some(s) => s,
-                None => {
-                    let serial = self.serial();
-                    let root = Root {
-                        extra: extra.clone(),
-                        serial,
-                        children: 0,
-                        sealed: SealedLens::default(),
-                    };
-                    self.roots.insert(rk, root);
-                    serial
-                }
-            };
-            let serial = self.serial();
-            let (bs, len) = (self.block_size, toks.len());
-            let under_root = parent.0 == rk;
-            if under_root {
-                if let Some(r) = self.roots.get_mut(&rk) {
-                    r.children += 1;
-                    if len < bs {
-                        r.sealed.add(len as u32);
-                    }
-                }
-            } else if let Some(pe) = self.entries.get_mut(&parent.0) {
-                pe.add_child(key, len, bs);
-            }
-            self.entries.insert(
-                key,
-                Entry {
-                    block: b.block,
-                    serial,
-                    parent_serial,
-                    parent_key: parent.0,
-                    under_root,
-                    tokens: toks.into(),
-                    sealed: SealedLens::default(),
-                    children: None,
-                },
-            );
-            self.slots.insert(b.block.index(), (b.block, key));
-            out.new += 1;
-            self.stats.inserted_blocks += 1;
-            parent = (key, Some(serial));
-            p += b.len as usize;
-        }
+        self.insert_below(Some((rk, extra)), parent, tokens, blocks, &mut out);
         Ok(out)
+    }
+
+    fn extend(
+        &mut self,
+        parent: BlockId,
+        tokens: &[u32],
+        blocks: &[BlockRef],
+    ) -> Result<Option<Inserted>> {
+        validate_insert(tokens, blocks, self.block_size)?;
+        if let Some(b) = blocks.iter().find(|b| b.block.index() == parent.index()) {
+            return Err(crate::PrefixError::DuplicateBlock { block: b.block });
+        }
+        self.forget_stale(blocks);
+        let Some(&(id, key)) = self.slots.get(&parent.index()) else {
+            return Ok(None);
+        };
+        let Some(serial) = self
+            .entries
+            .get(&key)
+            .filter(|_| id == parent)
+            .map(|e| e.serial)
+        else {
+            return Ok(None);
+        };
+        let mut out = Inserted::default();
+        self.insert_below(None, (key, Some(serial)), tokens, blocks, &mut out);
+        Ok(Some(out))
     }
 
     fn forget(&mut self, block: BlockId) -> bool {

@@ -160,6 +160,9 @@ pub struct MatchStats {
     /// Entries removed by `forget` (and by re-use of their block slot),
     /// including those below a forgotten one.
     pub forgotten_blocks: u64,
+    /// Tokens `insert` and `extend` hashed or compared: what registering
+    /// costs (a session's turn should cost its new tokens, not its history).
+    pub insert_tokens: u64,
     /// Blocks indexed now, every one of them reachable by some query.
     pub cached_blocks: u64,
     /// Namespaces (root chains) with at least one indexed block.
@@ -207,6 +210,20 @@ pub trait PrefixMatcher: Send {
         blocks: &[BlockRef],
     ) -> Result<Inserted>;
 
+    /// [`insert`](Self::insert) continuing below the indexed block
+    /// `parent`: `blocks` hold `tokens` and follow `parent` in the
+    /// sequence. A session that registers turn after turn passes only what
+    /// is new, so the cost is proportional to the new tokens, not the
+    /// conversation. `Ok(None)` (nothing changed) when `parent` is not
+    /// indexed (any more): the caller inserts from the start instead. Same
+    /// errors as `insert`, plus `parent` listed among `blocks`.
+    fn extend(
+        &mut self,
+        parent: BlockId,
+        tokens: &[u32],
+        blocks: &[BlockRef],
+    ) -> Result<Option<Inserted>>;
+
     /// The pool reclaimed (or freed for good) this block: drop its entry
     /// and everything inserted below it. A handle whose epoch differs from
     /// the indexed one is ignored. Returns whether the handle was indexed
@@ -248,6 +265,14 @@ macro_rules! forward_matcher {
                 blocks: &[BlockRef],
             ) -> Result<Inserted> {
                 (**self).insert(tokens, extra, blocks)
+            }
+            fn extend(
+                &mut self,
+                parent: BlockId,
+                tokens: &[u32],
+                blocks: &[BlockRef],
+            ) -> Result<Option<Inserted>> {
+                (**self).extend(parent, tokens, blocks)
             }
             fn forget(&mut self, block: BlockId) -> bool {
                 (**self).forget(block)

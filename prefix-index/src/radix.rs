@@ -193,6 +193,88 @@ impl RadixIndex {
         }
         mid
     }
+
+    /// The insertion walk from `node` (whose edge ends where `blocks[i]`
+    /// starts, at token `p`): follows matching edges, splits where they
+    /// part, adds a leaf with the rest.
+    fn insert_below(
+        &mut self,
+        mut node: NodeId,
+        mut i: usize,
+        mut p: usize,
+        tokens: &[u32],
+        blocks: &[BlockRef],
+        out: &mut Inserted,
+    ) {
+        while i < blocks.len() {
+            let len = blocks[i].len as usize;
+            let child = self.node(node).children.get(&tokens[p..p + len]).copied();
+            let Some(c) = child else {
+                // A new leaf with the remaining blocks, up to the first one
+                // whose handle is indexed elsewhere (or newer in the index).
+                let rest = &blocks[i..];
+                let keep = rest
+                    .iter()
+                    .position(|b| self.slots.contains_key(&b.block.index()))
+                    .unwrap_or(rest.len());
+                out.already_indexed += usize::from(keep < rest.len());
+                if keep == 0 {
+                    break;
+                }
+                let rest = &rest[..keep];
+                let end = p + rest.iter().map(|b| b.len as usize).sum::<usize>();
+                self.stats.insert_tokens += (end - p) as u64;
+                let leaf = self.alloc_node(Node {
+                    parent: node,
+                    blocks: rest.to_vec(),
+                    tokens: tokens[p..end].to_vec(),
+                    ..Node::default()
+                });
+                self.attach(node, tokens[p..p + len].into(), leaf);
+                for &b in rest {
+                    self.set_slot(b, leaf);
+                }
+                out.new += rest.len();
+                self.cached += rest.len() as u64;
+                break;
+            };
+            // Follow the edge while blocks agree (length and tokens).
+            let (mut j, mut off, mut examined) = (0, 0, 0);
+            {
+                let cn = self.node(c);
+                while j < cn.blocks.len() && i < blocks.len() {
+                    let l = blocks[i].len as usize;
+                    examined += l as u64;
+                    if cn.blocks[j].len as usize != l || tokens[p..p + l] != cn.tokens[off..off + l]
+                    {
+                        break;
+                    }
+                    (i, j, p, off) = (i + 1, j + 1, p + l, off + l);
+                    out.already_cached += 1;
+                }
+            }
+            self.stats.insert_tokens += examined;
+            if j == self.node(c).blocks.len() {
+                node = c;
+            } else if i < blocks.len() {
+                node = self.split(c, j, off);
+            } else {
+                break;
+            }
+        }
+    }
+
+    /// Slots handed out again since they were indexed: their old content
+    /// is gone.
+    fn forget_stale(&mut self, blocks: &[BlockRef]) {
+        for b in blocks {
+            if let Some(&(old, _)) = self.slots.get(&b.block.index()) {
+                if old.epoch() < b.block.epoch() {
+                    self.forget(old);
+                }
+            }
+        }
+    }
 }
 
 impl PrefixMatcher for RadixIndex {
@@ -275,14 +357,7 @@ impl PrefixMatcher for RadixIndex {
         blocks: &[BlockRef],
     ) -> Result<Inserted> {
         validate_insert(tokens, blocks, self.block_size)?;
-        // Slots handed out again since they were indexed: their old content is gone.
-        for b in blocks {
-            if let Some(&(old, _)) = self.slots.get(&b.block.index()) {
-                if old.epoch() < b.block.epoch() {
-                    self.forget(old);
-                }
-            }
-        }
+        self.forget_stale(blocks);
         let mut out = Inserted::default();
         let root = match self.roots.get(extra) {
             Some(&r) => r,
@@ -296,60 +371,7 @@ impl PrefixMatcher for RadixIndex {
                 r
             }
         };
-        let (mut node, mut i, mut p) = (root, 0, 0);
-        while i < blocks.len() {
-            let len = blocks[i].len as usize;
-            let child = self.node(node).children.get(&tokens[p..p + len]).copied();
-            let Some(c) = child else {
-                // A new leaf with the remaining blocks, up to the first one
-                // whose handle is indexed elsewhere (or newer in the index).
-                let rest = &blocks[i..];
-                let keep = rest
-                    .iter()
-                    .position(|b| self.slots.contains_key(&b.block.index()))
-                    .unwrap_or(rest.len());
-                out.already_indexed += usize::from(keep < rest.len());
-                if keep == 0 {
-                    break;
-                }
-                let rest = &rest[..keep];
-                let end = p + rest.iter().map(|b| b.len as usize).sum::<usize>();
-                let leaf = self.alloc_node(Node {
-                    parent: node,
-                    blocks: rest.to_vec(),
-                    tokens: tokens[p..end].to_vec(),
-                    ..Node::default()
-                });
-                self.attach(node, tokens[p..p + len].into(), leaf);
-                for &b in rest {
-                    self.set_slot(b, leaf);
-                }
-                out.new += rest.len();
-                self.cached += rest.len() as u64;
-                break;
-            };
-            // Follow the edge while blocks agree (length and tokens).
-            let (mut j, mut off) = (0, 0);
-            {
-                let cn = self.node(c);
-                while j < cn.blocks.len() && i < blocks.len() {
-                    let l = blocks[i].len as usize;
-                    if cn.blocks[j].len as usize != l || tokens[p..p + l] != cn.tokens[off..off + l]
-                    {
-                        break;
-                    }
-                    (i, j, p, off) = (i + 1, j + 1, p + l, off + l);
-                    out.already_cached += 1;
-                }
-            }
-            if j == self.node(c).blocks.len() {
-                node = c;
-            } else if i < blocks.len() {
-                node = self.split(c, j, off);
-            } else {
-                break;
-            }
-        }
+        self.insert_below(root, 0, 0, tokens, blocks, &mut out);
         if self.node(root).children.is_empty() {
             // Nothing was added to a new namespace.
             self.roots.remove(extra);
@@ -358,6 +380,68 @@ impl PrefixMatcher for RadixIndex {
         self.stats.inserted_blocks += out.new as u64;
         self.stats.duplicate_blocks += out.already_cached as u64;
         Ok(out)
+    }
+
+    fn extend(
+        &mut self,
+        parent: BlockId,
+        tokens: &[u32],
+        blocks: &[BlockRef],
+    ) -> Result<Option<Inserted>> {
+        validate_insert(tokens, blocks, self.block_size)?;
+        if let Some(b) = blocks.iter().find(|b| b.block.index() == parent.index()) {
+            return Err(crate::PrefixError::DuplicateBlock { block: b.block });
+        }
+        self.forget_stale(blocks);
+        let Some(&(id, node)) = self.slots.get(&parent.index()) else {
+            return Ok(None);
+        };
+        let Some(j) = self
+            .node(node)
+            .blocks
+            .iter()
+            .position(|b| b.block == parent)
+        else {
+            return Ok(None);
+        };
+        if id != parent {
+            return Ok(None);
+        }
+        let mut out = Inserted::default();
+        // Follow the rest of the parent's edge while the blocks agree.
+        let (mut jj, mut i, mut p) = (j + 1, 0, 0);
+        let mut off: usize = self.node(node).blocks[..=j]
+            .iter()
+            .map(|b| b.len as usize)
+            .sum();
+        let mut examined = 0;
+        {
+            let n = self.node(node);
+            while jj < n.blocks.len() && i < blocks.len() {
+                let l = blocks[i].len as usize;
+                examined += l as u64;
+                if n.blocks[jj].len as usize != l || tokens[p..p + l] != n.tokens[off..off + l] {
+                    break;
+                }
+                (i, jj, p, off) = (i + 1, jj + 1, p + l, off + l);
+                out.already_cached += 1;
+            }
+        }
+        self.stats.insert_tokens += examined;
+        self.stats.duplicate_blocks += out.already_cached as u64;
+        if i < blocks.len() {
+            let below = if jj < self.node(node).blocks.len() {
+                self.split(node, jj, off)
+            } else {
+                node
+            };
+            let before = out.already_cached;
+            self.insert_below(below, i, p, tokens, blocks, &mut out);
+            // insert_below counted its own duplicates into `out` only.
+            self.stats.duplicate_blocks += (out.already_cached - before) as u64;
+        }
+        self.stats.inserted_blocks += out.new as u64;
+        Ok(Some(out))
     }
 
     fn forget(&mut self, block: BlockId) -> bool {

@@ -31,6 +31,7 @@ pub fn check_matcher<M: PrefixMatcher>(make: impl Fn(usize) -> M) {
     the_longest_path_wins_when_sealed_and_full_blocks_compete(make(8));
     equal_paths_prefer_full_blocks(make(4));
     relocated_blocks_keep_their_place_and_subtree(make(4));
+    extend_continues_below_a_block_for_the_cost_of_the_new_tokens(make(4));
 }
 
 /// A handle for tests: slot `i`, epoch `e`.
@@ -267,6 +268,93 @@ fn relocated_blocks_keep_their_place_and_subtree<M: PrefixMatcher>(mut m: M) {
     .expect("insert");
     assert!(!m.relocate(block(61), BlockId::new(60, 2)));
     assert_eq!(m.match_prefix(&seq(200..208), &e).tokens, 0);
+}
+
+fn extend_continues_below_a_block_for_the_cost_of_the_new_tokens<M: PrefixMatcher>(mut m: M) {
+    let e = ExtraKeys::namespace("s");
+    let all = seq(0..40);
+    m.insert(&all[..12], &e, &full_blocks(0, 3, 4))
+        .expect("insert");
+    // Turn after turn, only what is new: the cost is the new tokens.
+    let before = m.stats().insert_tokens;
+    let got = m
+        .extend(block(2), &all[12..20], &full_blocks(3, 2, 4))
+        .expect("extend")
+        .expect("parent indexed");
+    assert_eq!(got.new, 2);
+    assert_eq!(m.stats().insert_tokens - before, 8, "the new tokens only");
+    assert_eq!(
+        ids(&m.match_prefix(&all[..20], &e)),
+        (0..5).map(block).collect::<Vec<_>>()
+    );
+    assert_eq!(m.stats().cached_blocks, 5);
+    // A sealed (short) tail, then the same tail extended again: the
+    // owner's longer registration goes through forget + extend.
+    let tail = [BlockRef::new(block(5), 2)];
+    assert_eq!(
+        m.extend(block(4), &all[20..22], &tail)
+            .expect("extend")
+            .map(|i| i.new),
+        Some(1)
+    );
+    assert_eq!(m.match_prefix(&all[..23], &e).tokens, 22);
+    assert!(m.forget(block(5)));
+    let longer = [BlockRef::new(block(5), 4)];
+    assert_eq!(
+        m.extend(block(4), &all[20..24], &longer)
+            .expect("extend")
+            .map(|i| i.new),
+        Some(1)
+    );
+    assert_eq!(m.match_prefix(&all[..25], &e).tokens, 24);
+    // From a block in the middle: the same continuation is already there,
+    // another one branches off.
+    let same = m
+        .extend(block(1), &all[8..16], &full_blocks(2, 2, 4))
+        .expect("extend")
+        .expect("indexed");
+    assert_eq!((same.new, same.already_cached), (0, 2));
+    let mut other = all[..8].to_vec();
+    other.extend(seq(100..108));
+    let branch = m
+        .extend(block(1), &other[8..], &full_blocks(20, 2, 4))
+        .expect("extend")
+        .expect("indexed");
+    assert_eq!(branch.new, 2);
+    assert_eq!(
+        ids(&m.match_prefix(&other, &e)),
+        vec![block(0), block(1), block(20), block(21)]
+    );
+    assert_eq!(
+        m.match_prefix(&all[..25], &e).tokens,
+        24,
+        "the old path stays"
+    );
+    // Unknown or stale parent: nothing happens, the caller inserts instead.
+    let stats = m.stats();
+    assert_eq!(
+        m.extend(block(77), &all[..4], &full_blocks(30, 1, 4))
+            .expect("ok"),
+        None
+    );
+    assert_eq!(
+        m.extend(BlockId::new(1, 9), &all[..4], &full_blocks(30, 1, 4))
+            .expect("ok"),
+        None
+    );
+    assert_eq!(m.stats().cached_blocks, stats.cached_blocks);
+    // Bad input is an error that changes nothing.
+    assert!(
+        m.extend(block(1), &all[..4], &full_blocks(1, 1, 4))
+            .is_err(),
+        "parent listed"
+    );
+    assert!(
+        m.extend(block(1), &all[..3], &full_blocks(30, 1, 4))
+            .is_err(),
+        "too few tokens"
+    );
+    assert_eq!(m.stats().cached_blocks, stats.cached_blocks);
 }
 
 fn a_reused_slot_replaces_its_old_content<M: PrefixMatcher>(mut m: M) {

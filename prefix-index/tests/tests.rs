@@ -584,6 +584,14 @@ impl PrefixMatcher for Shared {
     fn relocate(&mut self, old: BlockId, new: BlockId) -> bool {
         self.0.lock().unwrap().relocate(old, new)
     }
+    fn extend(
+        &mut self,
+        parent: BlockId,
+        tokens: &[u32],
+        blocks: &[BlockRef],
+    ) -> kvforge_prefix::Result<Option<kvforge_prefix::Inserted>> {
+        self.0.lock().unwrap().extend(parent, tokens, blocks)
+    }
     fn stats(&self) -> kvforge_prefix::MatchStats {
         self.0.lock().unwrap().stats()
     }

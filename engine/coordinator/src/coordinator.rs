@@ -83,6 +83,9 @@ struct SeqState {
     /// The open partial block this sequence registered last (its index
     /// entry is replaced when it is registered again, longer).
     partial: Option<BlockId>,
+    /// Leading entries registered in the index as a chain (an open partial
+    /// one excluded): the next registration extends below the last one.
+    indexed: usize,
 }
 
 /// The tensor-free cache coordinator.
@@ -346,6 +349,7 @@ impl Coordinator {
                 relocations: Vec::new(),
                 copy_tail: false,
                 partial: None,
+                indexed: 0,
             },
         );
         id
@@ -765,6 +769,7 @@ impl Coordinator {
         if in_turn {
             s.relocations.extend(moves);
         } else {
+            follow_moves(&mut s.partial, &moves);
             self.relocate(&moves)?;
         }
         let r = self.release_all(&p.release);
@@ -869,7 +874,14 @@ impl Coordinator {
         let last_open = registered_open
             .then(|| refs.last().map(|r| r.block))
             .flatten();
+        // The turn succeeded: its demotions' index moves apply now, so the
+        // chain below is found under the handles the table holds.
+        let moves = std::mem::take(&mut s.relocations);
+        follow_moves(&mut s.partial, &moves);
         let before = std::mem::replace(&mut s.partial, last_open);
+        let k = s.indexed.min(refs.len());
+        s.indexed = refs.len() - usize::from(registered_open);
+        self.relocate(&moves)?;
         let Some(index) = self.index.as_mut() else {
             return Ok(0);
         };
@@ -880,8 +892,22 @@ impl Coordinator {
                 index.forget(b);
             }
         }
-        index.insert(&tokens[..covered], extra, &refs)?;
-        for r in &refs {
+        // Only what is new, below the last entry registered before; from
+        // the start when that entry is gone (reclaimed, or its chain
+        // changed).
+        let done_tokens: usize = refs[..k].iter().map(|r| r.len as usize).sum();
+        let extended = match k {
+            0 => None,
+            _ => index.extend(refs[k - 1].block, &tokens[done_tokens..covered], &refs[k..])?,
+        };
+        let new = match extended {
+            Some(_) => &refs[k..],
+            None => {
+                index.insert(&tokens[..covered], extra, &refs)?;
+                &refs[..]
+            }
+        };
+        for r in new {
             self.mark_cached(r.block)?;
         }
         Ok(covered)
@@ -998,6 +1024,16 @@ impl Coordinator {
             l.forget(seq);
         }
         Ok(())
+    }
+}
+
+/// The partial block a sequence registered moved to its cold copy: its
+/// index entry moves with it.
+fn follow_moves(partial: &mut Option<BlockId>, moves: &[(BlockId, BlockId)]) {
+    if let Some(p) = *partial {
+        if let Some(&(_, cold)) = moves.iter().find(|&&(hot, _)| hot == p) {
+            *partial = Some(cold);
+        }
     }
 }
 

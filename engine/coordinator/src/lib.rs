@@ -66,3 +66,8 @@ pub use coordinator::{COLD, Coordinator, HOT, Opened, SeqId, TierStats};
 pub use error::{CoordError, Result};
 pub use kvforge_pool::{BlockId, BlockTable, Entry, Slot, TieredPool};
 pub use plan::{CopyOp, Demotion, Plan, Write};
+
+/// The README's example, compiled and run as a doctest.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

@@ -539,3 +539,50 @@ fn a_continued_partial_block_is_copied_not_sealed() {
     assert_eq!(p.writes[0].offset, 0, "a new block after the sealed one");
     c.close(a).unwrap();
 }
+
+#[test]
+fn registering_a_turn_costs_its_new_tokens_not_the_conversation() {
+    for index in [IndexKind::HashChain, IndexKind::Radix] {
+        for tail in [
+            kvforge_coordinator::TurnTail::Copy,
+            kvforge_coordinator::TurnTail::Seal,
+        ] {
+            let mut cfg = config(1024);
+            cfg.prefix = Some(PrefixConfig {
+                index,
+                seed: Some(1),
+                tail,
+            });
+            cfg.cold = Some(cold());
+            let mut c = Coordinator::new(cfg).unwrap();
+            let e = ExtraKeys::default();
+            let s = c.open_empty();
+            let mut tokens: Vec<u32> = Vec::new();
+            let mut costs = Vec::new();
+            for turn in 0..30u32 {
+                let n = 5 + (turn % 4) as usize;
+                tokens.extend((0..n as u32).map(|i| turn * 100 + i));
+                c.begin_turn(s).unwrap();
+                step(&mut c, s, n);
+                let before = c.index_stats().unwrap().insert_tokens;
+                c.register(s, &tokens, &e).unwrap();
+                c.end_turn(s).unwrap();
+                costs.push(c.index_stats().unwrap().insert_tokens - before);
+            }
+            // Each turn costs its new tokens plus at most the partial block
+            // registered again (under a block), however long the history.
+            for (t, &cost) in costs.iter().enumerate().skip(1) {
+                assert!(
+                    cost <= 8 + BS as u64,
+                    "{index:?} {tail:?} turn {t}: {cost} tokens"
+                );
+            }
+            // And the index holds the whole conversation: a new request
+            // reuses all of it (hot and cold blocks).
+            let o = c.open(&[tokens.clone(), vec![1]].concat(), &e).unwrap();
+            assert_eq!(o.reused, tokens.len(), "{index:?} {tail:?}");
+            c.close(o.seq).unwrap();
+            c.close(s).unwrap();
+        }
+    }
+}
