@@ -307,3 +307,91 @@ fn entry_mass(view: &StepView, q: &Tensor, k: &Tensor, group: i64) -> Result<Vec
     }
     Ok(out)
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use kvforge_pool::{BlockId, BlockTable, Slot};
+    use tch::{Device, Kind, Tensor};
+
+    use super::*;
+
+    /// Softmax attention of one query row over explicit keys and values
+    /// (`[keys, d]` each), in f64 on plain vectors.
+    fn dense(q: &[f64], k: &[Vec<f64>], v: &[Vec<f64>]) -> (Vec<f64>, Vec<f64>) {
+        let d = q.len() as f64;
+        let s: Vec<f64> = k
+            .iter()
+            .map(|kk| kk.iter().zip(q).map(|(a, b)| a * b).sum::<f64>() / d.sqrt())
+            .collect();
+        let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+        let z: f64 = e.iter().sum();
+        let w: Vec<f64> = e.iter().map(|x| x / z).collect();
+        let out = (0..v[0].len())
+            .map(|c| w.iter().zip(v).map(|(wi, vv)| wi * vv[c]).sum())
+            .collect();
+        (out, w)
+    }
+
+    fn row(t: &Tensor, i: i64) -> Vec<f64> {
+        Vec::<f64>::try_from(t.get(i).to_kind(Kind::Double).flatten(0, -1)).unwrap()
+    }
+
+    /// Entries [hot 0..4 | dropped 4..8 | hot 8..12 | hot 12..14 (new)]:
+    /// two queries at positions 12 and 13 see the live keys at or before
+    /// their position — the dropped ones never, the keys after the drop at
+    /// their own positions — and the mass per entry is the softmax weight
+    /// each entry's keys received, summed over queries (0 when dropped).
+    #[test]
+    fn dropped_entries_are_skipped_positions_kept_and_mass_is_per_entry() {
+        let (bs, d) = (4i64, 8i64);
+        let k = Tensor::randn([16, 1, d], (Kind::Float, Device::Cpu));
+        let v = Tensor::randn([16, 1, d], (Kind::Float, Device::Cpu));
+        let mut table = BlockTable::new(bs as u32).unwrap();
+        // Hot blocks at slots 2, 0, 3 (positions are not slots).
+        table.push(Slot::Hot(BlockId::new(2, 1)), 4, false).unwrap();
+        table.push(Slot::Hot(BlockId::new(1, 1)), 4, false).unwrap();
+        table.push(Slot::Hot(BlockId::new(0, 1)), 4, false).unwrap();
+        table.push(Slot::Hot(BlockId::new(3, 1)), 2, true).unwrap();
+        table.set_slot(1, Slot::Dropped).unwrap();
+        let view = StepView::new(&table, 2, bs as usize, None, Device::Cpu).unwrap();
+        assert_eq!((view.keys(), view.start()), (10, 12));
+        let q = Tensor::randn([2, 1, d], (Kind::Float, Device::Cpu));
+        let (ks, vs) = ([k.shallow_clone()], [v.shallow_clone()]);
+        let kv = KvTensors {
+            k: &ks,
+            v: &vs,
+            cold: None,
+        };
+        let a = ReferenceBackend.attend(0, &q, &view, &kv, true).unwrap();
+        // Live slots in position order: block 2, block 0, block 3.
+        let slots: Vec<i64> = (8..12).chain(0..4).chain(12..14).collect();
+        let mass = a.mass.unwrap();
+        let mut want_mass = [0f64; 4];
+        for (qi, visible) in [(0i64, 9usize), (1, 10)] {
+            let keys: Vec<Vec<f64>> = slots[..visible].iter().map(|&s| row(&k, s)).collect();
+            let vals: Vec<Vec<f64>> = slots[..visible].iter().map(|&s| row(&v, s)).collect();
+            let (out, w) = dense(&row(&q, qi), &keys, &vals);
+            let got = row(&a.out, qi);
+            for (x, y) in got.iter().zip(&out) {
+                assert!((x - y).abs() < 1e-4, "query {qi}: {got:?} vs {out:?}");
+            }
+            for (j, wj) in w.iter().enumerate() {
+                want_mass[[0, 2, 3][j / 4]] += wj;
+            }
+        }
+        assert_eq!(mass.len(), 4);
+        assert_eq!(mass[1], 0.0, "dropped");
+        for (m, w) in mass.iter().zip(want_mass) {
+            assert!(
+                (f64::from(*m) - w).abs() < 1e-4,
+                "{mass:?} vs {want_mass:?}"
+            );
+        }
+        assert!(
+            (mass.iter().sum::<f32>() - 2.0).abs() < 1e-4,
+            "one per query"
+        );
+    }
+}

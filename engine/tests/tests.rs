@@ -912,8 +912,9 @@ fn cli_cold_tier_bad_settings_are_one_line_errors() {
         args.extend_from_slice(extra);
         assert_one_line_error(&args, needle);
     }
-    // Options that cannot work together.
+    // Options that cannot work together, and unknown names.
     assert_one_line_error(&["chat", "--kv-share"], "configure a cold tier");
+    assert_one_line_error(&["chat", "--turn-tail", "fold"], "unknown turn tail");
     assert_one_line_error(
         &["chat", "--kv-quant", "int4", "--evict-window", "64"],
         "at least as long",
