@@ -434,7 +434,9 @@ impl Coordinator {
             };
             ev.victims(seq, &next, pressure, &mut self.scratch);
             for &i in &self.scratch {
-                let old = next.set_slot(i, Slot::Dropped)?;
+                let old = next.set_slot(i, Slot::Dropped).map_err(|e| {
+                    CoordError::Policy(format!("the eviction policy named entry {i}: {e}"))
+                })?;
                 release.extend(old.block());
                 plan.drops.push(i);
             }
@@ -443,6 +445,20 @@ impl Coordinator {
         let mut demote = Vec::new();
         if let Some(tp) = self.tier_policy.as_ref() {
             tp.demote(&next, &mut demote);
+        }
+        // A policy's answer is checked before anything is taken.
+        let last = next.entries().len().wrapping_sub(1);
+        for &i in &demote {
+            let ok = next.entries().get(i).is_some_and(|e| {
+                matches!(e.slot(), Slot::Hot(_))
+                    && e.tokens() as usize == bs
+                    && !(next.is_open() && i == last)
+            });
+            if !ok {
+                return Err(CoordError::Policy(format!(
+                    "the tier policy named entry {i}, which is not a full, closed hot block"
+                )));
+            }
         }
         let mut taken = Vec::new();
         let mut fresh = Vec::new();

@@ -28,6 +28,10 @@ pub enum CoordError {
         /// What was out of order.
         what: &'static str,
     },
+    /// A policy answered something its contract rules out (a demotion of a
+    /// block that is not a full hot one, a victim that does not exist).
+    #[error("policy: {0}")]
+    Policy(String),
     /// The byte budget or a tier's blocks cannot hold the step.
     #[error("KV cache full: {0}")]
     CacheFull(String),

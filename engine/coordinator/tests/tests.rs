@@ -586,3 +586,59 @@ fn registering_a_turn_costs_its_new_tokens_not_the_conversation() {
         }
     }
 }
+
+#[test]
+fn a_policy_that_breaks_its_contract_is_an_error_that_changes_nothing() {
+    use kvforge_evict::{EvictionPolicy, Pressure};
+    use kvforge_pool::BlockTable;
+    use kvforge_quant::TierPolicy;
+    /// Names the open last entry (never demotable).
+    struct OpenTail;
+    impl TierPolicy for OpenTail {
+        fn demote(&self, t: &BlockTable, out: &mut Vec<usize>) {
+            out.push(t.entries().len() - 1);
+        }
+    }
+    /// Names an entry that does not exist.
+    struct Beyond;
+    impl EvictionPolicy for Beyond {
+        fn name(&self) -> String {
+            "beyond".into()
+        }
+        fn victims(&mut self, _: u64, t: &BlockTable, _: Pressure, out: &mut Vec<usize>) {
+            out.push(t.entries().len() + 3);
+        }
+    }
+    let mut cfg = config(64);
+    cfg.cold = Some(cold());
+    let mut c = Coordinator::new(cfg).unwrap();
+    let s = c.open_empty();
+    step(&mut c, s, 30);
+    let before = state(&c, &[s]);
+    c.set_tier_policy(Box::new(OpenTail)).unwrap();
+    let e = c.plan(s, 1).unwrap_err();
+    assert!(matches!(e, CoordError::Policy(_)), "{e}");
+    assert!(
+        e.to_string().contains("not a full, closed hot block"),
+        "{e}"
+    );
+    assert_eq!(state(&c, &[s]), before);
+    c.set_tier_policy(Box::new(
+        kvforge_quant::TierPlan::new(BS as usize, 8).unwrap(),
+    ))
+    .unwrap();
+    c.set_eviction_policy(Some(Box::new(Beyond)));
+    let e = c.plan(s, 1).unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("policy: the eviction policy named entry"),
+        "{e}"
+    );
+    assert_eq!(state(&c, &[s]), before);
+    c.set_eviction_policy(None);
+    step(&mut c, s, 1);
+    c.close(s).unwrap();
+    // No cold tier, no tier policy to set.
+    let mut plain = Coordinator::new(config(8)).unwrap();
+    assert!(plain.set_tier_policy(Box::new(OpenTail)).is_err());
+}
