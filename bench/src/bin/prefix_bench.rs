@@ -46,7 +46,7 @@ fn parse_args() -> Result<Args> {
         chats: 2,
         turns: 16,
         answer_tokens: 32,
-        block_sizes: vec![16, 128, 256],
+        block_sizes: vec![16, 32, 64, 128, 256, 512],
         repeats: 3,
         weights: "f32".into(),
         model: PathBuf::from("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
