@@ -4,6 +4,7 @@
 use std::collections::{HashMap, HashSet};
 
 use crate::hash::{KeyHash, block_key, root_key};
+use crate::slots::{self, SlotMap, Slotted};
 use crate::walk::{SealedLens, Walk};
 use crate::{
     BlockHash, BlockHasher, BlockId, BlockRef, ExtraKeys, Inserted, MatchStats, PrefixMatch,
@@ -70,7 +71,7 @@ pub struct HashChainIndex<H: BlockHasher = Xxh3Hasher> {
     entries: HashMap<BlockHash, Entry, KeyHash>,
     roots: HashMap<BlockHash, Root, KeyHash>,
     /// Block slot index -> (handle, key) of the entry that holds it.
-    slots: HashMap<u32, (BlockId, BlockHash), KeyHash>,
+    slots: SlotMap<BlockHash>,
     next_serial: u64,
     stats: MatchStats,
     scratch: Vec<u8>,
@@ -249,16 +250,16 @@ impl<H: BlockHasher> HashChainIndex<H> {
             p += b.len as usize;
         }
     }
+}
 
-    /// Slots handed out again since they were indexed: their old content
-    /// is gone.
-    fn forget_stale(&mut self, blocks: &[BlockRef]) {
-        for b in blocks {
-            if let Some(&(old, key)) = self.slots.get(&b.block.index()) {
-                if old.epoch() < b.block.epoch() {
-                    self.remove_subtree(key);
-                }
-            }
+impl<H: BlockHasher> Slotted for HashChainIndex<H> {
+    type Place = BlockHash;
+    fn slot_map(&mut self) -> &mut SlotMap<BlockHash> {
+        &mut self.slots
+    }
+    fn repoint(&mut self, key: BlockHash, _old: BlockId, new: BlockId) {
+        if let Some(e) = self.entries.get_mut(&key) {
+            e.block = new;
         }
     }
 }
@@ -343,7 +344,7 @@ impl<H: BlockHasher> PrefixMatcher for HashChainIndex<H> {
         blocks: &[BlockRef],
     ) -> Result<Inserted> {
         validate_insert(tokens, blocks, self.block_size)?;
-        self.forget_stale(blocks);
+        slots::forget_stale(self, blocks);
         let mut out = Inserted::default();
         let rk = root_key(&self.hasher, extra);
         // The parent's (key, serial); `None` while the root does not exist.
@@ -366,11 +367,8 @@ impl<H: BlockHasher> PrefixMatcher for HashChainIndex<H> {
         tokens: &[u32],
         blocks: &[BlockRef],
     ) -> Result<Option<Inserted>> {
-        validate_insert(tokens, blocks, self.block_size)?;
-        if let Some(b) = blocks.iter().find(|b| b.block.index() == parent.index()) {
-            return Err(crate::PrefixError::DuplicateBlock { block: b.block });
-        }
-        self.forget_stale(blocks);
+        slots::check_extend(parent, tokens, blocks, self.block_size)?;
+        slots::forget_stale(self, blocks);
         let Some(&(id, key)) = self.slots.get(&parent.index()) else {
             return Ok(None);
         };
@@ -398,29 +396,7 @@ impl<H: BlockHasher> PrefixMatcher for HashChainIndex<H> {
     }
 
     fn relocate(&mut self, old: BlockId, new: BlockId) -> bool {
-        let indexed = |s: &Self| matches!(s.slots.get(&old.index()), Some(&(id, _)) if id == old);
-        if old == new || !indexed(self) {
-            return false;
-        }
-        match self.slots.get(&new.index()) {
-            Some(&(id, _)) if id.epoch() >= new.epoch() => return false,
-            Some(&(id, _)) => {
-                self.forget(id);
-            }
-            None => {}
-        }
-        if !indexed(self) {
-            // Forgetting the stale `new` took `old` with it (it hung below).
-            return false;
-        }
-        let Some((_, key)) = self.slots.remove(&old.index()).filter(|&(id, _)| id == old) else {
-            return false;
-        };
-        if let Some(e) = self.entries.get_mut(&key) {
-            e.block = new;
-        }
-        self.slots.insert(new.index(), (new, key));
-        true
+        slots::relocate(self, old, new)
     }
 
     fn stats(&self) -> MatchStats {

@@ -51,6 +51,7 @@ mod chain;
 mod error;
 mod hash;
 mod radix;
+mod slots;
 pub mod testing;
 mod walk;
 

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 
 use xxhash_rust::xxh3::Xxh3DefaultBuilder;
 
-use crate::hash::KeyHash;
+use crate::slots::{self, SlotMap, Slotted};
 use crate::walk::{SealedLens, Walk};
 use crate::{
     BlockId, BlockRef, ExtraKeys, Inserted, MatchStats, PrefixMatch, PrefixMatcher, Result,
@@ -50,7 +50,7 @@ pub struct RadixIndex {
     free_nodes: Vec<NodeId>,
     roots: HashMap<ExtraKeys, NodeId, Xxh3DefaultBuilder>,
     /// Block slot index -> (handle, node whose edge holds it).
-    slots: HashMap<u32, (BlockId, NodeId), KeyHash>,
+    slots: SlotMap<NodeId>,
     cached: u64,
     stats: MatchStats,
 }
@@ -263,16 +263,21 @@ impl RadixIndex {
             }
         }
     }
+}
 
-    /// Slots handed out again since they were indexed: their old content
-    /// is gone.
-    fn forget_stale(&mut self, blocks: &[BlockRef]) {
-        for b in blocks {
-            if let Some(&(old, _)) = self.slots.get(&b.block.index()) {
-                if old.epoch() < b.block.epoch() {
-                    self.forget(old);
-                }
-            }
+impl Slotted for RadixIndex {
+    type Place = NodeId;
+    fn slot_map(&mut self) -> &mut SlotMap<NodeId> {
+        &mut self.slots
+    }
+    fn repoint(&mut self, node: NodeId, old: BlockId, new: BlockId) {
+        if let Some(b) = self
+            .node_mut(node)
+            .blocks
+            .iter_mut()
+            .find(|b| b.block == old)
+        {
+            b.block = new;
         }
     }
 }
@@ -357,7 +362,7 @@ impl PrefixMatcher for RadixIndex {
         blocks: &[BlockRef],
     ) -> Result<Inserted> {
         validate_insert(tokens, blocks, self.block_size)?;
-        self.forget_stale(blocks);
+        slots::forget_stale(self, blocks);
         let mut out = Inserted::default();
         let root = match self.roots.get(extra) {
             Some(&r) => r,
@@ -388,11 +393,8 @@ impl PrefixMatcher for RadixIndex {
         tokens: &[u32],
         blocks: &[BlockRef],
     ) -> Result<Option<Inserted>> {
-        validate_insert(tokens, blocks, self.block_size)?;
-        if let Some(b) = blocks.iter().find(|b| b.block.index() == parent.index()) {
-            return Err(crate::PrefixError::DuplicateBlock { block: b.block });
-        }
-        self.forget_stale(blocks);
+        slots::check_extend(parent, tokens, blocks, self.block_size)?;
+        slots::forget_stale(self, blocks);
         let Some(&(id, node)) = self.slots.get(&parent.index()) else {
             return Ok(None);
         };
@@ -477,34 +479,7 @@ impl PrefixMatcher for RadixIndex {
     }
 
     fn relocate(&mut self, old: BlockId, new: BlockId) -> bool {
-        let indexed = |s: &Self| matches!(s.slots.get(&old.index()), Some(&(id, _)) if id == old);
-        if old == new || !indexed(self) {
-            return false;
-        }
-        match self.slots.get(&new.index()) {
-            Some(&(id, _)) if id.epoch() >= new.epoch() => return false,
-            Some(&(id, _)) => {
-                self.forget(id);
-            }
-            None => {}
-        }
-        if !indexed(self) {
-            // Forgetting the stale `new` took `old` with it (it hung below).
-            return false;
-        }
-        let Some((_, node)) = self.slots.remove(&old.index()).filter(|&(id, _)| id == old) else {
-            return false;
-        };
-        if let Some(b) = self
-            .node_mut(node)
-            .blocks
-            .iter_mut()
-            .find(|b| b.block == old)
-        {
-            b.block = new;
-        }
-        self.slots.insert(new.index(), (new, node));
-        true
+        slots::relocate(self, old, new)
     }
 
     fn stats(&self) -> MatchStats {
