@@ -292,20 +292,25 @@ impl PagedKvCache {
 
     /// Ends a turn (the lifecycle policy may drop old segments).
     pub fn end_turn(&self, seq: &mut Sequence) -> Result<()> {
-        if let Some(id) = seq.id {
-            let mut c = self.coordinator();
-            c.end_turn(id)?;
-            seq.len = c.table(id)?.positions() as usize;
-            self.free_cold(&mut c);
-        }
-        Ok(())
+        self.finish_turn(seq, |c, id| c.end_turn(id).map(|_| ()))
     }
 
     /// Restores `seq` to the start of its turn.
     pub fn rollback_turn(&self, seq: &mut Sequence) -> Result<()> {
+        self.finish_turn(seq, Coordinator::rollback_turn)
+    }
+
+    /// Runs `op` (end or roll back the turn of `seq`), then takes the
+    /// sequence's length from its table and frees the cold storage `op`
+    /// released.
+    fn finish_turn(
+        &self,
+        seq: &mut Sequence,
+        op: impl FnOnce(&mut Coordinator, SeqId) -> kvforge_coordinator::Result<()>,
+    ) -> Result<()> {
         if let Some(id) = seq.id {
             let mut c = self.coordinator();
-            c.rollback_turn(id)?;
+            op(&mut c, id)?;
             seq.len = c.table(id)?.positions() as usize;
             self.free_cold(&mut c);
         }

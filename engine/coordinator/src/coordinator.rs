@@ -762,13 +762,8 @@ impl Coordinator {
     /// demoted, dropped and aliased blocks are released, demoted blocks
     /// that the index held now point at their cold copies.
     pub fn commit(&mut self, seq: SeqId) -> Result<()> {
+        let p = self.take_pending(seq, "commit without a planned step")?;
         let s = self.seqs.get_mut(&seq).ok_or(CoordError::UnknownSeq(seq))?;
-        let Some(p) = s.pending.take() else {
-            return Err(CoordError::Order {
-                seq,
-                what: "commit without a planned step",
-            });
-        };
         s.table = p.next;
         s.table.compact();
         if p.copies_tail {
@@ -811,13 +806,7 @@ impl Coordinator {
     /// The step failed: give back what the plan took; table, counts and
     /// index are as they were before [`plan`](Self::plan).
     pub fn abort(&mut self, seq: SeqId) -> Result<()> {
-        let s = self.seqs.get_mut(&seq).ok_or(CoordError::UnknownSeq(seq))?;
-        let Some(p) = s.pending.take() else {
-            return Err(CoordError::Order {
-                seq,
-                what: "abort without a planned step",
-            });
-        };
+        let p = self.take_pending(seq, "abort without a planned step")?;
         if let Some(d) = self.dedup.as_mut() {
             for &b in &p.fresh_cold {
                 d.forget(b);
@@ -836,16 +825,27 @@ impl Coordinator {
         }
     }
 
+    /// The step in flight of `seq`, taken out; `what` names the call
+    /// when there is none.
+    fn take_pending(&mut self, seq: SeqId, what: &'static str) -> Result<Pending> {
+        self.seq_mut(seq)?
+            .pending
+            .take()
+            .ok_or(CoordError::Order { seq, what })
+    }
+
+    /// Errs (naming the call, `what`) while `seq` has a step in flight.
+    fn idle(&self, seq: SeqId, what: &'static str) -> Result<()> {
+        match self.seq(seq)?.pending {
+            Some(_) => Err(CoordError::Order { seq, what }),
+            None => Ok(()),
+        }
+    }
+
     /// Seals the last block: the next token starts a new one.
     pub fn seal(&mut self, seq: SeqId) -> Result<()> {
-        let s = self.seq_mut(seq)?;
-        if s.pending.is_some() {
-            return Err(CoordError::Order {
-                seq,
-                what: "sealed during a step",
-            });
-        }
-        s.table.seal();
+        self.idle(seq, "sealed during a step")?;
+        self.seq_mut(seq)?.table.seal();
         Ok(())
     }
 
@@ -858,13 +858,8 @@ impl Coordinator {
         let Some(tail) = self.tail() else {
             return Ok(0);
         };
+        self.idle(seq, "registered during a step")?;
         let s = self.seqs.get_mut(&seq).ok_or(CoordError::UnknownSeq(seq))?;
-        if s.pending.is_some() {
-            return Err(CoordError::Order {
-                seq,
-                what: "registered during a step",
-            });
-        }
         if tail == TurnTail::Seal {
             s.table.seal();
         }
@@ -958,13 +953,8 @@ impl Coordinator {
     /// The turn succeeded: its snapshot is let go; the lifecycle policy
     /// (if any) names old segments to drop. Returns the entries dropped.
     pub fn end_turn(&mut self, seq: SeqId) -> Result<usize> {
+        self.idle(seq, "turn ended during a step")?;
         let s = self.seqs.get_mut(&seq).ok_or(CoordError::UnknownSeq(seq))?;
-        if s.pending.is_some() {
-            return Err(CoordError::Order {
-                seq,
-                what: "turn ended during a step",
-            });
-        }
         let snap = s.snapshot.take();
         let moves = std::mem::take(&mut s.relocations);
         let start = s.segments.last().map_or(0, |g| g.range.end);
