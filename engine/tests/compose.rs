@@ -358,13 +358,7 @@ fn eight_threads_with_every_mechanism_leak_nothing() {
         for t in 0..8u64 {
             let (m, system) = (&m, &system);
             s.spawn(move || {
-                let mut r = t * 0x9E37_79B9 + 1;
-                let mut next = move || {
-                    r ^= r << 13;
-                    r ^= r >> 7;
-                    r ^= r << 17;
-                    r
-                };
+                let mut next = super::manager::rng(t * 0x9E37_79B9 + 1);
                 for _ in 0..6 {
                     let mut prompt = system.clone();
                     prompt.extend((0..next() % 8).map(|i| 3 + (i * 11 % 90) as u32));

@@ -27,7 +27,7 @@ fn tiny_manager(block_size: usize, kv_tokens: usize, reuse: ReuseConfig) -> Cach
 }
 
 /// xorshift, seeded.
-fn rng(seed: u64) -> impl FnMut() -> u64 {
+pub(super) fn rng(seed: u64) -> impl FnMut() -> u64 {
     let mut s = seed | 1;
     move || {
         s ^= s << 13;
