@@ -367,17 +367,10 @@ impl<H: BlockHasher> PrefixMatcher for HashChainIndex<H> {
         tokens: &[u32],
         blocks: &[BlockRef],
     ) -> Result<Option<Inserted>> {
-        slots::check_extend(parent, tokens, blocks, self.block_size)?;
-        slots::forget_stale(self, blocks);
-        let Some(&(id, key)) = self.slots.get(&parent.index()) else {
+        let Some(key) = slots::extend_from(self, parent, tokens, blocks)? else {
             return Ok(None);
         };
-        let Some(serial) = self
-            .entries
-            .get(&key)
-            .filter(|_| id == parent)
-            .map(|e| e.serial)
-        else {
+        let Some(serial) = self.entries.get(&key).map(|e| e.serial) else {
             return Ok(None);
         };
         let mut out = Inserted::default();

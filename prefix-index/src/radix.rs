@@ -393,9 +393,7 @@ impl PrefixMatcher for RadixIndex {
         tokens: &[u32],
         blocks: &[BlockRef],
     ) -> Result<Option<Inserted>> {
-        slots::check_extend(parent, tokens, blocks, self.block_size)?;
-        slots::forget_stale(self, blocks);
-        let Some(&(id, node)) = self.slots.get(&parent.index()) else {
+        let Some(node) = slots::extend_from(self, parent, tokens, blocks)? else {
             return Ok(None);
         };
         let Some(j) = self
@@ -406,9 +404,6 @@ impl PrefixMatcher for RadixIndex {
         else {
             return Ok(None);
         };
-        if id != parent {
-            return Ok(None);
-        }
         let mut out = Inserted::default();
         // Follow the rest of the parent's edge while the blocks agree.
         let (mut jj, mut i, mut p) = (j + 1, 0, 0);

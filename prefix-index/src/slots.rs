@@ -58,17 +58,22 @@ pub(crate) fn forget_stale<I: Slotted>(ix: &mut I, blocks: &[BlockRef]) {
     }
 }
 
-/// The checks of [`PrefixMatcher::extend`]: those of `insert`, and `parent`
-/// not among `blocks`.
-pub(crate) fn check_extend(
+/// The start of [`PrefixMatcher::extend`]: the checks of `insert` (and
+/// `parent` not among `blocks`), stale epochs forgotten, then where
+/// `parent`'s entry lives — `None` when it is not indexed (any more).
+pub(crate) fn extend_from<I: Slotted>(
+    ix: &mut I,
     parent: BlockId,
     tokens: &[u32],
     blocks: &[BlockRef],
-    block_size: usize,
-) -> Result<()> {
-    validate_insert(tokens, blocks, block_size)?;
-    match blocks.iter().find(|b| b.block.index() == parent.index()) {
-        Some(b) => Err(PrefixError::DuplicateBlock { block: b.block }),
-        None => Ok(()),
+) -> Result<Option<I::Place>> {
+    validate_insert(tokens, blocks, ix.block_size())?;
+    if let Some(b) = blocks.iter().find(|b| b.block.index() == parent.index()) {
+        return Err(PrefixError::DuplicateBlock { block: b.block });
     }
+    forget_stale(ix, blocks);
+    Ok(match ix.slot_map().get(&parent.index()) {
+        Some(&(id, place)) if id == parent => Some(place),
+        _ => None,
+    })
 }
