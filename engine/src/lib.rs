@@ -19,7 +19,8 @@
 //! * [`generate`]: seeded sampling and the generation loop.
 //! * [`ppl`]: window and streaming perplexity over the cache.
 //! * [`manager`]: [`CacheManager`] — prefix reuse across turns, requests and
-//!   sessions through a `kvforge-prefix` index, with metrics.
+//!   sessions through a `kvforge-prefix` index, with metrics;
+//!   [`metrics`]: the same snapshot in Prometheus' text format.
 //!
 //! # Invariants
 //!
@@ -38,6 +39,7 @@ mod error;
 pub mod generate;
 pub mod gguf;
 pub mod manager;
+pub mod metrics;
 pub mod model;
 pub mod ppl;
 mod tier;

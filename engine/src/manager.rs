@@ -296,9 +296,11 @@ impl CacheManager {
     }
 
     /// Metrics as JSON: requests, reuse, per-tier occupancy and bytes,
-    /// index and sharing counters, and the last turn.
+    /// index and sharing counters, what the policies did (evictions,
+    /// demotions, lifecycle drops), and the last turn. In Prometheus' text
+    /// format: [`metrics::prometheus`](crate::metrics::prometheus).
     pub fn metrics(&self) -> serde_json::Value {
-        let (tiers, index, share, budget, bytes) = {
+        let (tiers, index, share, budget, bytes, counters) = {
             let c = self.engine.cache.coordinator();
             (
                 c.tier_stats(),
@@ -306,6 +308,7 @@ impl CacheManager {
                 c.share_stats(),
                 c.budget(),
                 c.bytes_in_use(),
+                c.counters(),
             )
         };
         let t = lock(&self.totals);
@@ -371,6 +374,12 @@ impl CacheManager {
                 "offered": s.offered, "shared": s.shared, "rejected": s.rejected,
                 "canonical": s.canonical,
             })),
+            "policies": {
+                "steps": counters.steps,
+                "evicted_entries": counters.evicted_entries,
+                "demoted_blocks": counters.demoted_blocks,
+                "lifecycle_dropped_entries": counters.lifecycle_dropped_entries,
+            },
             "last_turn": last,
         })
     }

@@ -673,6 +673,37 @@ fn cli_chat_survives_bad_turns() {
     assert_eq!(metrics[0]["requests"], 1);
 }
 
+#[test]
+fn cli_chat_writes_prometheus_metrics_after_each_turn() {
+    let dir = std::env::temp_dir().join(format!("kvforge-prom-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("kv.prom");
+    let path = file.to_str().unwrap();
+    let (err, _) = chat_session(
+        &["--max-tokens", "3", "--metrics-file", path],
+        b"Hi!\nAnd again?\n\n",
+    );
+    let text = std::fs::read_to_string(&file).unwrap();
+    assert!(text.contains("kvforge_requests 2\n"), "{text}\n{err}");
+    assert!(
+        text.contains("# TYPE kvforge_tiers_bytes_in_use gauge"),
+        "{text}"
+    );
+    assert!(
+        text.contains("kvforge_tiers_bytes_in_use{tier=\"hot\"}"),
+        "{text}"
+    );
+    assert!(
+        text.contains("kvforge_policies_evicted_entries 0"),
+        "{text}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert_one_line_error(
+        &["chat", "--metrics-file", "/nonexistent-dir/kv.prom"],
+        "--metrics-file /nonexistent-dir/kv.prom",
+    );
+}
+
 /// Runs `kvforge chat --metrics ARGS` on `input`, expecting success; returns
 /// its stderr and the metrics snapshots printed there.
 fn chat_session(args: &[&str], input: &[u8]) -> (String, Vec<serde_json::Value>) {

@@ -40,6 +40,21 @@ pub struct TierStats {
     pub pool: PoolStats,
 }
 
+/// What the policies did, counted over committed steps and ended turns
+/// (the monitoring counters of the metrics snapshot).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Entries dropped by the eviction policy.
+    pub evicted_entries: u64,
+    /// Hot blocks moved to the cold tier (quantized, or another holder's
+    /// cold copy reused).
+    pub demoted_blocks: u64,
+    /// Entries dropped by the lifecycle policy at turn ends.
+    pub lifecycle_dropped_entries: u64,
+    /// Steps committed.
+    pub steps: u64,
+}
+
 /// What [`Coordinator::open`] found in the prefix index.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Opened {
@@ -63,6 +78,9 @@ struct Pending {
     fresh_cold: Vec<BlockId>,
     /// The step copies the shared partial tail.
     copies_tail: bool,
+    /// Entries the step evicts and blocks it demotes (for [`Counters`]).
+    evicted: usize,
+    demotions: usize,
 }
 
 struct SeqState {
@@ -116,6 +134,7 @@ pub struct Coordinator {
     cached_cold: HashSet<BlockId>,
     freed_cold: Vec<BlockId>,
     scratch: Vec<usize>,
+    counters: Counters,
 }
 
 impl Coordinator {
@@ -212,6 +231,7 @@ impl Coordinator {
             cached_cold: HashSet::new(),
             freed_cold: Vec::new(),
             scratch: Vec::new(),
+            counters: Counters::default(),
             cfg,
         })
     }
@@ -286,6 +306,12 @@ impl Coordinator {
                 Some(TierStats { name, pool })
             })
             .collect()
+    }
+
+    /// What the policies did so far (evictions, demotions, lifecycle
+    /// drops, steps).
+    pub fn counters(&self) -> Counters {
+        self.counters
     }
 
     /// The prefix index's counters, when reuse is on.
@@ -623,6 +649,8 @@ impl Coordinator {
             demoted,
             fresh_cold: cold_new,
             copies_tail: copy_src.is_some(),
+            evicted: plan.drops.len(),
+            demotions: plan.demotions.len(),
         });
         Ok(plan)
     }
@@ -763,6 +791,9 @@ impl Coordinator {
     /// that the index held now point at their cold copies.
     pub fn commit(&mut self, seq: SeqId) -> Result<()> {
         let p = self.take_pending(seq, "commit without a planned step")?;
+        self.counters.steps += 1;
+        self.counters.evicted_entries += p.evicted as u64;
+        self.counters.demoted_blocks += p.demotions as u64;
         let s = self.seqs.get_mut(&seq).ok_or(CoordError::UnknownSeq(seq))?;
         s.table = p.next;
         s.table.compact();
@@ -990,6 +1021,7 @@ impl Coordinator {
         }
         s.table.compact();
         let dropped = release.len();
+        self.counters.lifecycle_dropped_entries += dropped as u64;
         self.release_all(&release)?;
         Ok(dropped)
     }

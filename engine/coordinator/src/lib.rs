@@ -62,7 +62,7 @@ pub use config::{
     ColdConfig, CoordinatorConfig, DedupConfig, EvictionConfig, IndexKind, LifecycleConfig,
     PrefixConfig, TurnTail,
 };
-pub use coordinator::{COLD, Coordinator, HOT, Opened, SeqId, TierStats};
+pub use coordinator::{COLD, Coordinator, Counters, HOT, Opened, SeqId, TierStats};
 pub use error::{CoordError, Result};
 pub use kvforge_pool::{BlockId, BlockTable, Entry, Slot, TieredPool};
 pub use plan::{CopyOp, Demotion, Plan, Write};

@@ -267,6 +267,8 @@ fn eviction_drops_entries_and_keeps_positions() {
     assert_eq!(t.entries()[1].slot(), Slot::Dropped);
     assert_eq!(t.entries()[1].tokens(), 8, "compacted into one entry");
     assert_eq!(t.entries()[2].first(), 12);
+    let n = c.counters();
+    assert_eq!((n.evicted_entries, n.steps, n.demoted_blocks), (2, 2, 0));
     // Registration stops at the first dropped entry.
     let tokens: Vec<u32> = (0..21).collect();
     assert_eq!(c.register(s, &tokens, &ExtraKeys::default()).unwrap(), 4);
@@ -293,6 +295,7 @@ fn a_failed_turn_rolls_back_exactly_after_demotions_and_drops() {
             .iter()
             .any(|e| matches!(e.slot(), Slot::Cold(_)))
     );
+    assert!(c.counters().demoted_blocks > 0 && c.counters().evicted_entries > 0);
     c.plan(s, 1).unwrap(); // a step in flight when the turn fails
     c.rollback_turn(s).unwrap();
     assert_eq!(state(&c, &[s]), before);
@@ -322,6 +325,8 @@ fn lifecycle_drops_old_turns_at_turn_end() {
         slots,
         [(true, 0), (true, 4), (false, 8), (true, 16), (true, 20)]
     );
+    assert_eq!(c.counters().lifecycle_dropped_entries, 2);
+    assert_eq!(c.counters().evicted_entries, 0);
     c.close(s).unwrap();
     assert_eq!(c.pools().stats().in_use, 0);
 }

@@ -261,9 +261,28 @@ struct Reuse {
     /// Print the metrics snapshot as JSON on stderr after each turn.
     #[arg(long)]
     metrics: bool,
+    /// Write the metrics snapshot in Prometheus' text format to this file
+    /// at the start and after each turn (replaced atomically, for a
+    /// node-exporter textfile collector or a scraper).
+    #[arg(long)]
+    metrics_file: Option<PathBuf>,
 }
 
 impl Reuse {
+    /// Writes the Prometheus snapshot to `--metrics-file` (if given):
+    /// a sibling temporary file, then a rename.
+    fn write_metrics(&self, manager: &CacheManager) -> Result<(), EngineError> {
+        let Some(path) = &self.metrics_file else {
+            return Ok(());
+        };
+        let text = kvforge_engine::metrics::prometheus(&manager.metrics());
+        let mut tmp = path.clone().into_os_string();
+        tmp.push(".tmp");
+        std::fs::write(&tmp, text)
+            .and_then(|()| std::fs::rename(&tmp, path))
+            .map_err(|e| EngineError::Request(format!("--metrics-file {}: {e}", path.display())))
+    }
+
     fn config(&self) -> Result<ReuseConfig, EngineError> {
         Ok(ReuseConfig {
             enabled: !self.no_reuse,
@@ -398,6 +417,7 @@ fn chat(common: &Common, reuse: &Reuse) -> Result<(), EngineError> {
     let manager = CacheManager::new(common.engine()?, reuse.config()?)?;
     let params = common.params();
     let session = manager.open_session(&reuse.namespace);
+    reuse.write_metrics(&manager)?;
     let stdin = std::io::stdin();
     let mut first = true;
     let mut closed = true; // whether the last reply ended with <|im_end|>
@@ -454,6 +474,7 @@ fn chat(common: &Common, reuse: &Reuse) -> Result<(), EngineError> {
         if reuse.metrics {
             eprintln!("{}", manager.metrics());
         }
+        reuse.write_metrics(&manager)?;
         closed = r.generation.stopped_at_eos;
     }
     manager.close_session(session)
