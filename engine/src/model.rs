@@ -598,6 +598,37 @@ impl Llama {
         self.device
     }
 
+    /// A second handle on the same weights (no copy): several engines, each
+    /// with a cache of its own, run one loaded model.
+    pub fn share(&self) -> Llama {
+        let t = |x: &Tensor| x.shallow_clone();
+        let rope = self.rope.lock().unwrap_or_else(|e| e.into_inner());
+        Llama {
+            cfg: self.cfg.clone(),
+            embed: t(&self.embed),
+            layers: self
+                .layers
+                .iter()
+                .map(|l| Layer {
+                    attn_norm: t(&l.attn_norm),
+                    wq: t(&l.wq),
+                    wk: t(&l.wk),
+                    wv: t(&l.wv),
+                    wo: t(&l.wo),
+                    ffn_norm: t(&l.ffn_norm),
+                    w_gate: t(&l.w_gate),
+                    w_up: t(&l.w_up),
+                    w_down: t(&l.w_down),
+                })
+                .collect(),
+            norm: t(&self.norm),
+            lm_head: t(&self.lm_head),
+            rope: std::sync::Mutex::new((t(&rope.0), t(&rope.1))),
+            device: self.device,
+            kind: self.kind,
+        }
+    }
+
     /// The compute dtype.
     pub fn kind(&self) -> Kind {
         self.kind

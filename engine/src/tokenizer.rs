@@ -30,6 +30,7 @@ impl Message {
 }
 
 /// A tokenizer plus the ids the engine needs.
+#[derive(Clone)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     /// The same tokenizer with special-token parsing off: control tokens

@@ -56,6 +56,16 @@ fn run(model: &Llama, store: &mut dyn KvStore, tokens: &[u32], chunks: &[usize])
 }
 
 #[test]
+fn a_shared_model_computes_what_the_original_does() {
+    let model = tiny();
+    let shared = model.share();
+    let tokens: Vec<u32> = (0..40).map(|i| 3 + (i * 7) % 90).collect();
+    let a = run(&model, &mut ContiguousCache::new(2), &tokens, &[17, 20]);
+    let b = run(&shared, &mut ContiguousCache::new(2), &tokens, &[17, 20]);
+    assert_eq!(max_diff(&a, &b), 0.0);
+}
+
+#[test]
 fn paged_attention_equals_the_contiguous_oracle() {
     let model = tiny();
     let tokens: Vec<u32> = (0..70).map(|i| (i * 31 + 5) % 97).collect();
