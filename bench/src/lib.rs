@@ -14,6 +14,7 @@
 //! benches (pool, hashing, matching, quantization) and `sealing` build and
 //! run on a machine with no libtorch.
 
+pub mod ablate;
 pub mod plot;
 pub mod sealing;
 

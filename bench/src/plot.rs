@@ -55,3 +55,75 @@ pub fn line_plot(
     root.present().map_err(|e| anyhow::anyhow!("{e:?}"))?;
     Ok(())
 }
+
+/// A labelled scatter plot into a PNG at `path`; with `front`, the Pareto
+/// front (lower x and lower y both better) joined by a line. Points with a
+/// non-finite coordinate are left out.
+pub fn scatter_plot(
+    path: &Path,
+    title: &str,
+    x_label: &str,
+    y_label: &str,
+    points: &[(String, f64, f64)],
+    front: bool,
+) -> Result<()> {
+    plotters::style::register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular())
+        .map_err(|_| anyhow::anyhow!("embedded font rejected"))?;
+    let pts: Vec<&(String, f64, f64)> = points
+        .iter()
+        .filter(|p| p.1.is_finite() && p.2.is_finite())
+        .collect();
+    let span = |f: fn(&(String, f64, f64)) -> f64| {
+        let lo = pts.iter().map(|p| f(p)).fold(f64::INFINITY, f64::min);
+        let hi = pts.iter().map(|p| f(p)).fold(f64::NEG_INFINITY, f64::max);
+        if !lo.is_finite() {
+            return (0.0, 1.0);
+        }
+        let pad = ((hi - lo) * 0.12).max(hi.abs() * 0.02).max(1e-6);
+        (lo - pad, hi + pad)
+    };
+    let (x, y) = (span(|p| p.1), span(|p| p.2));
+    let root = BitMapBackend::new(path, (900, 560)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 22))
+        .margin(16)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d(x.0..x.1, y.0..y.1)
+        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    chart
+        .configure_mesh()
+        .x_desc(x_label)
+        .y_desc(y_label)
+        .draw()
+        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    if front {
+        let mut sorted: Vec<(f64, f64)> = pts.iter().map(|p| (p.1, p.2)).collect();
+        sorted.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.total_cmp(&b.1)));
+        let mut line: Vec<(f64, f64)> = Vec::new();
+        for p in sorted {
+            if line.last().is_none_or(|l| p.1 < l.1) {
+                line.push(p);
+            }
+        }
+        chart
+            .draw_series(LineSeries::new(line, BLACK.mix(0.4).stroke_width(1)))
+            .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    }
+    for (i, p) in pts.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        chart
+            .draw_series(std::iter::once(Circle::new((p.1, p.2), 5, color.filled())))
+            .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        chart
+            .draw_series(std::iter::once(Text::new(
+                p.0.clone(),
+                (p.1, p.2),
+                ("sans-serif", 14).into_font(),
+            )))
+            .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    }
+    root.present().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    Ok(())
+}

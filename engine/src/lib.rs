@@ -58,6 +58,8 @@ pub use kvforge_quant::Axis;
 pub use manager::{CacheManager, IndexKind, ReuseConfig, SessionId, TurnReport, TurnTail};
 pub use model::{Llama, LlamaConfig};
 pub use ppl::PplReport;
+/// The libtorch bindings this engine is built on (threads, CUDA queries).
+pub use tch;
 pub use tch::{Device, Kind, Tensor};
 pub use tier::{ColdBlock, KvQuant};
 pub use tokenizer::{Message, Tokenizer};

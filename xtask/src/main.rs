@@ -4,6 +4,9 @@
 //! * `setup` — venv with torch, the model, the data (see `setup.rs`).
 //! * `ci`    — setup, fmt check, clippy `-D warnings`, all tests, loom model,
 //!   a short run of each fuzz target.
+//! * `ablate ARGS` — the main job: every mechanism on and off on the real
+//!   model (`configs/ablate.toml`; `--quick`, `--full`, `--config FILE`,
+//!   `--resume`), one report in `target/ablate/<name>/`.
 //! * `kvforge ARGS` — setup, then the `kvforge` CLI (release build).
 //! * `engine-bench` — kvforge and Hugging Face transformers, prefill and
 //!   decode speed at 1k context on the same model, one table.
@@ -28,8 +31,8 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 
-const USAGE: &str = "usage: cargo xtask <setup [--reference] | ci | bench [FILTER] | fuzz [RUNS] | \
-                     kvforge ARGS... | prefix-bench ARGS... | quant-sweep ARGS... | decode-ab ARGS... | engine-bench [CONTEXT] [DECODE] | tidy>";
+const USAGE: &str = "usage: cargo xtask <setup [--reference] | ci | ablate [--quick | --full | --config FILE] [--resume] | \
+                     bench [FILTER] | fuzz [RUNS] | kvforge ARGS... | prefix-bench ARGS... | quant-sweep ARGS... | decode-ab ARGS... | engine-bench [CONTEXT] [DECODE] | tidy>";
 
 fn main() {
     if let Err(e) = run() {
@@ -47,6 +50,7 @@ fn run() -> Result<()> {
             setup::setup(&root, true).map(|_| ())
         }
         Some("ci") if args.len() == 1 => ci(&root),
+        Some("ablate") => run_after_setup(&root, "kvforge-bench", "ablate", &args[1..]),
         Some("kvforge") => run_after_setup(&root, "kvforge-engine", "kvforge", &args[1..]),
         Some("prefix-bench") => run_after_setup(&root, "kvforge-bench", "prefix_bench", &args[1..]),
         Some("quant-sweep") => run_after_setup(&root, "kvforge-bench", "quant_sweep", &args[1..]),

@@ -1,0 +1,626 @@
+//! The experiment file: model, workloads and the matrix of configurations,
+//! in TOML (`configs/*.toml`). Unknown keys, unknown mechanisms and bad
+//! values are errors naming the file, the line and the key.
+
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Result, bail};
+use serde::Deserialize;
+use toml::Spanned;
+
+/// One experiment: a model, its workloads, the configurations to compare.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Experiment {
+    /// Names the output folder `target/ablate/<name>/`.
+    pub name: String,
+    /// The model every configuration runs.
+    pub model: ModelSpec,
+    /// What each configuration is measured on.
+    #[serde(default)]
+    pub workloads: Workloads,
+    /// The matrix, in report order; the one named `baseline` (else the
+    /// first) is what the others are compared with.
+    #[serde(rename = "config")]
+    pub configs: Vec<Spanned<Mechanisms>>,
+}
+
+/// The model, and how it runs.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSpec {
+    /// A GGUF file (its tokenizer is used even for a random model).
+    pub path: PathBuf,
+    /// Replace the weights with a seeded random model of these dimensions
+    /// (the quick run: seconds, not minutes).
+    pub random: Option<RandomModel>,
+    /// Weight storage: `f32`, `bf16` or `f16`.
+    #[serde(default = "f32_name")]
+    pub weights: String,
+    /// Tokens per KV block.
+    #[serde(default = "default_block")]
+    pub block_size: usize,
+    /// libtorch threads (0 = its default).
+    #[serde(default)]
+    pub threads: i32,
+    /// Seed of every random choice (facts, pass keys, hash seeds).
+    #[serde(default = "default_seed")]
+    pub seed: u64,
+}
+
+/// Dimensions of a random model.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct RandomModel {
+    /// Hidden size.
+    pub d_model: usize,
+    /// Decoder layers.
+    pub layers: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// KV heads.
+    pub kv_heads: usize,
+    /// SwiGLU hidden size.
+    pub ffn: usize,
+    /// Context length.
+    pub max_ctx: usize,
+}
+
+fn f32_name() -> String {
+    "f32".into()
+}
+fn default_block() -> usize {
+    32
+}
+fn default_seed() -> u64 {
+    7
+}
+
+/// The workloads; an absent one is not run.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Workloads {
+    /// Multi-turn chats with a planted fact.
+    pub chat: Option<ChatWorkload>,
+    /// Streaming perplexity over long articles.
+    pub stream: Option<StreamWorkload>,
+    /// Pass key retrieval in a haystack of essays.
+    pub passkey: Option<PasskeyWorkload>,
+}
+
+/// Multi-turn chats from `chitchat`: each chat is one session; the second
+/// user message plants a fact (a four-digit code) and a last turn asks for
+/// it.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ChatWorkload {
+    /// `chitchat-dataset`'s `dataset.json`.
+    pub data: PathBuf,
+    /// Conversations.
+    pub chats: usize,
+    /// User turns taken from each (the recall question comes after them).
+    pub turns: usize,
+    /// Greedy tokens per answer at most.
+    pub answer_tokens: usize,
+}
+
+/// Streaming perplexity: prefill `prefix` tokens, feed the rest in chunks
+/// through the cache, score every token after the prefix; then time
+/// `decode` greedy steps.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct StreamWorkload {
+    /// An exllamav2-style `<doc>` file (`wiki.utf8`).
+    pub data: PathBuf,
+    /// Context lengths, one item each (articles concatenated, longest
+    /// first, up to the length).
+    pub contexts: Vec<usize>,
+    /// Tokens prefilled before scoring.
+    pub prefix: usize,
+    /// Tokens per streamed chunk.
+    pub chunk: usize,
+    /// Greedy decode steps timed at the end.
+    pub decode: usize,
+}
+
+/// Pass key retrieval: a five-digit key planted at a depth of a haystack of
+/// essays; the haystack is prefilled in chunks (so eviction acts while it
+/// streams in), then the question is asked.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PasskeyWorkload {
+    /// A folder of `.txt` essays (`PaulGrahamEssays`).
+    pub data: PathBuf,
+    /// Prompt lengths in tokens.
+    pub lengths: Vec<usize>,
+    /// Depths of the key, fractions of the haystack in `[0, 1]`.
+    pub depths: Vec<f64>,
+    /// Prefill chunk.
+    pub chunk: usize,
+}
+
+/// One configuration of the matrix: a name and the mechanisms it turns on
+/// (each absent = off).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Mechanisms {
+    /// Row name in the report.
+    pub name: String,
+    /// Prefix reuse across requests and sessions.
+    pub prefix: Option<PrefixSpec>,
+    /// The quantized cold tier.
+    pub cold: Option<ColdSpec>,
+    /// Eviction.
+    pub eviction: Option<EvictionSpec>,
+    /// Sharing of duplicate cold blocks.
+    pub share: Option<ShareSpec>,
+    /// Context lifecycle at turn ends.
+    pub lifecycle: Option<LifecycleSpec>,
+    /// Byte budget of all KV tiers, MiB (0 = the hot tier's capacity).
+    #[serde(default)]
+    pub budget_mib: u64,
+}
+
+/// Prefix reuse.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct PrefixSpec {
+    /// `hash-chain` or `radix`.
+    #[serde(default)]
+    pub index: IndexName,
+    /// The partial last block of a turn: `copy`, `seal` or `skip`.
+    #[serde(default)]
+    pub tail: TailName,
+}
+
+/// Prefix index implementations.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum IndexName {
+    /// Chained block hashes.
+    #[default]
+    HashChain,
+    /// Radix tree.
+    Radix,
+}
+
+/// What becomes of a turn's partial last block.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum TailName {
+    /// Cached; a continuing request copies it.
+    #[default]
+    Copy,
+    /// Cached; new tokens start a new block.
+    Seal,
+    /// Not cached.
+    Skip,
+}
+
+/// The quantized cold tier.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ColdSpec {
+    /// Element format.
+    pub format: ColdFormat,
+    /// Newest tokens kept hot (whole blocks).
+    pub window: usize,
+    /// First tokens kept hot (whole blocks).
+    #[serde(default)]
+    pub sink: usize,
+    /// Group size along the head dim.
+    #[serde(default = "default_group")]
+    pub group: usize,
+    /// Key groups: `channel` (KIVI) or `token`.
+    #[serde(default)]
+    pub keys: KeyAxis,
+    /// Hadamard-rotate keys before quantizing.
+    #[serde(default)]
+    pub rotate: bool,
+}
+
+fn default_group() -> usize {
+    32
+}
+
+/// Cold-tier element formats.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum ColdFormat {
+    /// 8-bit symmetric.
+    Int8,
+    /// 4-bit affine.
+    Int4,
+    /// 2-bit affine.
+    Int2,
+}
+
+impl ColdFormat {
+    /// Bits per element.
+    pub fn bits(self) -> u32 {
+        match self {
+            ColdFormat::Int8 => 8,
+            ColdFormat::Int4 => 4,
+            ColdFormat::Int2 => 2,
+        }
+    }
+}
+
+/// Key grouping of the cold tier.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum KeyAxis {
+    /// Along a block's tokens, per channel (KIVI).
+    #[default]
+    Channel,
+    /// Along the head dim, per token.
+    Token,
+}
+
+/// Eviction policies, by `policy = "…"`. A new policy is one variant here
+/// and one arm in `policy::eviction` (see the bench README).
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(tag = "policy", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum EvictionSpec {
+    /// StreamingLLM: the first `sink` and the newest `window` tokens.
+    SinkWindow {
+        /// Tokens kept at the start.
+        sink: usize,
+        /// Tokens kept at the end.
+        window: usize,
+    },
+    /// The README's worked example: sink and window as StreamingLLM, and
+    /// of the blocks between them every `stride`-th one kept.
+    Strided {
+        /// Tokens kept at the start.
+        sink: usize,
+        /// Tokens kept at the end.
+        window: usize,
+        /// One block in `stride` of the middle stays.
+        stride: usize,
+    },
+}
+
+/// Sharing of duplicate cold blocks, by `policy = "…"`.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(tag = "policy", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum ShareSpec {
+    /// Bit-identical quantized blocks, verified byte for byte.
+    Exact,
+}
+
+/// Context lifecycle, by `policy = "…"`.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(tag = "policy", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum LifecycleSpec {
+    /// Keep the first and the newest `keep` turns.
+    RecentTurns {
+        /// Turns kept at the end.
+        keep: u32,
+    },
+}
+
+impl Experiment {
+    /// Reads and checks `path`.
+    pub fn load(path: &Path) -> Result<Experiment> {
+        let src = match std::fs::read_to_string(path) {
+            Ok(s) => s,
+            Err(e) => bail!("{}: {e}", path.display()),
+        };
+        Self::parse(&src, path)
+    }
+
+    /// Parses and checks `src`, read from `path` (for messages).
+    pub fn parse(src: &str, path: &Path) -> Result<Experiment> {
+        let exp: Experiment = match toml::from_str(src) {
+            Ok(e) => e,
+            Err(e) => bail!("{}", located(path, src, e.span(), e.message())),
+        };
+        exp.check(src, path)?;
+        Ok(exp)
+    }
+
+    /// Resolves the relative model and data paths against `root` (the
+    /// project root they are written for).
+    pub fn rebase(&mut self, root: &Path) {
+        let join = |p: &mut PathBuf| {
+            if p.is_relative() {
+                *p = root.join(&*p);
+            }
+        };
+        join(&mut self.model.path);
+        let w = &mut self.workloads;
+        if let Some(c) = &mut w.chat {
+            join(&mut c.data);
+        }
+        if let Some(s) = &mut w.stream {
+            join(&mut s.data);
+        }
+        if let Some(p) = &mut w.passkey {
+            join(&mut p.data);
+        }
+    }
+
+    /// The configurations, without their spans.
+    pub fn matrix(&self) -> Vec<&Mechanisms> {
+        self.configs.iter().map(|c| c.get_ref()).collect()
+    }
+
+    /// The configuration the others are compared with.
+    pub fn baseline(&self) -> &str {
+        let m = self.matrix();
+        m.iter()
+            .find(|c| c.name == "baseline")
+            .or(m.first())
+            .map_or("", |c| c.name.as_str())
+    }
+
+    fn check(&self, src: &str, path: &Path) -> Result<()> {
+        let top = |msg: String| located(path, src, None, &msg);
+        if self.name.is_empty()
+            || !self
+                .name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        {
+            bail!(
+                "{}",
+                top(format!(
+                    "name {:?} must be letters, digits, - and _ (it names the output folder)",
+                    self.name
+                ))
+            );
+        }
+        let m = &self.model;
+        if !(1..=4096).contains(&m.block_size) {
+            bail!("{}", top("model.block_size must be within 1..=4096".into()));
+        }
+        if !["f32", "bf16", "f16"].contains(&m.weights.as_str()) {
+            bail!(
+                "{}",
+                top(format!(
+                    "model.weights {:?}: use f32, bf16 or f16",
+                    m.weights
+                ))
+            );
+        }
+        if self.configs.is_empty() {
+            bail!("{}", top("no [[config]]: the matrix is empty".into()));
+        }
+        let w = &self.workloads;
+        if let Some(c) = &w.chat
+            && (c.chats == 0 || c.turns < 2 || c.answer_tokens == 0)
+        {
+            bail!(
+                "{}",
+                top("workloads.chat: chats and answer_tokens must be at least 1, turns at least 2 (the fact is planted in the second)".into())
+            );
+        }
+        if let Some(s) = &w.stream
+            && (s.contexts.is_empty()
+                || s.prefix == 0
+                || s.chunk == 0
+                || s.contexts.iter().any(|&c| c <= s.prefix))
+        {
+            bail!(
+                "{}",
+                top(
+                    "workloads.stream: needs contexts, each longer than prefix > 0, and chunk > 0"
+                        .into()
+                )
+            );
+        }
+        if let Some(p) = &w.passkey
+            && (p.lengths.is_empty()
+                || p.depths.is_empty()
+                || p.chunk == 0
+                || p.depths.iter().any(|d| !(0.0..=1.0).contains(d)))
+        {
+            bail!(
+                "{}",
+                top("workloads.passkey: needs lengths, depths within [0, 1] and chunk > 0".into())
+            );
+        }
+        let mut names = std::collections::BTreeSet::new();
+        for c in &self.configs {
+            let at = |msg: String| located(path, src, Some(c.span()), &msg);
+            let mech = c.get_ref();
+            if !names.insert(mech.name.as_str()) {
+                bail!("{}", at(format!("config {:?} appears twice", mech.name)));
+            }
+            if let Some(msg) = mech.problem(m.block_size) {
+                bail!("{}", at(format!("config {:?}: {msg}", mech.name)));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Mechanisms {
+    /// What cannot work in this configuration, checked before anything
+    /// runs (the engine checks the rest).
+    fn problem(&self, block: usize) -> Option<String> {
+        if self.name.is_empty() || self.name.contains([',', '\n', '|']) {
+            return Some("a name must be non-empty, without commas or |".into());
+        }
+        if let Some(c) = &self.cold {
+            if c.window % block != 0 || c.sink % block != 0 {
+                return Some(format!(
+                    "cold.window and cold.sink must be multiples of the block size {block}"
+                ));
+            }
+            if c.group == 0 {
+                return Some("cold.group must be at least 1".into());
+            }
+        }
+        if self.share.is_some() && self.cold.is_none() {
+            return Some("share needs a cold tier (it shares quantized blocks)".into());
+        }
+        match self.eviction {
+            Some(EvictionSpec::SinkWindow { window: 0, .. })
+            | Some(EvictionSpec::Strided { window: 0, .. }) => {
+                return Some("eviction.window must keep at least one token".into());
+            }
+            Some(EvictionSpec::Strided { stride: 0, .. }) => {
+                return Some("eviction.stride must be at least 1".into());
+            }
+            _ => {}
+        }
+        if let Some(LifecycleSpec::RecentTurns { keep: 0 }) = self.lifecycle {
+            return Some("lifecycle.keep must be at least 1".into());
+        }
+        None
+    }
+}
+
+/// `file:line:col: message (at `source line`)`: one line.
+fn located(path: &Path, src: &str, span: Option<Range<usize>>, msg: &str) -> String {
+    let msg = msg.trim().replace('\n', " ");
+    let Some(span) = span else {
+        return format!("{}: {msg}", path.display());
+    };
+    let start = span.start.min(src.len());
+    let before = &src[..start];
+    let line = before.matches('\n').count() + 1;
+    let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+    let col = src[line_start..start].chars().count() + 1;
+    let text = src[line_start..]
+        .lines()
+        .next()
+        .unwrap_or("")
+        .trim()
+        .chars()
+        .take(60)
+        .collect::<String>();
+    format!("{}:{line}:{col}: {msg} (at `{text}`)", path.display())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+name = "t"
+[model]
+path = "m.gguf"
+block_size = 16
+
+[workloads.stream]
+data = "wiki"
+contexts = [256]
+prefix = 64
+chunk = 32
+decode = 4
+
+[[config]]
+name = "baseline"
+
+[[config]]
+name = "all"
+prefix = { index = "radix", tail = "seal" }
+cold = { format = "int4", window = 32, sink = 16 }
+eviction = { policy = "sink-window", sink = 16, window = 64 }
+share = { policy = "exact" }
+lifecycle = { policy = "recent-turns", keep = 2 }
+budget_mib = 64
+"#;
+
+    fn err(src: &str) -> String {
+        Experiment::parse(src, Path::new("x.toml"))
+            .map(|_| ())
+            .unwrap_err()
+            .to_string()
+    }
+
+    #[test]
+    fn a_good_file_parses_into_the_matrix() {
+        let e = Experiment::parse(GOOD, Path::new("x.toml")).unwrap();
+        let m = e.matrix();
+        assert_eq!(m.len(), 2);
+        assert_eq!(e.baseline(), "baseline");
+        assert_eq!(m[1].prefix.unwrap().index, IndexName::Radix);
+        assert_eq!(m[1].cold.unwrap().format.bits(), 4);
+        assert_eq!(m[1].cold.unwrap().keys, KeyAxis::Channel);
+        assert_eq!(
+            m[1].eviction,
+            Some(EvictionSpec::SinkWindow {
+                sink: 16,
+                window: 64
+            })
+        );
+        assert_eq!(e.model.weights, "f32");
+    }
+
+    #[test]
+    fn bad_files_name_the_file_line_and_key_in_one_line() {
+        let cases = [
+            // An unknown key.
+            (
+                GOOD.replace("budget_mib = 64", "budget_mb = 64"),
+                "x.toml:24:1:",
+                "unknown field `budget_mb`",
+            ),
+            // A mechanism that does not exist.
+            (
+                GOOD.replace("budget_mib = 64", "dedupe = { policy = \"lsh\" }"),
+                "x.toml:24:1:",
+                "unknown field `dedupe`",
+            ),
+            // A policy that does not exist.
+            (
+                GOOD.replace("\"sink-window\"", "\"h2o\""),
+                "x.toml:21:",
+                "unknown variant `h2o`",
+            ),
+            // A wrong type.
+            (
+                GOOD.replace("window = 32,", "window = \"32\","),
+                "x.toml:20:",
+                "invalid type",
+            ),
+            // A parameter of another policy.
+            (
+                GOOD.replace("keep = 2", "keep = 2, k = 3"),
+                "x.toml:23:",
+                "unknown field `k`",
+            ),
+            // Semantics: sharing without a cold tier; a window off the block grid.
+            (
+                GOOD.replace("cold = { format = \"int4\", window = 32, sink = 16 }", ""),
+                "x.toml:17:1:",
+                "share needs a cold tier",
+            ),
+            (
+                GOOD.replace("window = 32,", "window = 40,"),
+                "x.toml:17:1:",
+                "multiples of the block size",
+            ),
+            (
+                GOOD.replace("name = \"all\"", "name = \"baseline\""),
+                "x.toml:17:1:",
+                "appears twice",
+            ),
+            (
+                GOOD.replace("contexts = [256]", "contexts = [64]"),
+                "x.toml:",
+                "each longer than prefix",
+            ),
+            (
+                "name = \"t\"\n[model\n".to_string(),
+                "x.toml:2:",
+                "unclosed table",
+            ),
+            (
+                GOOD.replace("path = \"m.gguf\"", ""),
+                "x.toml:",
+                "missing field `path`",
+            ),
+        ];
+        for (src, at, what) in cases {
+            let e = err(&src);
+            assert!(e.starts_with(at) && e.contains(what), "{e}");
+            assert!(!e.contains('\n'), "{e}");
+        }
+    }
+}

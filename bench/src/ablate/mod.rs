@@ -1,0 +1,13 @@
+//! `cargo xtask ablate`: every mechanism on and off, one report.
+//!
+//! * [`config`]: the experiment file (TOML): model, workloads, matrix.
+//! * [`run`] (feature `engine`): each configuration on each workload, item
+//!   by item, resumable.
+//! * [`report`]: `report.md`, `results.csv`, `turns.csv`, PNGs.
+//! * [`strided`]: the worked example of adding an eviction policy.
+
+pub mod config;
+pub mod report;
+#[cfg(feature = "engine")]
+pub mod run;
+pub mod strided;

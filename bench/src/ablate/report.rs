@@ -1,0 +1,604 @@
+//! Records of measured items, and the report built from them:
+//! `report.md`, `results.csv`, `turns.csv` and the PNGs.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
+
+use super::config::{Experiment, Mechanisms};
+use crate::plot;
+
+/// One measured item of one workload under one configuration.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Record {
+    /// Configuration name.
+    pub config: String,
+    /// `chat`, `stream` or `passkey`.
+    pub workload: String,
+    /// The item (`chat0`, `ctx4096`, `len1024-depth0.50`).
+    pub item: String,
+    /// Why it failed, if it did (the other items still run).
+    pub error: Option<String>,
+    /// Its measurements.
+    pub values: BTreeMap<String, f64>,
+    /// Per-turn snapshots (chats).
+    pub turns: Vec<BTreeMap<String, f64>>,
+    /// The scored answer (the recall turn's, the pass key's).
+    pub answer: Option<String>,
+    /// Seconds it took.
+    pub secs: f64,
+}
+
+impl Record {
+    /// The value of `key`, NaN when absent.
+    pub fn get(&self, key: &str) -> f64 {
+        self.values.get(key).copied().unwrap_or(f64::NAN)
+    }
+}
+
+/// Where and how the run happened (recorded in the report).
+#[derive(Clone, Debug, Default)]
+pub struct RunInfo {
+    /// `git rev-parse HEAD` (and `-dirty`).
+    pub commit: String,
+    /// The experiment file.
+    pub config_path: String,
+    /// Its text.
+    pub config_text: String,
+    /// Cores, CPU model, GPU.
+    pub machine: String,
+    /// Seconds of the whole run (this invocation; resumed items not
+    /// counted again).
+    pub wall_secs: f64,
+}
+
+const MIB: f64 = 1024.0 * 1024.0;
+
+/// Per-configuration aggregates of every workload (NaN where a workload
+/// did not run or all its items failed).
+#[derive(Clone, Debug, Default)]
+pub struct Summary {
+    /// Configuration name.
+    pub name: String,
+    /// Its mechanisms in words.
+    pub mechanisms: String,
+    /// Chat: the largest KV bytes held during any turn, MiB.
+    pub chat_peak_mib: f64,
+    /// Chat: mean over turns of each turn's peak, MiB.
+    pub chat_mean_mib: f64,
+    /// Chat: fraction of planted facts recalled.
+    pub recall: f64,
+    /// Chat: prompt tokens whose KV came from the prefix index.
+    pub hit_rate: f64,
+    /// Chat: median time to first token, ms.
+    pub ttft_ms: f64,
+    /// Stream: perplexity over every scored token of every context.
+    pub ppl: f64,
+    /// Stream: peak KV at the longest context, MiB.
+    pub stream_mib: f64,
+    /// Stream: decode tokens/s at the longest context.
+    pub decode_tok_s: f64,
+    /// Passkey: fraction retrieved.
+    pub passkey: f64,
+    /// Passkey: mean peak KV, MiB.
+    pub passkey_mib: f64,
+    /// Items that failed.
+    pub failed: usize,
+}
+
+/// Describes a configuration's mechanisms in a few words.
+pub fn describe(m: &Mechanisms) -> String {
+    use super::config::{EvictionSpec, LifecycleSpec};
+    let mut parts = Vec::new();
+    if let Some(p) = m.prefix {
+        parts.push(format!("prefix {:?}/{:?}", p.index, p.tail).to_lowercase());
+    }
+    if let Some(c) = m.cold {
+        let rot = if c.rotate { " rot" } else { "" };
+        parts.push(format!("cold {:?} w{} s{}{rot}", c.format, c.window, c.sink).to_lowercase());
+    }
+    match m.eviction {
+        Some(EvictionSpec::SinkWindow { sink, window }) => {
+            parts.push(format!("evict sink{sink}+window{window}"))
+        }
+        Some(EvictionSpec::Strided {
+            sink,
+            window,
+            stride,
+        }) => parts.push(format!("evict strided{stride} sink{sink}+window{window}")),
+        None => {}
+    }
+    if m.share.is_some() {
+        parts.push("share exact".into());
+    }
+    if let Some(LifecycleSpec::RecentTurns { keep }) = m.lifecycle {
+        parts.push(format!("lifecycle keep {keep}"));
+    }
+    if m.budget_mib > 0 {
+        parts.push(format!("budget {} MiB", m.budget_mib));
+    }
+    if parts.is_empty() {
+        "full cache".into()
+    } else {
+        parts.join(", ")
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.retain(|x| x.is_finite());
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+fn mean(v: impl IntoIterator<Item = f64>) -> f64 {
+    let (s, n) = v
+        .into_iter()
+        .filter(|x| x.is_finite())
+        .fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
+    if n == 0 { f64::NAN } else { s / n as f64 }
+}
+
+fn max(v: impl IntoIterator<Item = f64>) -> f64 {
+    v.into_iter()
+        .filter(|x| x.is_finite())
+        .fold(f64::NAN, |m, x| if m.is_nan() || x > m { x } else { m })
+}
+
+/// Aggregates the records of each configuration of `exp`.
+pub fn summarize(exp: &Experiment, records: &[Record]) -> Vec<Summary> {
+    exp.matrix()
+        .into_iter()
+        .map(|m| {
+            let of = |w: &str| -> Vec<&Record> {
+                records
+                    .iter()
+                    .filter(|r| r.config == m.name && r.workload == w && r.error.is_none())
+                    .collect()
+            };
+            let chat = of("chat");
+            let stream = of("stream");
+            let pass = of("passkey");
+            let sum = |rs: &[&Record], k: &str| rs.iter().map(|r| r.get(k)).sum::<f64>();
+            let longest = stream
+                .iter()
+                .max_by(|a, b| a.get("context").total_cmp(&b.get("context")));
+            Summary {
+                name: m.name.clone(),
+                mechanisms: describe(m),
+                chat_peak_mib: max(chat.iter().map(|r| r.get("peak_kv_bytes") / MIB)),
+                chat_mean_mib: mean(chat.iter().map(|r| r.get("mean_kv_bytes") / MIB)),
+                recall: mean(chat.iter().map(|r| r.get("recalled"))),
+                hit_rate: if chat.is_empty() {
+                    f64::NAN
+                } else {
+                    sum(&chat, "index_hit_tokens") / sum(&chat, "prompt_tokens").max(1.0)
+                },
+                ttft_ms: median(
+                    chat.iter()
+                        .flat_map(|r| {
+                            r.turns
+                                .iter()
+                                .map(|t| t.get("ttft_ms").copied().unwrap_or(f64::NAN))
+                        })
+                        .collect(),
+                ),
+                ppl: if stream.is_empty() {
+                    f64::NAN
+                } else {
+                    (sum(&stream, "nll_sum") / sum(&stream, "scored").max(1.0)).exp()
+                },
+                stream_mib: longest.map_or(f64::NAN, |r| r.get("kv_bytes") / MIB),
+                decode_tok_s: longest.map_or(f64::NAN, |r| r.get("decode_tok_s")),
+                passkey: mean(pass.iter().map(|r| r.get("correct"))),
+                passkey_mib: mean(pass.iter().map(|r| r.get("kv_bytes") / MIB)),
+                failed: records
+                    .iter()
+                    .filter(|r| r.config == m.name && r.error.is_some())
+                    .count(),
+            }
+        })
+        .collect()
+}
+
+fn num(x: f64, digits: usize) -> String {
+    if x.is_finite() {
+        format!("{x:.digits$}")
+    } else {
+        "–".into()
+    }
+}
+
+/// `x` and its change against `base` in percent.
+fn with_change(x: f64, base: f64, digits: usize) -> String {
+    if !x.is_finite() {
+        return "–".into();
+    }
+    if !base.is_finite() || base == 0.0 {
+        return num(x, digits);
+    }
+    format!("{} ({:+.1}%)", num(x, digits), (x / base - 1.0) * 100.0)
+}
+
+/// A fraction in percent and its change in points against `base`.
+fn with_points(x: f64, base: f64) -> String {
+    if !x.is_finite() {
+        return "–".into();
+    }
+    if !base.is_finite() {
+        return format!("{:.0}%", x * 100.0);
+    }
+    format!("{:.0}% ({:+.0} pt)", x * 100.0, (x - base) * 100.0)
+}
+
+/// Writes `report.md`, `results.csv`, `turns.csv` and the PNGs to `dir`.
+pub fn write(dir: &Path, exp: &Experiment, records: &[Record], info: &RunInfo) -> Result<()> {
+    let summary = summarize(exp, records);
+    let base = summary
+        .iter()
+        .find(|s| s.name == exp.baseline())
+        .cloned()
+        .unwrap_or_default();
+    let mut md = String::new();
+    let _ = writeln!(md, "# Ablation `{}`\n", exp.name);
+    let _ = writeln!(
+        md,
+        "Commit `{}`; configuration `{}`; {}; wall time of this run {:.0} s. \
+         Changes are against `{}`. Model: {}.\n",
+        info.commit,
+        info.config_path,
+        info.machine,
+        info.wall_secs,
+        exp.baseline(),
+        model_words(exp)
+    );
+    md.push_str(
+        "| configuration | mechanisms | chat peak KV MiB | chat mean KV MiB | fact recall | prefix hit | TTFT ms (median) | stream KV MiB | perplexity | decode tok/s | passkey | passkey KV MiB | failed |\n\
+         |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for s in &summary {
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            s.name,
+            s.mechanisms,
+            with_change(s.chat_peak_mib, base.chat_peak_mib, 1),
+            with_change(s.chat_mean_mib, base.chat_mean_mib, 1),
+            with_points(s.recall, base.recall),
+            if s.hit_rate.is_finite() {
+                format!("{:.0}%", s.hit_rate * 100.0)
+            } else {
+                "–".into()
+            },
+            with_change(s.ttft_ms, base.ttft_ms, 0),
+            with_change(s.stream_mib, base.stream_mib, 1),
+            with_change(s.ppl, base.ppl, 3),
+            with_change(s.decode_tok_s, base.decode_tok_s, 1),
+            with_points(s.passkey, base.passkey),
+            with_change(s.passkey_mib, base.passkey_mib, 1),
+            s.failed,
+        );
+    }
+    md.push_str(
+        "\nKV MiB are bytes held by blocks in use in all tiers (hot f32 pool blocks and \
+         quantized cold blocks, each shared block once), at their peak. Speed columns \
+         (TTFT, decode) are single sequential runs on a shared machine: indicative only; \
+         `cargo xtask decode-ab` measures decode speed interleaved.\n",
+    );
+    workload_sections(&mut md, exp, records);
+    let failures: Vec<&Record> = records.iter().filter(|r| r.error.is_some()).collect();
+    if !failures.is_empty() {
+        md.push_str(
+            "\n## Failures\n\n| configuration | workload | item | error |\n|---|---|---|---|\n",
+        );
+        for r in failures {
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | {} |",
+                r.config,
+                r.workload,
+                r.item,
+                r.error.as_deref().unwrap_or("").replace('|', "/")
+            );
+        }
+    }
+    let _ = write!(
+        md,
+        "\n## The experiment file\n\n```toml\n{}\n```\n",
+        info.config_text.trim_end()
+    );
+    let write_file = |name: &str, text: &str| -> Result<()> {
+        let p = dir.join(name);
+        std::fs::write(&p, text).with_context(|| format!("writing {}", p.display()))
+    };
+    write_file("report.md", &md)?;
+    write_file("results.csv", &results_csv(records))?;
+    write_file("turns.csv", &turns_csv(records))?;
+    plots(dir, exp, records, &summary)?;
+    Ok(())
+}
+
+fn model_words(exp: &Experiment) -> String {
+    let m = &exp.model;
+    let what = match &m.random {
+        Some(r) => format!(
+            "random weights ({} layers, d_model {}, {} KV heads), tokenizer of `{}`",
+            r.layers,
+            r.d_model,
+            r.kv_heads,
+            m.path.display()
+        ),
+        None => format!("`{}`", m.path.display()),
+    };
+    format!(
+        "{what}, {} weights, f32 compute and hot KV, block {}",
+        m.weights, m.block_size
+    )
+}
+
+fn workload_sections(md: &mut String, exp: &Experiment, records: &[Record]) {
+    let names: Vec<&str> = exp.matrix().iter().map(|m| m.name.as_str()).collect();
+    let ok = |c: &str, w: &str| -> Vec<&Record> {
+        records
+            .iter()
+            .filter(|r| r.config == c && r.workload == w && r.error.is_none())
+            .collect()
+    };
+    if let Some(w) = &exp.workloads.chat {
+        let _ = writeln!(
+            md,
+            "\n## Chat\n\n{} chitchat conversation(s) as sessions, {} user turns each plus the recall question, \
+             greedy answers of at most {} tokens; a four-digit code is planted in the second user message. \
+             KV MiB held at the end of each turn of the first chat (whole sequence, all tiers):\n",
+            w.chats, w.turns, w.answer_tokens
+        );
+        let turns = w.turns + 1;
+        let _ = write!(md, "| configuration |");
+        for t in 1..=turns {
+            let _ = write!(md, " {t} |");
+        }
+        let _ = write!(md, " recalled |\n|---|");
+        for _ in 0..=turns {
+            md.push_str("---:|");
+        }
+        md.push('\n');
+        for c in &names {
+            let rs = ok(c, "chat");
+            let Some(r) = rs.first() else { continue };
+            let _ = write!(md, "| {c} |");
+            for t in &r.turns {
+                let _ = write!(
+                    md,
+                    " {} |",
+                    num(t.get("kv_bytes").copied().unwrap_or(f64::NAN) / MIB, 1)
+                );
+            }
+            let recalled = rs.iter().filter(|r| r.get("recalled") > 0.5).count();
+            let _ = writeln!(md, " {recalled}/{} |", rs.len());
+        }
+    }
+    if let Some(w) = &exp.workloads.stream {
+        let _ = writeln!(
+            md,
+            "\n## Streaming perplexity\n\nThe longest articles of `{}` concatenated; prefix {} tokens, chunks of {}, \
+             then {} greedy decode steps timed.\n\n| configuration | context | perplexity | KV MiB (hot + cold) | decode tok/s |\n|---|---:|---:|---:|---:|",
+            w.data.display(),
+            w.prefix,
+            w.chunk,
+            w.decode
+        );
+        for c in &names {
+            for r in ok(c, "stream") {
+                let _ = writeln!(
+                    md,
+                    "| {c} | {} | {} | {} ({} + {}) | {} |",
+                    r.get("context"),
+                    num(r.get("ppl"), 4),
+                    num(r.get("kv_bytes") / MIB, 1),
+                    num(r.get("hot_bytes") / MIB, 1),
+                    num(r.get("cold_bytes") / MIB, 1),
+                    num(r.get("decode_tok_s"), 2)
+                );
+            }
+        }
+    }
+    if let Some(w) = &exp.workloads.passkey {
+        let _ = writeln!(
+            md,
+            "\n## Pass key retrieval\n\nA five-digit key at each depth of a haystack of `{}` essays, prefilled in chunks of {} tokens, \
+             then the question; exact match of the digits. Retrieved / items per prompt length:\n",
+            w.data.display(),
+            w.chunk
+        );
+        let _ = write!(md, "| configuration |");
+        for l in &w.lengths {
+            let _ = write!(md, " {l} |");
+        }
+        md.push_str(" mean KV MiB |\n|---|");
+        for _ in 0..=w.lengths.len() {
+            md.push_str("---:|");
+        }
+        md.push('\n');
+        for c in &names {
+            let rs = ok(c, "passkey");
+            if rs.is_empty() {
+                continue;
+            }
+            let _ = write!(md, "| {c} |");
+            for &l in &w.lengths {
+                let at: Vec<&&Record> = rs.iter().filter(|r| r.get("length") == l as f64).collect();
+                let hit = at.iter().filter(|r| r.get("correct") > 0.5).count();
+                let _ = write!(md, " {hit}/{} |", at.len());
+            }
+            let _ = writeln!(
+                md,
+                " {} |",
+                num(mean(rs.iter().map(|r| r.get("kv_bytes") / MIB)), 1)
+            );
+        }
+    }
+}
+
+fn csv_field(s: &str) -> String {
+    if s.contains([',', '"', '\n']) {
+        format!("\"{}\"", s.replace('"', "\"\""))
+    } else {
+        s.to_string()
+    }
+}
+
+fn results_csv(records: &[Record]) -> String {
+    let keys: std::collections::BTreeSet<&str> = records
+        .iter()
+        .flat_map(|r| r.values.keys().map(String::as_str))
+        .collect();
+    let mut s = String::from("config,workload,item,error,secs");
+    for k in &keys {
+        let _ = write!(s, ",{k}");
+    }
+    s.push('\n');
+    for r in records {
+        let _ = write!(
+            s,
+            "{},{},{},{},{:.3}",
+            csv_field(&r.config),
+            r.workload,
+            r.item,
+            csv_field(r.error.as_deref().unwrap_or("")),
+            r.secs
+        );
+        for k in &keys {
+            match r.values.get(*k) {
+                Some(v) => {
+                    let _ = write!(s, ",{v}");
+                }
+                None => s.push(','),
+            }
+        }
+        s.push('\n');
+    }
+    s
+}
+
+fn turns_csv(records: &[Record]) -> String {
+    let keys: std::collections::BTreeSet<&str> = records
+        .iter()
+        .flat_map(|r| r.turns.iter().flat_map(|t| t.keys().map(String::as_str)))
+        .collect();
+    let mut s = String::from("config,item,turn");
+    for k in &keys {
+        let _ = write!(s, ",{k}");
+    }
+    s.push('\n');
+    for r in records {
+        for (i, t) in r.turns.iter().enumerate() {
+            let _ = write!(s, "{},{},{}", csv_field(&r.config), r.item, i + 1);
+            for k in &keys {
+                match t.get(*k) {
+                    Some(v) => {
+                        let _ = write!(s, ",{v}");
+                    }
+                    None => s.push(','),
+                }
+            }
+            s.push('\n');
+        }
+    }
+    s
+}
+
+fn plots(dir: &Path, exp: &Experiment, records: &[Record], summary: &[Summary]) -> Result<()> {
+    let pts = |f: fn(&Summary) -> (f64, f64)| -> Vec<(String, f64, f64)> {
+        summary
+            .iter()
+            .map(|s| {
+                let (x, y) = f(s);
+                (s.name.clone(), x, y)
+            })
+            .collect()
+    };
+    if exp.workloads.stream.is_some() {
+        plot::scatter_plot(
+            &dir.join("pareto.png"),
+            "Memory against quality (streaming perplexity)",
+            "peak KV MiB at the longest context",
+            "perplexity",
+            &pts(|s| (s.stream_mib, s.ppl)),
+            true,
+        )?;
+    }
+    if exp.workloads.passkey.is_some() {
+        plot::scatter_plot(
+            &dir.join("passkey.png"),
+            "Pass key accuracy against KV budget",
+            "mean peak KV MiB",
+            "accuracy",
+            &pts(|s| (s.passkey_mib, s.passkey)),
+            false,
+        )?;
+    }
+    if exp.workloads.chat.is_some() {
+        let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+        for m in exp.matrix() {
+            let first = records
+                .iter()
+                .find(|r| r.config == m.name && r.workload == "chat" && r.error.is_none());
+            if let Some(r) = first {
+                let line = r
+                    .turns
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, t)| Some(((i + 1) as f64, t.get("kv_bytes")? / MIB)))
+                    .collect();
+                series.push((m.name.clone(), line));
+            }
+        }
+        let turns = series.iter().map(|s| s.1.len()).max().unwrap_or(1) as f64;
+        let top = series
+            .iter()
+            .flat_map(|s| s.1.iter().map(|p| p.1))
+            .fold(0.0f64, f64::max);
+        let named: Vec<(&str, Vec<(f64, f64)>)> = series
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.clone()))
+            .collect();
+        plot::line_plot(
+            &dir.join("chat_kv.png"),
+            "KV held over a conversation (first chat)",
+            "turn",
+            "KV MiB",
+            (1.0, turns.max(2.0)),
+            (0.0, (top * 1.1).max(1e-3)),
+            &named,
+        )?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn medians_means_and_changes_skip_what_is_missing() {
+        assert_eq!(median(vec![3.0, 1.0, f64::NAN, 2.0]), 2.0);
+        assert_eq!(median(vec![4.0, 1.0]), 2.5);
+        assert!(median(vec![]).is_nan());
+        assert_eq!(mean([1.0, f64::NAN, 3.0]), 2.0);
+        assert_eq!(max([1.0, f64::NAN, 3.0]), 3.0);
+        assert_eq!(with_change(110.0, 100.0, 1), "110.0 (+10.0%)");
+        assert_eq!(with_points(0.5, 0.75), "50% (-25 pt)");
+        assert_eq!(with_change(f64::NAN, 1.0, 1), "–");
+        assert_eq!(csv_field("a,b"), "\"a,b\"");
+    }
+}

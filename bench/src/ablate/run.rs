@@ -1,0 +1,786 @@
+//! Runs an experiment: every configuration of the matrix on every
+//! workload, one item at a time, each item appended to `items.jsonl` as it
+//! finishes (so an interrupted run keeps what it measured and `--resume`
+//! skips it), the report rewritten after each configuration.
+
+use std::collections::BTreeMap;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use indicatif::{ProgressBar, ProgressStyle};
+use kvforge_engine::{
+    Axis, CacheManager, DedupConfig, Device, Engine, EngineConfig, EvictionConfig, IndexKind,
+    KvQuant, LifecycleConfig, Llama, LlamaConfig, Message, ReuseConfig, SamplingParams, Sequence,
+    Tokenizer, TurnTail,
+};
+use kvforge_evict::EvictionPolicy;
+
+use super::config::{
+    ChatWorkload, ColdFormat, EvictionSpec, Experiment, IndexName, KeyAxis, LifecycleSpec,
+    Mechanisms, PasskeyWorkload, ShareSpec, StreamWorkload, TailName,
+};
+use super::report::{self, Record, RunInfo};
+use super::strided::Strided;
+use crate::SplitMix;
+
+/// What to run and where.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// The experiment file.
+    pub config: PathBuf,
+    /// Output folder (default `target/ablate/<name>`).
+    pub out: Option<PathBuf>,
+    /// Keep the items an earlier run of the same file measured.
+    pub resume: bool,
+    /// Draw a progress bar on stderr.
+    pub progress: bool,
+    /// What relative paths in the experiment file (and the default output
+    /// folder) are relative to: the project root.
+    pub root: PathBuf,
+}
+
+/// Runs the experiment of `opts`; returns the output folder.
+pub fn run(opts: &Options) -> Result<PathBuf> {
+    let started = Instant::now();
+    let mut exp = Experiment::load(&opts.config)?;
+    exp.rebase(&opts.root);
+    check_inputs(&exp)?;
+    let out = opts
+        .out
+        .clone()
+        .unwrap_or_else(|| opts.root.join("target/ablate").join(&exp.name));
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    let text = std::fs::read_to_string(&opts.config)
+        .with_context(|| format!("reading {}", opts.config.display()))?;
+    let items_path = out.join("items.jsonl");
+    let stamp_path = out.join("experiment.toml");
+    let mut records = Vec::new();
+    if opts.resume {
+        match std::fs::read_to_string(&stamp_path) {
+            Ok(old) if old == text => records = load_records(&items_path)?,
+            Ok(_) => bail!(
+                "{} changed since the run in {}; run without --resume to start over",
+                opts.config.display(),
+                out.display()
+            ),
+            Err(_) => bail!("--resume: no earlier run in {}", out.display()),
+        }
+    } else if items_path.exists() {
+        std::fs::remove_file(&items_path)
+            .with_context(|| format!("removing {}", items_path.display()))?;
+    }
+    std::fs::write(&stamp_path, &text)
+        .with_context(|| format!("writing {}", stamp_path.display()))?;
+    let mut info = RunInfo {
+        commit: commit(&opts.root),
+        config_path: opts.config.display().to_string(),
+        config_text: text,
+        machine: machine(),
+        wall_secs: 0.0,
+    };
+
+    if exp.model.threads > 0 {
+        kvforge_engine::tch::set_num_threads(exp.model.threads);
+    }
+    let (model, tok) = load_model(&exp)?;
+    let inputs = Inputs::load(&exp, &tok)?;
+    let items = inputs.items(&exp);
+    let done: std::collections::BTreeSet<(String, String, String)> = records
+        .iter()
+        .filter(|r| r.error.is_none())
+        .map(|r| (r.config.clone(), r.workload.clone(), r.item.clone()))
+        .collect();
+    records.retain(|r| r.error.is_none());
+    let todo: usize = exp
+        .matrix()
+        .iter()
+        .map(|m| {
+            items
+                .iter()
+                .filter(|i| !done.contains(&(m.name.clone(), i.workload.into(), i.name.clone())))
+                .count()
+        })
+        .sum();
+    let bar = if opts.progress {
+        ProgressBar::new(todo as u64)
+    } else {
+        ProgressBar::hidden()
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} items {elapsed_precise} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let mut log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&items_path)
+        .with_context(|| format!("opening {}", items_path.display()))?;
+    for m in exp.matrix() {
+        for workload in ["chat", "stream", "passkey"] {
+            let mine: Vec<&Item> = items
+                .iter()
+                .filter(|i| {
+                    i.workload == workload
+                        && !done.contains(&(m.name.clone(), workload.into(), i.name.clone()))
+                })
+                .collect();
+            if mine.is_empty() {
+                continue;
+            }
+            let mut runner = match Runner::new(&exp, m, &model, &tok) {
+                Ok(r) => Ok(r),
+                Err(e) => Err(format!("{e:#}")),
+            };
+            for item in mine {
+                bar.set_message(format!("{} · {} {}", m.name, workload, item.name));
+                let t0 = Instant::now();
+                let got = match &mut runner {
+                    Ok(r) => r.item(&inputs, item).map_err(|e| format!("{e:#}")),
+                    Err(e) => Err(e.clone()),
+                };
+                let mut rec = match got {
+                    Ok(rec) => rec,
+                    Err(e) => Record {
+                        error: Some(e.replace('\n', " ")),
+                        ..Record::default()
+                    },
+                };
+                rec.config = m.name.clone();
+                rec.workload = workload.into();
+                rec.item = item.name.clone();
+                rec.secs = t0.elapsed().as_secs_f64();
+                let line = serde_json::to_string(&rec)?;
+                writeln!(log, "{line}")
+                    .and_then(|()| log.flush())
+                    .with_context(|| format!("appending to {}", items_path.display()))?;
+                records.push(rec);
+                bar.inc(1);
+            }
+        }
+        info.wall_secs = started.elapsed().as_secs_f64();
+        report::write(&out, &exp, &records, &info)?;
+    }
+    bar.finish_and_clear();
+    info.wall_secs = started.elapsed().as_secs_f64();
+    report::write(&out, &exp, &records, &info)?;
+    Ok(out)
+}
+
+/// Every input file exists, or one line saying which setup step installs it.
+fn check_inputs(exp: &Experiment) -> Result<()> {
+    let need = |p: &Path, what: &str| -> Result<()> {
+        if !p.exists() {
+            bail!("{} is missing: {what}", p.display());
+        }
+        Ok(())
+    };
+    need(
+        &exp.model.path,
+        "`cargo xtask setup` installs the default model into models/",
+    )?;
+    let w = &exp.workloads;
+    if let Some(c) = &w.chat {
+        need(
+            &c.data,
+            "`cargo xtask setup` installs it (the chitchat-dataset data package)",
+        )?;
+    }
+    if let Some(s) = &w.stream {
+        need(
+            &s.data,
+            "`cargo xtask setup` installs it (exllamav2's wiki.utf8 calibration text)",
+        )?;
+    }
+    if let Some(p) = &w.passkey {
+        need(
+            &p.data,
+            "`cargo xtask setup` installs it (the Paul Graham essays data package)",
+        )?;
+    }
+    Ok(())
+}
+
+fn load_records(path: &Path) -> Result<Vec<Record>> {
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return Ok(Vec::new());
+    };
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        // The last line may be cut short by an interrupt: skip it.
+        match serde_json::from_str::<Record>(line) {
+            Ok(r) => out.push(r),
+            Err(_) if i + 1 == text.lines().count() => {}
+            Err(e) => bail!("{}:{}: {e}", path.display(), i + 1),
+        }
+    }
+    Ok(out)
+}
+
+fn commit(root: &Path) -> String {
+    let git = |args: &[&str]| {
+        std::process::Command::new("git")
+            .current_dir(root)
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    match git(&["rev-parse", "--short=12", "HEAD"]) {
+        Some(c) => {
+            let dirty = git(&["status", "--porcelain", "--untracked-files=no"])
+                .is_some_and(|s| !s.is_empty());
+            if dirty { format!("{c}-dirty") } else { c }
+        }
+        None => "unknown".into(),
+    }
+}
+
+fn machine() -> String {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|s| s.trim().to_string())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+    let gpu = if kvforge_engine::tch::Cuda::is_available() {
+        format!(
+            "{} CUDA device(s), unused",
+            kvforge_engine::tch::Cuda::device_count()
+        )
+    } else {
+        "no GPU".into()
+    };
+    format!("{cores} cores ({cpu}), {gpu}, CPU run")
+}
+
+fn load_model(exp: &Experiment) -> Result<(Llama, Tokenizer)> {
+    let g = kvforge_engine::gguf::GgufFile::open(&exp.model.path)?;
+    let tok = Tokenizer::from_gguf(&g)?;
+    let kind = kvforge_engine::Kind::Float;
+    let model = match exp.model.random {
+        Some(r) => {
+            if r.heads == 0 || r.d_model % r.heads != 0 {
+                bail!(
+                    "model.random: d_model {} is not a multiple of heads {}",
+                    r.d_model,
+                    r.heads
+                );
+            }
+            let cfg = LlamaConfig {
+                vocab: tok.vocab,
+                d_model: r.d_model,
+                n_layers: r.layers,
+                n_heads: r.heads,
+                n_kv_heads: r.kv_heads,
+                head_dim: r.d_model / r.heads,
+                ffn: r.ffn,
+                rms_eps: 1e-5,
+                rope_theta: 10_000.0,
+                max_ctx: r.max_ctx,
+            };
+            Llama::random(cfg, exp.model.seed as i64, Device::Cpu, kind)?
+        }
+        None => Llama::from_gguf(&g, Device::Cpu, kind)?,
+    };
+    let weights = kvforge_engine::parse_dtype(&exp.model.weights)?;
+    let model = if weights == model.kind() {
+        model
+    } else {
+        model.with_weight_kind(weights)?
+    };
+    Ok((model, tok))
+}
+
+/// One unit of work of a workload.
+struct Item {
+    workload: &'static str,
+    name: String,
+    /// Chat index, context length, or passkey (length, depth).
+    index: usize,
+    depth: f64,
+}
+
+/// Token streams of the workloads, tokenized once.
+struct Inputs {
+    chat: Option<(ChatWorkload, Vec<Vec<String>>)>,
+    stream: Option<(StreamWorkload, Vec<u32>)>,
+    passkey: Option<(PasskeyWorkload, Vec<u32>)>,
+    seed: u64,
+}
+
+/// The first run of digits in `answer` (empty if none): what is scored.
+fn first_number(answer: &str) -> String {
+    answer
+        .chars()
+        .skip_while(|c| !c.is_ascii_digit())
+        .take_while(char::is_ascii_digit)
+        .collect()
+}
+
+/// The last user turn of a chat, and the start of the answer.
+const RECALL_QUESTION: &str = "What is my locker code?";
+const RECALL_PRIMER: &str = "Your locker code is";
+
+/// The system prompt every chat starts with (the shared prefix prefix
+/// reuse finds across sessions).
+const SYSTEM: &str = "You are SmolLM, a friendly assistant in a long conversation. Answer the user \
+in one or two short sentences. Be warm and curious, and keep to the topic the user brings up. \
+If the user tells you something about themselves, such as a name, a plan or a number, remember \
+it exactly: they may ask for it later, and then you repeat it word for word. Do not invent facts \
+about the user. If you do not know something, say so plainly. Never use lists or headings; write \
+plain sentences. Do not repeat the question back. Do not greet the user again after the first turn.";
+
+impl Inputs {
+    fn load(exp: &Experiment, tok: &Tokenizer) -> Result<Inputs> {
+        let w = &exp.workloads;
+        let max_ctx = exp.model.random.map_or(8192, |r| r.max_ctx);
+        let chat = match &w.chat {
+            Some(c) => Some((c.clone(), load_chats(&c.data, c.turns, c.chats)?)),
+            None => None,
+        };
+        let stream = match &w.stream {
+            Some(s) => {
+                let need = s.contexts.iter().copied().max().unwrap_or(0);
+                if need >= max_ctx {
+                    bail!("workloads.stream: context {need} does not fit the model's {max_ctx}");
+                }
+                let text = std::fs::read_to_string(&s.data)
+                    .with_context(|| format!("reading {}", s.data.display()))?;
+                let mut ids = Vec::new();
+                for a in kvforge_engine::ppl::articles(&text) {
+                    ids.extend(tok.encode_text(&a)?);
+                    if ids.len() >= need {
+                        break;
+                    }
+                }
+                if ids.len() < need {
+                    bail!(
+                        "{}: only {} tokens, the stream needs {need}",
+                        s.data.display(),
+                        ids.len()
+                    );
+                }
+                ids.truncate(need);
+                Some((s.clone(), ids))
+            }
+            None => None,
+        };
+        let passkey = match &w.passkey {
+            Some(p) => {
+                let need = p.lengths.iter().copied().max().unwrap_or(0);
+                if need >= max_ctx {
+                    bail!("workloads.passkey: length {need} does not fit the model's {max_ctx}");
+                }
+                Some((p.clone(), haystack(&p.data, tok, need)?))
+            }
+            None => None,
+        };
+        Ok(Inputs {
+            chat,
+            stream,
+            passkey,
+            seed: exp.model.seed,
+        })
+    }
+
+    fn items(&self, _exp: &Experiment) -> Vec<Item> {
+        let mut v = Vec::new();
+        if let Some((_, chats)) = &self.chat {
+            for i in 0..chats.len() {
+                v.push(Item {
+                    workload: "chat",
+                    name: format!("chat{i}"),
+                    index: i,
+                    depth: 0.0,
+                });
+            }
+        }
+        if let Some((s, _)) = &self.stream {
+            for &c in &s.contexts {
+                v.push(Item {
+                    workload: "stream",
+                    name: format!("ctx{c}"),
+                    index: c,
+                    depth: 0.0,
+                });
+            }
+        }
+        if let Some((p, _)) = &self.passkey {
+            for &l in &p.lengths {
+                for &d in &p.depths {
+                    v.push(Item {
+                        workload: "passkey",
+                        name: format!("len{l}-depth{d:.2}"),
+                        index: l,
+                        depth: d,
+                    });
+                }
+            }
+        }
+        v
+    }
+}
+
+/// Conversations of 10–20 turns with at least `turns` turns, in file order.
+fn load_chats(path: &Path, turns: usize, n: usize) -> Result<Vec<Vec<String>>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let all: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    let map = all
+        .as_object()
+        .with_context(|| format!("{}: not a JSON object", path.display()))?;
+    let mut out = Vec::new();
+    for conv in map.values() {
+        let Some(msgs) = conv["messages"].as_array() else {
+            continue;
+        };
+        if msgs.len() < turns {
+            continue;
+        }
+        let chat: Vec<String> = msgs[..turns]
+            .iter()
+            .map(|t| {
+                let parts = t.as_array().map(Vec::as_slice).unwrap_or(&[]);
+                parts
+                    .iter()
+                    .filter_map(|m| m["text"].as_str())
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            })
+            .collect();
+        out.push(chat);
+        if out.len() == n {
+            return Ok(out);
+        }
+    }
+    bail!(
+        "{}: only {} conversations with {turns}+ turns",
+        path.display(),
+        out.len()
+    )
+}
+
+/// The essays of `dir` in name order, tokenized until `need` tokens.
+fn haystack(dir: &Path, tok: &Tokenizer, need: usize) -> Result<Vec<u32>> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .with_context(|| format!("reading {}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "txt"))
+        .collect();
+    files.sort();
+    let mut ids = Vec::new();
+    for f in files {
+        let text =
+            std::fs::read_to_string(&f).with_context(|| format!("reading {}", f.display()))?;
+        ids.extend(tok.encode_text(&format!("{}\n\n", text.trim()))?);
+        if ids.len() >= need {
+            return Ok(ids);
+        }
+    }
+    bail!(
+        "{}: the essays hold fewer than {need} tokens",
+        dir.display()
+    )
+}
+
+/// The engine of one configuration for one workload.
+struct Runner<'a> {
+    manager: CacheManager,
+    tok: &'a Tokenizer,
+}
+
+/// An engine's configuration, its reuse, and an eviction policy the
+/// coordinator's configuration cannot name.
+type Configured = (EngineConfig, ReuseConfig, Option<Box<dyn EvictionPolicy>>);
+
+/// Engine and reuse configuration of `m`, and a policy the coordinator's
+/// configuration cannot name (installed after it is built).
+fn configure(exp: &Experiment, m: &Mechanisms) -> Result<Configured> {
+    let bs = exp.model.block_size;
+    let kv_quant = m.cold.map(|c| KvQuant {
+        bits: match c.format {
+            ColdFormat::Int8 | ColdFormat::Int4 | ColdFormat::Int2 => c.format.bits(),
+        },
+        group_size: c.group,
+        window: c.window,
+        rotate: c.rotate,
+        key_axis: match c.keys {
+            KeyAxis::Channel => Axis::PerChannel,
+            KeyAxis::Token => Axis::PerToken,
+        },
+        sink: c.sink,
+    });
+    let mut extra: Option<Box<dyn EvictionPolicy>> = None;
+    let eviction = match m.eviction {
+        None => None,
+        Some(EvictionSpec::SinkWindow { sink, window }) => {
+            Some(EvictionConfig::SinkWindow { sink, window })
+        }
+        Some(EvictionSpec::Strided {
+            sink,
+            window,
+            stride,
+        }) => {
+            extra = Some(Box::new(Strided::new(sink, window, stride, bs)?));
+            None
+        }
+    };
+    let cfg = EngineConfig {
+        weight_kind: None,
+        block_size: bs,
+        kv_quant,
+        eviction,
+        dedup: m.share.map(|ShareSpec::Exact| DedupConfig::Exact),
+        lifecycle: m
+            .lifecycle
+            .map(|LifecycleSpec::RecentTurns { keep }| LifecycleConfig::RecentTurns { keep }),
+        kv_budget: m.budget_mib << 20,
+        ..EngineConfig::default()
+    };
+    let reuse = ReuseConfig {
+        enabled: m.prefix.is_some(),
+        index: match m.prefix.map(|p| p.index) {
+            Some(IndexName::Radix) => IndexKind::Radix,
+            _ => IndexKind::HashChain,
+        },
+        tail: match m.prefix.map(|p| p.tail) {
+            Some(TailName::Seal) => TurnTail::Seal,
+            Some(TailName::Skip) => TurnTail::Skip,
+            _ => TurnTail::Copy,
+        },
+        seed: Some(exp.model.seed),
+    };
+    Ok((cfg, reuse, extra))
+}
+
+impl<'a> Runner<'a> {
+    fn new(exp: &Experiment, m: &Mechanisms, model: &Llama, tok: &'a Tokenizer) -> Result<Self> {
+        let (cfg, reuse, extra) = configure(exp, m)?;
+        let engine = Engine::new(model.share(), tok.clone(), &cfg)?;
+        let manager = CacheManager::new(engine, reuse)?;
+        if extra.is_some() {
+            manager
+                .engine()
+                .cache
+                .coordinator()
+                .set_eviction_policy(extra);
+        }
+        Ok(Runner { manager, tok })
+    }
+
+    fn item(&mut self, inputs: &Inputs, item: &Item) -> Result<Record> {
+        match item.workload {
+            "chat" => {
+                let (w, chats) = inputs.chat.as_ref().context("no chat workload")?;
+                self.chat(w, &chats[item.index], inputs.seed ^ item.index as u64)
+            }
+            "stream" => {
+                let (w, ids) = inputs.stream.as_ref().context("no stream workload")?;
+                self.stream(w, &ids[..item.index])
+            }
+            _ => {
+                let (w, hay) = inputs.passkey.as_ref().context("no passkey workload")?;
+                let key_seed =
+                    inputs.seed ^ (item.index as u64) << 8 ^ (item.depth * 1000.0) as u64;
+                self.passkey(w, hay, item.index, item.depth, key_seed)
+            }
+        }
+    }
+
+    fn engine(&self) -> &Engine {
+        self.manager.engine()
+    }
+
+    /// One conversation as one session: the planted fact in the second
+    /// user message, the recall question after the last.
+    fn chat(&self, w: &ChatWorkload, chat: &[String], seed: u64) -> Result<Record> {
+        let tok = self.tok;
+        let code = 1000 + SplitMix::new(seed).next_u64() % 9000;
+        let mut users: Vec<String> = chat.to_vec();
+        users[1] = format!(
+            "By the way, my locker code is {code}. Please remember it. {}",
+            users[1]
+        );
+        users.push(RECALL_QUESTION.into());
+        let params = SamplingParams {
+            max_tokens: w.answer_tokens,
+            ..SamplingParams::default()
+        };
+        let before = self.manager.metrics();
+        let id = self.manager.open_session("chat");
+        let mut rec = Record::default();
+        let mut closed = true;
+        let mut peak_all: f64 = 0.0;
+        let mut answer = String::new();
+        let out = (|| -> Result<()> {
+            for (t, text) in users.iter().enumerate() {
+                let mut ids = if t == 0 {
+                    tok.chat_ids(&[Message::new("system", SYSTEM), Message::new("user", text)])?
+                } else {
+                    tok.user_turn_ids(!closed, text)?
+                };
+                if t + 1 == users.len() {
+                    // The answer's start is given, as in pass key retrieval.
+                    ids.extend(tok.encode_text(RECALL_PRIMER)?);
+                }
+                let cache = &self.engine().cache;
+                let mut peak = cache.bytes_in_use();
+                let r = self.manager.turn(id, &ids, &params, &mut |_, _| {
+                    peak = peak.max(cache.bytes_in_use());
+                    true
+                })?;
+                closed = r.generation.stopped_at_eos;
+                let m = self.manager.metrics();
+                let now = cache.bytes_in_use();
+                peak = peak.max(now);
+                peak_all = peak_all.max(peak as f64);
+                let tier = |i: usize| m["tiers"][i]["bytes_in_use"].as_f64().unwrap_or(0.0);
+                let f = |a: &str, b: &str| m[a][b].as_f64().unwrap_or(0.0);
+                rec.turns.push(BTreeMap::from([
+                    ("prompt_tokens".into(), r.prompt_tokens as f64),
+                    ("reused_tokens".into(), r.reused_tokens as f64),
+                    ("new_tokens".into(), r.generation.tokens.len() as f64),
+                    ("ttft_ms".into(), r.ttft_secs * 1e3),
+                    ("kv_bytes".into(), now as f64),
+                    ("peak_kv_bytes".into(), peak as f64),
+                    ("hot_bytes".into(), tier(0)),
+                    ("cold_bytes".into(), tier(1)),
+                    ("index_hit_rate".into(), f("index", "hit_rate")),
+                    ("evicted_entries".into(), f("policies", "evicted_entries")),
+                    ("demoted_blocks".into(), f("policies", "demoted_blocks")),
+                    (
+                        "lifecycle_dropped_entries".into(),
+                        f("policies", "lifecycle_dropped_entries"),
+                    ),
+                    ("shared_blocks".into(), f("sharing", "shared")),
+                ]));
+                if t + 1 == users.len() {
+                    answer = tok.decode_text(&r.generation.tokens)?;
+                }
+            }
+            Ok(())
+        })();
+        let closed_ok = self.manager.close_session(id);
+        out?;
+        closed_ok?;
+        let after = self.manager.metrics();
+        let delta = |k: &str| {
+            after["index"][k].as_f64().unwrap_or(0.0) - before["index"][k].as_f64().unwrap_or(0.0)
+        };
+        let recalled = first_number(&answer) == code.to_string();
+        rec.answer = Some(answer);
+        let turns = rec.turns.len().max(1) as f64;
+        let sum = |k: &str| {
+            rec.turns
+                .iter()
+                .map(|t| t.get(k).copied().unwrap_or(0.0))
+                .sum::<f64>()
+        };
+        rec.values = BTreeMap::from([
+            ("turns".into(), rec.turns.len() as f64),
+            ("peak_kv_bytes".into(), peak_all),
+            ("mean_kv_bytes".into(), sum("peak_kv_bytes") / turns),
+            ("recalled".into(), f64::from(u8::from(recalled))),
+            ("index_hit_tokens".into(), delta("hit_tokens")),
+            ("index_query_tokens".into(), delta("query_tokens")),
+            (
+                "prompt_tokens".into(),
+                rec.turns.last().map_or(0.0, |t| t["prompt_tokens"]),
+            ),
+        ]);
+        Ok(rec)
+    }
+
+    fn stream(&self, w: &StreamWorkload, ids: &[u32]) -> Result<Record> {
+        let r = self
+            .engine()
+            .streaming_ppl(ids, w.prefix, w.chunk, w.decode)?;
+        Ok(Record {
+            values: BTreeMap::from([
+                ("context".into(), ids.len() as f64),
+                ("ppl".into(), r.ppl),
+                ("nll_sum".into(), r.nll_sum),
+                ("scored".into(), r.scored as f64),
+                ("kv_bytes".into(), r.kv_bytes as f64),
+                ("hot_bytes".into(), r.hot_bytes as f64),
+                ("cold_bytes".into(), r.cold_bytes as f64),
+                ("tok_s".into(), r.tokens_per_sec),
+                ("decode_tok_s".into(), r.decode_tokens_per_sec),
+            ]),
+            ..Record::default()
+        })
+    }
+
+    fn passkey(
+        &self,
+        w: &PasskeyWorkload,
+        hay: &[u32],
+        length: usize,
+        depth: f64,
+        seed: u64,
+    ) -> Result<Record> {
+        let tok = self.tok;
+        let key = 10_000 + SplitMix::new(seed).next_u64() % 90_000;
+        // A completion prompt (no chat template): SmolLM2-135M answers it,
+        // it does not answer the same text as a chat turn.
+        let head = tok.encode_text(
+            "There is an important pass key hidden inside a lot of irrelevant text. \
+             Find it and memorize it. I will quiz you about the pass key.\n",
+        )?;
+        let needle = tok.encode_text(&format!(
+            "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
+        ))?;
+        let question = tok.encode_text("\nWhat is the pass key? The pass key is")?;
+        let fixed = head.len() + needle.len() + question.len();
+        let Some(room) = length.checked_sub(fixed).filter(|&r| r > 0) else {
+            bail!("a {length}-token prompt has no room for a haystack ({fixed} tokens of frame)");
+        };
+        let cut = ((room as f64) * depth).round() as usize;
+        let mut context = head;
+        context.extend(&hay[..cut]);
+        context.extend(&needle);
+        context.extend(&hay[cut..room]);
+        let engine = self.engine();
+        let mut seq = Sequence::default();
+        let out = (|| -> Result<(String, u64)> {
+            let mut peak = 0;
+            for piece in context.chunks(w.chunk) {
+                let _last = engine
+                    .model
+                    .forward(piece, &mut engine.cache.view(&mut seq), false)?;
+                peak = peak.max(engine.cache.bytes_in_use());
+            }
+            let params = SamplingParams {
+                max_tokens: 8,
+                ..SamplingParams::default()
+            };
+            let g = engine.generate(&mut seq, &question, &params, &mut |_, _| true)?;
+            peak = peak.max(engine.cache.bytes_in_use());
+            Ok((tok.decode_text(&g.tokens)?, peak))
+        })();
+        let freed = engine.cache.free(&mut seq);
+        let (answer, peak) = out?;
+        freed?;
+        Ok(Record {
+            values: BTreeMap::from([
+                ("length".into(), (context.len() + question.len()) as f64),
+                ("depth".into(), depth),
+                (
+                    "correct".into(),
+                    f64::from(u8::from(first_number(&answer) == key.to_string())),
+                ),
+                ("kv_bytes".into(), peak as f64),
+            ]),
+            answer: Some(answer),
+            ..Record::default()
+        })
+    }
+}

@@ -1,0 +1,66 @@
+//! `cargo xtask ablate`: every mechanism on and off on a real model; one
+//! report with tables and plots in `target/ablate/<name>/`.
+//!
+//! ```text
+//! ablate                      # configs/ablate.toml (≤ 15 min on 2 cores)
+//! ablate --quick              # configs/quick.toml: tiny random model, seconds
+//! ablate --full               # configs/full.toml: the complete matrix
+//! ablate --config FILE [--out DIR] [--resume]
+//! ```
+
+#![allow(clippy::print_stdout)] // a report printer
+
+use std::path::PathBuf;
+
+use anyhow::{Result, bail};
+use kvforge_bench::ablate::run::{Options, run};
+
+fn main() -> std::process::ExitCode {
+    kvforge_bench::main_with("ablate", || {
+        let opts = parse(std::env::args().skip(1).collect())?;
+        let out = run(&opts)?;
+        println!("report: {}", out.join("report.md").display());
+        Ok(())
+    })
+}
+
+fn parse(args: Vec<String>) -> Result<Options> {
+    let mut opts = Options {
+        config: PathBuf::from("configs/ablate.toml"),
+        out: None,
+        resume: false,
+        progress: true,
+        root: PathBuf::from("."),
+    };
+    let mut preset = None;
+    let mut it = args.into_iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--quick" | "--full" => {
+                if preset.replace(a.clone()).is_some() {
+                    bail!("give one of --quick, --full and --config");
+                }
+                opts.config = PathBuf::from(format!("configs/{}.toml", &a[2..]));
+            }
+            "--config" => {
+                if preset.replace(a.clone()).is_some() {
+                    bail!("give one of --quick, --full and --config");
+                }
+                match it.next() {
+                    Some(v) => opts.config = v.into(),
+                    None => bail!("--config needs a file"),
+                }
+            }
+            "--out" => match it.next() {
+                Some(v) => opts.out = Some(v.into()),
+                None => bail!("--out needs a folder"),
+            },
+            "--resume" => opts.resume = true,
+            "--no-progress" => opts.progress = false,
+            _ => bail!(
+                "unknown argument {a:?}; usage: ablate [--quick | --full | --config FILE] [--out DIR] [--resume] [--no-progress]"
+            ),
+        }
+    }
+    Ok(opts)
+}

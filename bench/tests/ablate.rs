@@ -1,0 +1,251 @@
+//! `cargo xtask ablate`: every experiment file parses; the quick run covers
+//! every configuration, writes a well-formed report and repeats its quality
+//! columns exactly; `--resume` skips what was measured; a failing
+//! configuration is recorded while the others run; bad input is one line
+//! and a non-zero exit.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use kvforge_bench::ablate::config::Experiment;
+#[cfg(feature = "engine")]
+use kvforge_bench::ablate::run::{Options, run};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the bench crate sits in the workspace")
+        .to_path_buf()
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("kvforge-ablate-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn every_experiment_file_in_configs_parses() {
+    let mut n = 0;
+    for e in std::fs::read_dir(root().join("configs")).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "toml") {
+            let exp = Experiment::load(&p).unwrap_or_else(|e| panic!("{e}"));
+            assert!(!exp.matrix().is_empty());
+            n += 1;
+        }
+    }
+    assert!(n >= 3, "ablate, quick and full");
+}
+
+/// results.csv as (config, workload, item) -> column -> value.
+type Table = BTreeMap<(String, String, String), BTreeMap<String, String>>;
+
+fn results(dir: &Path) -> Table {
+    let text = std::fs::read_to_string(dir.join("results.csv")).unwrap();
+    let mut lines = text.lines();
+    let head: Vec<&str> = lines.next().unwrap().split(',').collect();
+    lines
+        .map(|l| {
+            let f: Vec<&str> = l.split(',').collect();
+            assert_eq!(f.len(), head.len(), "{l}");
+            let row: BTreeMap<String, String> = head
+                .iter()
+                .zip(&f)
+                .map(|(h, v)| (h.to_string(), v.to_string()))
+                .collect();
+            ((f[0].into(), f[1].into(), f[2].into()), row)
+        })
+        .collect()
+}
+
+/// Columns that measure time, not quality: they may differ between runs.
+fn is_speed(col: &str) -> bool {
+    matches!(col, "secs" | "tok_s" | "decode_tok_s")
+}
+
+#[cfg(feature = "engine")]
+fn quick(out: &Path, config: &Path, resume: bool) -> anyhow::Result<PathBuf> {
+    run(&Options {
+        config: config.to_path_buf(),
+        out: Some(out.to_path_buf()),
+        resume,
+        progress: false,
+        root: root(),
+    })
+}
+
+#[cfg(feature = "engine")]
+#[test]
+fn quick_runs_every_configuration_and_repeats_its_quality_columns() {
+    let config = root().join("configs/quick.toml");
+    let (a, b) = (scratch("a"), scratch("b"));
+    quick(&a, &config, false).unwrap();
+    quick(&b, &config, false).unwrap();
+    let exp = Experiment::load(&config).unwrap();
+    let (ra, rb) = (results(&a), results(&b));
+    // Every configuration ran every item, none failed.
+    let items = 2 + 1 + 3; // chats, contexts, pass keys of quick.toml
+    assert_eq!(ra.len(), exp.matrix().len() * items);
+    for ((config, workload, item), row) in &ra {
+        assert_eq!(row["error"], "", "{config} {workload} {item}");
+    }
+    // Two runs: the same quality, column by column.
+    assert_eq!(ra.keys().collect::<Vec<_>>(), rb.keys().collect::<Vec<_>>());
+    for (k, row) in &ra {
+        for (col, v) in row {
+            if !is_speed(col) {
+                assert_eq!(v, &rb[k][col], "{k:?} {col}");
+            }
+        }
+    }
+    // The report: one row per configuration, the sections, the files.
+    let md = std::fs::read_to_string(a.join("report.md")).unwrap();
+    for m in exp.matrix() {
+        assert!(md.contains(&format!("\n| {} | ", m.name)), "{}", m.name);
+    }
+    for section in [
+        "## Chat",
+        "## Streaming perplexity",
+        "## Pass key retrieval",
+        "## The experiment file",
+    ] {
+        assert!(md.contains(section), "{section}");
+    }
+    assert!(!md.contains("## Failures"));
+    assert!(md.contains("Commit `") && md.contains("cores"));
+    for png in ["pareto.png", "passkey.png", "chat_kv.png"] {
+        let bytes = std::fs::read(a.join(png)).unwrap();
+        assert!(bytes.starts_with(b"\x89PNG"), "{png}");
+    }
+    let turns = std::fs::read_to_string(a.join("turns.csv")).unwrap();
+    assert_eq!(turns.lines().count(), 1 + exp.matrix().len() * 2 * 4);
+    // Mechanisms really engaged: cold bytes under int4, drops under eviction.
+    let col = |config: &str, item: &str, c: &str| -> f64 {
+        ra[&(config.to_string(), "stream".to_string(), item.to_string())][c]
+            .parse()
+            .unwrap()
+    };
+    assert!(col("int4", "ctx384", "cold_bytes") > 0.0);
+    assert!(col("evict", "ctx384", "kv_bytes") < col("baseline", "ctx384", "kv_bytes"));
+
+    // --resume skips everything measured; a changed file is refused.
+    let before = std::fs::read_to_string(a.join("items.jsonl")).unwrap();
+    quick(&a, &config, true).unwrap();
+    assert_eq!(
+        std::fs::read_to_string(a.join("items.jsonl")).unwrap(),
+        before
+    );
+    let changed = a.join("changed.toml");
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(&changed, text.replace("seed = 7", "seed = 8")).unwrap();
+    let err = quick(&a, &changed, true).unwrap_err().to_string();
+    assert!(err.contains("changed since the run"), "{err}");
+    for d in [a, b] {
+        std::fs::remove_dir_all(d).unwrap();
+    }
+}
+
+#[cfg(feature = "engine")]
+#[test]
+fn a_failing_configuration_is_recorded_and_the_others_still_run() {
+    let dir = scratch("fail");
+    let text = std::fs::read_to_string(root().join("configs/quick.toml")).unwrap();
+    let cut = text.find("[[config]]").unwrap();
+    // A group size that does not divide the head dim fails in the engine.
+    let src = format!(
+        "{}[[config]]\nname = \"baseline\"\n\n[[config]]\nname = \"broken\"\ncold = {{ format = \"int4\", window = 32, group = 7 }}\n",
+        &text[..cut]
+    );
+    let config = dir.join("broken.toml");
+    std::fs::write(&config, src).unwrap();
+    quick(&dir, &config, false).unwrap();
+    let r = results(&dir);
+    for ((config, _, _), row) in &r {
+        assert_eq!(
+            row["error"].is_empty(),
+            config == "baseline",
+            "{config}: {row:?}"
+        );
+    }
+    let md = std::fs::read_to_string(dir.join("report.md")).unwrap();
+    assert!(
+        md.contains("## Failures") && md.contains("group size 7"),
+        "{md}"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// Runs the binary from the project root; returns exit code and stderr.
+#[cfg(feature = "engine")]
+fn ablate(args: &[&str]) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_ablate"))
+        .arg("--no-progress")
+        .args(args)
+        .current_dir(root())
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[cfg(feature = "engine")]
+#[test]
+fn bad_input_is_one_line_and_a_non_zero_exit() {
+    let dir = scratch("bad");
+    let quick = std::fs::read_to_string(root().join("configs/quick.toml")).unwrap();
+    let write = |name: &str, text: &str| -> String {
+        let p = dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        p.to_str().unwrap().to_string()
+    };
+    let malformed = write("malformed.toml", "name = \"x\"\n[model\n");
+    let unknown = write(
+        "unknown.toml",
+        &quick.replace(
+            "name = \"int2\"",
+            "name = \"int2\"\nlsh = { threshold = 0.9 }",
+        ),
+    );
+    let no_data = write(
+        "no-data.toml",
+        &quick.replace("data/PaulGrahamEssays", "data/NoSuchEssays"),
+    );
+    let out = dir.join("out");
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (
+            vec!["--config", "/nonexistent/x.toml"],
+            "/nonexistent/x.toml",
+        ),
+        (vec!["--config", &malformed], "malformed.toml:2:"),
+        (vec!["--config", &unknown], "unknown field `lsh`"),
+        (
+            vec!["--config", &no_data],
+            "data/NoSuchEssays is missing: `cargo xtask setup` installs it",
+        ),
+        (vec!["--bogus"], "unknown argument \"--bogus\""),
+        (vec!["--quick", "--full"], "give one of"),
+        (vec!["--config"], "--config needs a file"),
+        (
+            vec!["--quick", "--resume", "--out", out.to_str().unwrap()],
+            "no earlier run",
+        ),
+    ];
+    for (args, needle) in cases {
+        let (code, err) = ablate(&args);
+        assert_ne!(code, 0, "{args:?}");
+        let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+        assert_eq!(lines.len(), 1, "{args:?}: {err}");
+        assert!(
+            lines[0].starts_with("ablate: ") && lines[0].contains(needle),
+            "{args:?}: {err}"
+        );
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
