@@ -58,7 +58,8 @@ pub fn line_plot(
 
 /// A labelled scatter plot into a PNG at `path`; with `front`, the Pareto
 /// front (lower x and lower y both better) joined by a line. Points with a
-/// non-finite coordinate are left out.
+/// non-finite coordinate are left out; points at the same place share one
+/// marker and one label (their names joined).
 pub fn scatter_plot(
     path: &Path,
     title: &str,
@@ -69,13 +70,16 @@ pub fn scatter_plot(
 ) -> Result<()> {
     plotters::style::register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular())
         .map_err(|_| anyhow::anyhow!("embedded font rejected"))?;
-    let pts: Vec<&(String, f64, f64)> = points
-        .iter()
-        .filter(|p| p.1.is_finite() && p.2.is_finite())
-        .collect();
+    let mut pts: Vec<(String, f64, f64)> = Vec::new();
+    for p in points.iter().filter(|p| p.1.is_finite() && p.2.is_finite()) {
+        match pts.iter_mut().find(|q| q.1 == p.1 && q.2 == p.2) {
+            Some(q) => q.0 = format!("{}, {}", q.0, p.0),
+            None => pts.push(p.clone()),
+        }
+    }
     let span = |f: fn(&(String, f64, f64)) -> f64| {
-        let lo = pts.iter().map(|p| f(p)).fold(f64::INFINITY, f64::min);
-        let hi = pts.iter().map(|p| f(p)).fold(f64::NEG_INFINITY, f64::max);
+        let lo = pts.iter().map(f).fold(f64::INFINITY, f64::min);
+        let hi = pts.iter().map(f).fold(f64::NEG_INFINITY, f64::max);
         if !lo.is_finite() {
             return (0.0, 1.0);
         }
@@ -83,6 +87,8 @@ pub fn scatter_plot(
         (lo - pad, hi + pad)
     };
     let (x, y) = (span(|p| p.1), span(|p| p.2));
+    // Room on the right for the labels of the rightmost points.
+    let x = (x.0, x.1 + (x.1 - x.0) * 0.25);
     let root = BitMapBackend::new(path, (900, 560)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| anyhow::anyhow!("{e:?}"))?;
     let mut chart = ChartBuilder::on(&root)
@@ -117,11 +123,10 @@ pub fn scatter_plot(
             .draw_series(std::iter::once(Circle::new((p.1, p.2), 5, color.filled())))
             .map_err(|e| anyhow::anyhow!("{e:?}"))?;
         chart
-            .draw_series(std::iter::once(Text::new(
-                p.0.clone(),
-                (p.1, p.2),
-                ("sans-serif", 14).into_font(),
-            )))
+            .draw_series(std::iter::once(
+                EmptyElement::at((p.1, p.2))
+                    + Text::new(p.0.clone(), (8, -6), ("sans-serif", 14).into_font()),
+            ))
             .map_err(|e| anyhow::anyhow!("{e:?}"))?;
     }
     root.present().map_err(|e| anyhow::anyhow!("{e:?}"))?;

@@ -122,6 +122,11 @@ fn quick_runs_every_configuration_and_repeats_its_quality_columns() {
         let bytes = std::fs::read(a.join(png)).unwrap();
         assert!(bytes.starts_with(b"\x89PNG"), "{png}");
     }
+    let prom = std::fs::read_to_string(a.join("metrics/all-chat.prom")).unwrap();
+    assert!(
+        prom.contains("# TYPE kvforge_policies_lifecycle_dropped_entries gauge"),
+        "{prom}"
+    );
     let turns = std::fs::read_to_string(a.join("turns.csv")).unwrap();
     assert_eq!(turns.lines().count(), 1 + exp.matrix().len() * 2 * 4);
     // Mechanisms really engaged: cold bytes under int4, drops under eviction.
@@ -140,6 +145,22 @@ fn quick_runs_every_configuration_and_repeats_its_quality_columns() {
         std::fs::read_to_string(a.join("items.jsonl")).unwrap(),
         before
     );
+    // An interrupt: the log cut inside an item's line; --resume measures
+    // what is missing, and the results are those of the whole run.
+    let lines: Vec<&str> = before.lines().collect();
+    let keep = lines.len() - 2;
+    let cut = format!("{}\n{}", lines[..keep].join("\n"), &lines[keep][..20]);
+    std::fs::write(a.join("items.jsonl"), cut).unwrap();
+    quick(&a, &config, true).unwrap();
+    let resumed = results(&a);
+    assert_eq!(resumed.len(), ra.len());
+    for (k, row) in &ra {
+        for (col, v) in row {
+            if !is_speed(col) {
+                assert_eq!(v, &resumed[k][col], "resumed {k:?} {col}");
+            }
+        }
+    }
     let changed = a.join("changed.toml");
     let text = std::fs::read_to_string(&config).unwrap();
     std::fs::write(&changed, text.replace("seed = 7", "seed = 8")).unwrap();

@@ -1,7 +1,8 @@
 //! Runs an experiment: every configuration of the matrix on every
 //! workload, one item at a time, each item appended to `items.jsonl` as it
-//! finishes (so an interrupted run keeps what it measured and `--resume`
-//! skips it), the report rewritten after each configuration.
+//! finishes (so an interrupted run keeps what it measured, and `--resume`
+//! skips the workloads it completed), the report rewritten after each
+//! configuration.
 
 use std::collections::BTreeMap;
 use std::io::Write as _;
@@ -67,9 +68,6 @@ pub fn run(opts: &Options) -> Result<PathBuf> {
             ),
             Err(_) => bail!("--resume: no earlier run in {}", out.display()),
         }
-    } else if items_path.exists() {
-        std::fs::remove_file(&items_path)
-            .with_context(|| format!("removing {}", items_path.display()))?;
     }
     std::fs::write(&stamp_path, &text)
         .with_context(|| format!("writing {}", stamp_path.display()))?;
@@ -87,19 +85,36 @@ pub fn run(opts: &Options) -> Result<PathBuf> {
     let (model, tok) = load_model(&exp)?;
     let inputs = Inputs::load(&exp, &tok)?;
     let items = inputs.items(&exp);
-    let done: std::collections::BTreeSet<(String, String, String)> = records
+    // The unit of resumption is one workload of one configuration: its
+    // items share an engine (a later chat reuses what an earlier one
+    // cached), so a workload cut short runs again from its first item.
+    let group_items = |w: &str| items.iter().filter(|i| i.workload == w).count();
+    let mut done: std::collections::BTreeSet<(String, String)> = Default::default();
+    for m in exp.matrix() {
+        for w in ["chat", "stream", "passkey"] {
+            let ok = records
+                .iter()
+                .filter(|r| r.config == m.name && r.workload == w && r.error.is_none())
+                .count();
+            if ok > 0 && ok == group_items(w) {
+                done.insert((m.name.clone(), w.to_string()));
+            }
+        }
+    }
+    records.retain(|r| done.contains(&(r.config.clone(), r.workload.clone())));
+    let kept: String = records
         .iter()
-        .filter(|r| r.error.is_none())
-        .map(|r| (r.config.clone(), r.workload.clone(), r.item.clone()))
-        .collect();
-    records.retain(|r| r.error.is_none());
+        .map(|r| serde_json::to_string(r).map(|l| l + "\n"))
+        .collect::<Result<_, _>>()?;
+    std::fs::write(&items_path, kept)
+        .with_context(|| format!("writing {}", items_path.display()))?;
     let todo: usize = exp
         .matrix()
         .iter()
         .map(|m| {
             items
                 .iter()
-                .filter(|i| !done.contains(&(m.name.clone(), i.workload.into(), i.name.clone())))
+                .filter(|i| !done.contains(&(m.name.clone(), i.workload.to_string())))
                 .count()
         })
         .sum();
@@ -122,8 +137,7 @@ pub fn run(opts: &Options) -> Result<PathBuf> {
             let mine: Vec<&Item> = items
                 .iter()
                 .filter(|i| {
-                    i.workload == workload
-                        && !done.contains(&(m.name.clone(), workload.into(), i.name.clone()))
+                    i.workload == workload && !done.contains(&(m.name.clone(), workload.into()))
                 })
                 .collect();
             if mine.is_empty() {
@@ -157,6 +171,20 @@ pub fn run(opts: &Options) -> Result<PathBuf> {
                     .with_context(|| format!("appending to {}", items_path.display()))?;
                 records.push(rec);
                 bar.inc(1);
+            }
+            // The configuration's metrics after the workload, as a
+            // scraper would see them.
+            if let Ok(r) = &runner {
+                let dir = out.join("metrics");
+                let path = dir.join(format!("{}-{workload}.prom", m.name));
+                std::fs::create_dir_all(&dir)
+                    .and_then(|()| {
+                        std::fs::write(
+                            &path,
+                            kvforge_engine::metrics::prometheus(&r.manager.metrics()),
+                        )
+                    })
+                    .with_context(|| format!("writing {}", path.display()))?;
             }
         }
         info.wall_secs = started.elapsed().as_secs_f64();
