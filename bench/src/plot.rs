@@ -125,7 +125,12 @@ pub fn scatter_plot(
         chart
             .draw_series(std::iter::once(
                 EmptyElement::at((p.1, p.2))
-                    + Text::new(p.0.clone(), (8, -6), ("sans-serif", 14).into_font()),
+                    // Alternate above and below so neighbours do not overlap.
+                    + Text::new(
+                        p.0.clone(),
+                        (8, if i % 2 == 0 { -16 } else { 4 }),
+                        ("sans-serif", 14).into_font(),
+                    ),
             ))
             .map_err(|e| anyhow::anyhow!("{e:?}"))?;
     }

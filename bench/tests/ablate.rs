@@ -117,7 +117,7 @@ fn quick_runs_every_configuration_and_repeats_its_quality_columns() {
         assert!(md.contains(section), "{section}");
     }
     assert!(!md.contains("## Failures"));
-    assert!(md.contains("Commit `") && md.contains("cores"));
+    assert!(md.contains("Measured at commit `") && md.contains("cores"));
     for png in ["pareto.png", "passkey.png", "chat_kv.png"] {
         let bytes = std::fs::read(a.join(png)).unwrap();
         assert!(bytes.starts_with(b"\x89PNG"), "{png}");

@@ -325,7 +325,7 @@ impl Experiment {
     /// project root they are written for).
     pub fn rebase(&mut self, root: &Path) {
         let join = |p: &mut PathBuf| {
-            if p.is_relative() {
+            if p.is_relative() && root != Path::new(".") {
                 *p = root.join(&*p);
             }
         };

@@ -30,6 +30,9 @@ pub struct Record {
     pub answer: Option<String>,
     /// Seconds it took.
     pub secs: f64,
+    /// The commit that measured it.
+    #[serde(default)]
+    pub commit: String,
 }
 
 impl Record {
@@ -42,7 +45,7 @@ impl Record {
 /// Where and how the run happened (recorded in the report).
 #[derive(Clone, Debug, Default)]
 pub struct RunInfo {
-    /// `git rev-parse HEAD` (and `-dirty`).
+    /// `git rev-parse HEAD` (and `-dirty`) of this invocation.
     pub commit: String,
     /// The experiment file.
     pub config_path: String,
@@ -50,8 +53,8 @@ pub struct RunInfo {
     pub config_text: String,
     /// Cores, CPU model, GPU.
     pub machine: String,
-    /// Seconds of the whole run (this invocation; resumed items not
-    /// counted again).
+    /// Seconds this invocation took (a resumed run measures only what was
+    /// missing; the report also gives the sum of every item's time).
     pub wall_secs: f64,
 }
 
@@ -253,11 +256,13 @@ pub fn write(dir: &Path, exp: &Experiment, records: &[Record], info: &RunInfo) -
     let _ = writeln!(md, "# Ablation `{}`\n", exp.name);
     let _ = writeln!(
         md,
-        "Commit `{}`; configuration `{}`; {}; wall time of this run {:.0} s. \
+        "Measured at commit {}; configuration `{}`; {}; items measured in {:.0} s (their sum), \
+         this invocation took {:.0} s. \
          Changes are against `{}`. Model: {}.\n",
-        info.commit,
+        commits(records, &info.commit),
         info.config_path,
         info.machine,
+        records.iter().map(|r| r.secs).sum::<f64>(),
         info.wall_secs,
         exp.baseline(),
         model_words(exp)
@@ -326,6 +331,28 @@ pub fn write(dir: &Path, exp: &Experiment, records: &[Record], info: &RunInfo) -
     write_file("turns.csv", &turns_csv(records))?;
     plots(dir, exp, records, &summary)?;
     Ok(())
+}
+
+/// The commits that measured `records`, in order of first appearance.
+fn commits(records: &[Record], now: &str) -> String {
+    let mut seen: Vec<&str> = Vec::new();
+    for r in records {
+        let c = if r.commit.is_empty() {
+            now
+        } else {
+            r.commit.as_str()
+        };
+        if !seen.contains(&c) {
+            seen.push(c);
+        }
+    }
+    if seen.is_empty() {
+        seen.push(now);
+    }
+    seen.iter()
+        .map(|c| format!("`{c}`"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn model_words(exp: &Experiment) -> String {

@@ -165,6 +165,7 @@ pub fn run(opts: &Options) -> Result<PathBuf> {
                 rec.workload = workload.into();
                 rec.item = item.name.clone();
                 rec.secs = t0.elapsed().as_secs_f64();
+                rec.commit = info.commit.clone();
                 let line = serde_json::to_string(&rec)?;
                 writeln!(log, "{line}")
                     .and_then(|()| log.flush())
