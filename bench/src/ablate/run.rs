@@ -51,7 +51,14 @@ pub fn run(opts: &Options) -> Result<PathBuf> {
     let out = opts
         .out
         .clone()
-        .unwrap_or_else(|| opts.root.join("target/ablate").join(&exp.name));
+        .unwrap_or_else(|| {
+            let dir = Path::new("target/ablate").join(&exp.name);
+            if opts.root == Path::new(".") {
+                dir
+            } else {
+                opts.root.join(dir)
+            }
+        });
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     let text = std::fs::read_to_string(&opts.config)
         .with_context(|| format!("reading {}", opts.config.display()))?;
