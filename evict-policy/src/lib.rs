@@ -15,13 +15,22 @@
 //!   `sink` tokens (attention sinks) and the newest `window`; drop every
 //!   whole entry in between. Needs no scores.
 //!
-//! Score-based policies (H2O's accumulated attention, LFU, recency and the
-//! seed's hybrid, behind a memory watermark) come with the eviction issue;
-//! each must pass [`testing::check_policy`].
+//! * [`Scored`] — page-level eviction by a score over the attention mass
+//!   each entry received ([`Score::AttentionEma`]: H2O's heavy hitters,
+//!   Zhang et al., 2023; [`Score::Lfu`]: how often an entry drew more than
+//!   its share; [`Score::Hybrid`]: seed 004's `α(1−recency) + β(1−attention)
+//!   + γ(1−frequency)`), triggered by a per-sequence token budget or a
+//!   high/low watermark over the byte budget ([`Trigger`]); the sink and
+//!   the recent window are never dropped.
+//!
+//! Each passes [`testing::check_policy`].
 
 #![deny(missing_docs)]
 
+mod scored;
 pub mod testing;
+
+pub use scored::{Score, Scored, Trigger};
 
 use kvforge_pool::{BlockTable, Slot};
 
@@ -40,12 +49,30 @@ pub enum EvictError {
 pub type Result<T, E = EvictError> = std::result::Result<T, E>;
 
 /// What the coordinator tells a policy before a step.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Pressure {
     /// Fraction of the byte budget in use, all tiers, in `[0, 1]`.
     pub used: f64,
     /// Tokens the coming step adds.
     pub new_tokens: usize,
+    /// The byte budget of all tiers (0 when unknown).
+    pub budget_bytes: u64,
+    /// Bytes one hot block holds.
+    pub hot_block_bytes: u64,
+    /// Bytes one cold block holds (0 without a cold tier).
+    pub cold_block_bytes: u64,
+}
+
+impl Pressure {
+    /// `used` of the budget in use and `new_tokens` coming; block sizes
+    /// and budget unknown (0).
+    pub fn new(used: f64, new_tokens: usize) -> Self {
+        Pressure {
+            used,
+            new_tokens,
+            ..Pressure::default()
+        }
+    }
 }
 
 /// Names entries of a block table to drop.

@@ -33,6 +33,9 @@ pub fn check_policy<P: EvictionPolicy + ?Sized>(p: &mut P, block_size: u32) {
             let pressure = Pressure {
                 used,
                 new_tokens: 1,
+                budget_bytes: 64 * 1024,
+                hot_block_bytes: 1024,
+                cold_block_bytes: 256,
             };
             let mut out = Vec::new();
             p.victims(seq, &t, pressure, &mut out);

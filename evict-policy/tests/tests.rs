@@ -2,7 +2,7 @@
 //! StreamingLLM's sink plus window keeps.
 #![allow(clippy::unwrap_used)]
 
-use kvforge_evict::{EvictionPolicy, Pressure, SinkWindow, testing};
+use kvforge_evict::{EvictionPolicy, Pressure, Score, Scored, SinkWindow, Trigger, testing};
 use kvforge_pool::{BlockId, BlockTable, Slot};
 
 #[test]
@@ -23,10 +23,7 @@ fn sink_window_keeps_the_sink_and_the_window_in_whole_entries() {
     // i.e. entries 8 (32..36), 9 and 10; entry 7 (28..32) ends at 32: dropped.
     let mut p = SinkWindow::new(4, 10).unwrap();
     let mut out = Vec::new();
-    let pressure = Pressure {
-        used: 0.0,
-        new_tokens: 1,
-    };
+    let pressure = Pressure::new(0.0, 1);
     p.victims(0, &t, pressure, &mut out);
     assert_eq!(out, (1..=7).collect::<Vec<_>>());
     assert_eq!(p.name(), "sink4-window10");
@@ -45,4 +42,136 @@ fn a_window_of_nothing_is_refused() {
         e.to_string(),
         "eviction policy: the recent window must keep at least one token"
     );
+}
+
+fn scored(score: Score, trigger: Trigger) -> Scored {
+    Scored::new(score, trigger, 4, 8).unwrap()
+}
+
+const SCORES: [Score; 3] = [
+    Score::AttentionEma { decay: 0.5 },
+    Score::Lfu,
+    Score::Hybrid {
+        alpha: 1.0,
+        beta: 1.0,
+        gamma: 1.0,
+    },
+];
+
+#[test]
+fn scored_policies_pass_the_conformance_suite() {
+    for score in SCORES {
+        for trigger in [
+            Trigger::Tokens(13),
+            Trigger::Tokens(40),
+            Trigger::Watermark {
+                high: 0.9,
+                low: 0.5,
+            },
+        ] {
+            for bs in [1, 4, 16] {
+                testing::check_policy(&mut scored(score, trigger), bs);
+            }
+        }
+    }
+}
+
+/// Ten full entries of 4 tokens; entry `heavy` draws most of the attention
+/// over `steps` steps.
+fn observed(p: &mut Scored, heavy: usize, steps: usize) -> BlockTable {
+    let mut t = BlockTable::new(4).unwrap();
+    for i in 0..10 {
+        t.push(Slot::Hot(BlockId::new(i, 1)), 4, false).unwrap();
+    }
+    for _ in 0..steps {
+        let mass: Vec<f32> = (0..10)
+            .map(|i| if i == heavy { 5.0 } else { 0.5 })
+            .collect();
+        p.observe(0, &t, &mass);
+    }
+    t
+}
+
+#[test]
+fn h2o_lfu_and_hybrid_keep_the_heavy_hitter_under_a_token_budget() {
+    // 40 live tokens + 1 coming, budget 20: 21 tokens (6 entries) go, out of
+    // the candidates 1..=7 (sink 4 keeps entry 0, window 8 keeps 8 and 9).
+    for score in SCORES {
+        let mut p = scored(score, Trigger::Tokens(20));
+        let t = observed(&mut p, 3, 4);
+        let mut out = Vec::new();
+        p.victims(0, &t, Pressure::new(0.1, 1), &mut out);
+        assert_eq!(out, [1, 2, 4, 5, 6, 7], "{}", p.name());
+    }
+    // Recency alone: the oldest go, the heavy hitter too.
+    let age = Score::Hybrid {
+        alpha: 1.0,
+        beta: 0.0,
+        gamma: 0.0,
+    };
+    let mut p = scored(age, Trigger::Tokens(36));
+    let t = observed(&mut p, 1, 4);
+    let mut out = Vec::new();
+    p.victims(0, &t, Pressure::new(0.1, 1), &mut out);
+    assert_eq!(out, [1, 2]);
+    // Within budget: nothing.
+    let mut p = scored(SCORES[0], Trigger::Tokens(41));
+    let t = observed(&mut p, 3, 1);
+    let mut out = Vec::new();
+    p.victims(0, &t, Pressure::new(0.99, 1), &mut out);
+    assert!(out.is_empty());
+}
+
+#[test]
+fn the_watermark_evicts_from_high_down_to_low_in_bytes() {
+    let trigger = Trigger::Watermark {
+        high: 0.9,
+        low: 0.8,
+    };
+    let mut p = scored(SCORES[0], trigger);
+    let t = observed(&mut p, 3, 2);
+    let at = |used: f64| Pressure {
+        used,
+        new_tokens: 1,
+        budget_bytes: 10_000,
+        hot_block_bytes: 400,
+        cold_block_bytes: 100,
+    };
+    let mut out = Vec::new();
+    p.victims(0, &t, at(0.89), &mut out);
+    assert!(out.is_empty(), "below the high mark");
+    // 0.95 -> 0.8 of 10,000 bytes: 1,500 bytes, four hot blocks of 400.
+    p.victims(0, &t, at(0.95), &mut out);
+    assert_eq!(out.len(), 4);
+    assert!(!out.contains(&3), "the heavy hitter stays: {out:?}");
+    p.forget(0);
+}
+
+#[test]
+fn bad_scored_configurations_are_refused() {
+    let err = |score, trigger, sink, window| {
+        Scored::new(score, trigger, sink, window)
+            .unwrap_err()
+            .to_string()
+    };
+    let t = Trigger::Tokens(100);
+    assert!(err(Score::AttentionEma { decay: 1.0 }, t, 4, 8).contains("decay"));
+    let zero = Score::Hybrid {
+        alpha: 0.0,
+        beta: 0.0,
+        gamma: 0.0,
+    };
+    assert!(err(zero, t, 4, 8).contains("not all 0"));
+    let negative = Score::Hybrid {
+        alpha: -1.0,
+        beta: 1.0,
+        gamma: 0.0,
+    };
+    assert!(err(negative, t, 4, 8).contains(">= 0"));
+    assert!(err(Score::Lfu, Trigger::Tokens(12), 4, 8).contains("nothing to choose"));
+    for (high, low) in [(0.5, 0.5), (1.5, 0.5), (0.9, 0.0)] {
+        let w = Trigger::Watermark { high, low };
+        assert!(err(Score::Lfu, w, 4, 8).contains("0 < low < high <= 1"));
+    }
+    assert!(err(Score::Lfu, t, 4, 0).contains("at least one token"));
 }

@@ -6,6 +6,7 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Result, bail};
+use kvforge_evict::{Score, Scored, Trigger};
 use serde::Deserialize;
 use toml::Spanned;
 
@@ -220,6 +221,65 @@ pub struct ColdSpec {
     pub rotate: bool,
 }
 
+fn default_decay() -> f32 {
+    0.9
+}
+
+impl EvictionSpec {
+    /// The scored policies' score and trigger (`None` for the others);
+    /// an error names what is wrong with the trigger.
+    pub fn scored(&self) -> Option<Result<(Score, Trigger, usize, usize), String>> {
+        let (score, sink, window, budget, high, low) = match *self {
+            EvictionSpec::H2o {
+                sink,
+                window,
+                decay,
+                budget_tokens,
+                high,
+                low,
+            } => (
+                Score::AttentionEma { decay },
+                sink,
+                window,
+                budget_tokens,
+                high,
+                low,
+            ),
+            EvictionSpec::Lfu {
+                sink,
+                window,
+                budget_tokens,
+                high,
+                low,
+            } => (Score::Lfu, sink, window, budget_tokens, high, low),
+            EvictionSpec::Hybrid {
+                sink,
+                window,
+                alpha,
+                beta,
+                gamma,
+                budget_tokens,
+                high,
+                low,
+            } => (
+                Score::Hybrid { alpha, beta, gamma },
+                sink,
+                window,
+                budget_tokens,
+                high,
+                low,
+            ),
+            EvictionSpec::SinkWindow { .. } | EvictionSpec::Strided { .. } => return None,
+        };
+        let trigger = match (budget, high, low) {
+            (Some(n), None, None) => Ok(Trigger::Tokens(n)),
+            (None, Some(high), Some(low)) => Ok(Trigger::Watermark { high, low }),
+            _ => Err("eviction: give either budget_tokens or both high and low".to_string()),
+        };
+        Some(trigger.map(|t| (score, t, sink, window)))
+    }
+}
+
 fn default_group() -> usize {
     32
 }
@@ -260,7 +320,7 @@ pub enum KeyAxis {
 
 /// Eviction policies, by `policy = "…"`. A new policy is one variant here
 /// and one arm in `policy::eviction` (see the bench README).
-#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq)]
 #[serde(tag = "policy", rename_all = "kebab-case", deny_unknown_fields)]
 pub enum EvictionSpec {
     /// StreamingLLM: the first `sink` and the newest `window` tokens.
@@ -269,6 +329,56 @@ pub enum EvictionSpec {
         sink: usize,
         /// Tokens kept at the end.
         window: usize,
+    },
+    /// H2O: entries between the sink and the window, lowest attention EMA
+    /// first, when the trigger fires (`budget_tokens`, or `high`/`low`
+    /// watermarks over `budget_mib`).
+    H2o {
+        /// Tokens kept at the start.
+        sink: usize,
+        /// Tokens kept at the end.
+        window: usize,
+        /// Weight of the past in the EMA.
+        #[serde(default = "default_decay")]
+        decay: f32,
+        /// Live tokens per sequence at most.
+        budget_tokens: Option<usize>,
+        /// Watermark that starts eviction (fraction of the byte budget).
+        high: Option<f64>,
+        /// Watermark eviction brings it back to.
+        low: Option<f64>,
+    },
+    /// LFU: the entries that drew more than their share least often go.
+    Lfu {
+        /// Tokens kept at the start.
+        sink: usize,
+        /// Tokens kept at the end.
+        window: usize,
+        /// Live tokens per sequence at most.
+        budget_tokens: Option<usize>,
+        /// Watermark that starts eviction.
+        high: Option<f64>,
+        /// Watermark eviction brings it back to.
+        low: Option<f64>,
+    },
+    /// Seed 004's hybrid `α(1−recency) + β(1−attention) + γ(1−frequency)`.
+    Hybrid {
+        /// Tokens kept at the start.
+        sink: usize,
+        /// Tokens kept at the end.
+        window: usize,
+        /// Weight of age.
+        alpha: f32,
+        /// Weight of low attention.
+        beta: f32,
+        /// Weight of rare use.
+        gamma: f32,
+        /// Live tokens per sequence at most.
+        budget_tokens: Option<usize>,
+        /// Watermark that starts eviction.
+        high: Option<f64>,
+        /// Watermark eviction brings it back to.
+        low: Option<f64>,
     },
     /// The README's worked example: sink and window as StreamingLLM, and
     /// of the blocks between them every `stride`-th one kept.
@@ -457,6 +567,16 @@ impl Mechanisms {
         if self.share.is_some() && self.cold.is_none() {
             return Some("share needs a cold tier (it shares quantized blocks)".into());
         }
+        if let Some(Some(scored)) = self.eviction.map(|e| e.scored()) {
+            let built = scored.and_then(|(score, trigger, sink, window)| {
+                Scored::new(score, trigger, sink, window)
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
+            });
+            if let Err(e) = built {
+                return Some(e);
+            }
+        }
         match self.eviction {
             Some(EvictionSpec::SinkWindow { window: 0, .. })
             | Some(EvictionSpec::Strided { window: 0, .. }) => {
@@ -526,6 +646,8 @@ lifecycle = { policy = "recent-turns", keep = 2 }
 budget_mib = 64
 "#;
 
+    const SINK_WINDOW: &str = "\"sink-window\", sink = 16, window = 64";
+
     fn err(src: &str) -> String {
         Experiment::parse(src, Path::new("x.toml"))
             .map(|_| ())
@@ -569,9 +691,9 @@ budget_mib = 64
             ),
             // A policy that does not exist.
             (
-                GOOD.replace("\"sink-window\"", "\"h2o\""),
+                GOOD.replace("\"sink-window\"", "\"h3o\""),
                 "x.toml:21:",
-                "unknown variant `h2o`",
+                "unknown variant `h3o`",
             ),
             // A wrong type.
             (
@@ -610,6 +732,34 @@ budget_mib = 64
                 "name = \"t\"\n[model\n".to_string(),
                 "x.toml:2:",
                 "unclosed table",
+            ),
+            // Scored eviction: a budget inside the protected tokens, two
+            // triggers at once, negative weights, watermarks upside down.
+            (
+                GOOD.replace(SINK_WINDOW, "\"h2o\", sink = 16, window = 64, budget_tokens = 64"),
+                "x.toml:17:1:",
+                "leaves nothing to choose",
+            ),
+            (
+                GOOD.replace(
+                    SINK_WINDOW,
+                    "\"lfu\", sink = 16, window = 64, budget_tokens = 200, high = 0.9, low = 0.5",
+                ),
+                "x.toml:17:1:",
+                "either budget_tokens or both high and low",
+            ),
+            (
+                GOOD.replace(
+                    SINK_WINDOW,
+                    "\"hybrid\", sink = 16, window = 64, alpha = -1.0, beta = 1.0, gamma = 0.0, budget_tokens = 200",
+                ),
+                "x.toml:17:1:",
+                "must be finite, >= 0",
+            ),
+            (
+                GOOD.replace(SINK_WINDOW, "\"h2o\", sink = 16, window = 64, high = 0.5, low = 0.9"),
+                "x.toml:17:1:",
+                "0 < low < high <= 1",
             ),
             (
                 GOOD.replace("path = \"m.gguf\"", ""),

@@ -112,6 +112,14 @@ pub fn describe(m: &Mechanisms) -> String {
             window,
             stride,
         }) => parts.push(format!("evict strided{stride} sink{sink}+window{window}")),
+        Some(spec) => {
+            if let Some(Ok((score, trigger, sink, window))) = spec.scored()
+                && let Ok(p) = kvforge_evict::Scored::new(score, trigger, sink, window)
+            {
+                use kvforge_evict::EvictionPolicy as _;
+                parts.push(format!("evict {}", p.name()));
+            }
+        }
         None => {}
     }
     if m.share.is_some() {

@@ -48,17 +48,14 @@ pub fn run(opts: &Options) -> Result<PathBuf> {
     let mut exp = Experiment::load(&opts.config)?;
     exp.rebase(&opts.root);
     check_inputs(&exp)?;
-    let out = opts
-        .out
-        .clone()
-        .unwrap_or_else(|| {
-            let dir = Path::new("target/ablate").join(&exp.name);
-            if opts.root == Path::new(".") {
-                dir
-            } else {
-                opts.root.join(dir)
-            }
-        });
+    let out = opts.out.clone().unwrap_or_else(|| {
+        let dir = Path::new("target/ablate").join(&exp.name);
+        if opts.root == Path::new(".") {
+            dir
+        } else {
+            opts.root.join(dir)
+        }
+    });
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     let text = std::fs::read_to_string(&opts.config)
         .with_context(|| format!("reading {}", opts.config.display()))?;
@@ -568,6 +565,16 @@ fn configure(exp: &Experiment, m: &Mechanisms) -> Result<Configured> {
             extra = Some(Box::new(Strided::new(sink, window, stride, bs)?));
             None
         }
+        Some(spec) => match spec.scored() {
+            Some(Ok((score, trigger, sink, window))) => Some(EvictionConfig::Scored {
+                score,
+                trigger,
+                sink,
+                window,
+            }),
+            Some(Err(e)) => bail!("{e}"),
+            None => bail!("eviction policy {spec:?} has no configuration"),
+        },
     };
     let cfg = EngineConfig {
         weight_kind: None,

@@ -81,10 +81,7 @@ mod tests {
         }
         let mut p = Strided::new(4, 8, 2, 4).unwrap();
         let mut out = Vec::new();
-        let pressure = Pressure {
-            used: 0.5,
-            new_tokens: 1,
-        };
+        let pressure = Pressure::new(0.5, 1);
         p.victims(1, &t, pressure, &mut out);
         // Blocks 0 (sink) and 8, 9 (window) stay; of 1..8 the even ones stay.
         assert_eq!(out, [1, 3, 5, 7]);

@@ -1,6 +1,7 @@
 //! What a coordinator is built from: plain data, so that an ablation can
 //! switch every mechanism on or off from a file.
 
+use kvforge_evict::{Score, Trigger};
 use kvforge_pool::{KvLayout, StorageFormat};
 
 use crate::{CoordError, Result};
@@ -91,7 +92,7 @@ pub struct ColdConfig {
 }
 
 /// Eviction.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum EvictionConfig {
     /// StreamingLLM: keep `sink` leading and `window` trailing tokens.
     SinkWindow {
@@ -100,6 +101,29 @@ pub enum EvictionConfig {
         /// Tokens kept at the end.
         window: usize,
     },
+    /// Whole entries between the sink and the window, lowest score first,
+    /// when the trigger fires (`kvforge_evict::Scored`).
+    Scored {
+        /// What an entry is worth.
+        score: Score,
+        /// When to evict and how much.
+        trigger: Trigger,
+        /// Tokens kept at the start.
+        sink: usize,
+        /// Tokens kept at the end.
+        window: usize,
+    },
+}
+
+impl EvictionConfig {
+    /// The protected recent window.
+    pub fn window(&self) -> usize {
+        match *self {
+            EvictionConfig::SinkWindow { window, .. } | EvictionConfig::Scored { window, .. } => {
+                window
+            }
+        }
+    }
 }
 
 /// Sharing of duplicate cold blocks.

@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ops::Range;
 
-use kvforge_evict::{EvictionPolicy, Pressure, SinkWindow};
+use kvforge_evict::{EvictionPolicy, Pressure, Scored, SinkWindow};
 use kvforge_lifecycle::{LifecyclePolicy, RecentTurns, Segment};
 use kvforge_lsh::{Deduplicator, ExactDedup, ShareStats};
 use kvforge_pool::{
@@ -193,6 +193,12 @@ impl Coordinator {
             Some(EvictionConfig::SinkWindow { sink, window }) => {
                 Some(Box::new(SinkWindow::new(sink, window)?))
             }
+            Some(EvictionConfig::Scored {
+                score,
+                trigger,
+                sink,
+                window,
+            }) => Some(Box::new(Scored::new(score, trigger, sink, window)?)),
         };
         let dedup: Option<Box<dyn Deduplicator>> = match cfg.dedup {
             None => None,
@@ -208,8 +214,7 @@ impl Coordinator {
             None => None,
             Some(LifecycleConfig::RecentTurns { keep }) => Some(Box::new(RecentTurns::new(keep)?)),
         };
-        if let (Some(c), Some(EvictionConfig::SinkWindow { window, .. })) = (cfg.cold, cfg.eviction)
-        {
+        if let (Some(c), Some(window)) = (cfg.cold, cfg.eviction.map(|e| e.window())) {
             if window < c.window {
                 return Err(CoordError::Config(format!(
                     "an eviction window of {window} tokens inside the hot window of {} drops blocks before they could go cold: make it at least as long",
@@ -452,11 +457,15 @@ impl Coordinator {
         };
         let mut release = Vec::new();
         // 1. Eviction.
+        let cold_block_bytes = self.cold_layout().map_or(0, |l| l.block_bytes());
         if let Some(ev) = self.evict.as_mut() {
             self.scratch.clear();
             let pressure = Pressure {
                 used: self.tiers.in_use_bytes() as f64 / self.budget as f64,
                 new_tokens: n,
+                budget_bytes: self.budget,
+                hot_block_bytes: self.cfg.layout.block_bytes(),
+                cold_block_bytes,
             };
             ev.victims(seq, &next, pressure, &mut self.scratch);
             for &i in &self.scratch {

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use kvforge_coordinator::{
     COLD, ColdConfig, CoordError, Coordinator, CoordinatorConfig, DedupConfig, EvictionConfig, HOT,
-    IndexKind, LifecycleConfig, PrefixConfig, SeqId, Slot, TieredPool,
+    IndexKind, LifecycleConfig, PrefixConfig, Score, SeqId, Slot, TieredPool, Trigger,
 };
 use kvforge_pool::{BlockAllocator, BlockId, KvLayout, PoolStats, StorageFormat};
 use kvforge_prefix::{ExtraKeys, MatchStats};
@@ -273,6 +273,39 @@ fn eviction_drops_entries_and_keeps_positions() {
     let tokens: Vec<u32> = (0..21).collect();
     assert_eq!(c.register(s, &tokens, &ExtraKeys::default()).unwrap(), 4);
     c.close(s).unwrap();
+}
+
+#[test]
+fn scored_eviction_keeps_the_entry_attention_favours() {
+    let mut cfg = config(64);
+    cfg.eviction = Some(EvictionConfig::Scored {
+        score: Score::AttentionEma { decay: 0.5 },
+        trigger: Trigger::Tokens(16),
+        sink: 4,
+        window: 4,
+    });
+    let mut c = Coordinator::new(cfg).unwrap();
+    assert!(c.wants_attention());
+    let s = c.open_empty();
+    // 24 tokens: entries of 4 at 0, 4, …, 20; entry 2 (8..12) draws the
+    // attention of each step. The second step already needs 8 tokens out
+    // of 24 but only entry 1 (4..8) is outside the sink and the window.
+    for n in [12, 12] {
+        c.plan(s, n).unwrap();
+        let k = c.view(s).unwrap().entries().len();
+        let mass: Vec<f32> = (0..k).map(|i| if i == 2 { 9.0 } else { 1.0 }).collect();
+        c.observe(s, &mass).unwrap();
+        c.commit(s).unwrap();
+    }
+    // The next token makes 20 + 1 > 16: two more entries go, not the
+    // heaviest (entry 2); sink (0) and window (5) stay.
+    let p = step(&mut c, s, 1);
+    assert_eq!(p.drops, [3, 4]);
+    assert_eq!(c.counters().evicted_entries, 3);
+    let t = c.table(s).unwrap();
+    assert_eq!(t.live_tokens(), 13);
+    c.close(s).unwrap();
+    assert_eq!(c.pools().stats().in_use, 0);
 }
 
 #[test]

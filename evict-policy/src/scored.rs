@@ -1,0 +1,281 @@
+//! Page-level eviction by score: attention EMA (H2O), LFU, the hybrid.
+
+use std::collections::BTreeMap;
+
+use kvforge_pool::{BlockTable, Slot};
+
+use crate::{EvictError, EvictionPolicy, Pressure, Result, SeqKey};
+
+/// How an entry's usefulness is scored from the attention it receives.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Score {
+    /// H2O: an exponential moving average of the entry's share of each
+    /// step's attention mass (`ema = decay·ema + (1−decay)·share`); the
+    /// lowest goes first.
+    AttentionEma {
+        /// Weight of the past, in `[0, 1)`.
+        decay: f32,
+    },
+    /// LFU: the number of steps in which the entry drew more than an even
+    /// share of the attention; the fewest go first (the older on a tie).
+    Lfu,
+    /// Seed 004: priority `α(1−recency) + β(1−attention) + γ(1−frequency)`,
+    /// each term normalized to `[0, 1]` over the candidates (recency by
+    /// position, attention by the EMA with decay 0.9, frequency as LFU);
+    /// the highest goes first.
+    Hybrid {
+        /// Weight of age.
+        alpha: f32,
+        /// Weight of low attention.
+        beta: f32,
+        /// Weight of rare use.
+        gamma: f32,
+    },
+}
+
+/// When [`Scored`] evicts, and how much.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Trigger {
+    /// Keep at most this many live tokens per sequence (the sink and the
+    /// window included): a fixed KV budget, as in the compression-ratio
+    /// experiments.
+    Tokens(usize),
+    /// When the bytes in use reach `high` of the budget, evict until the
+    /// blocks dropped bring them to `low` (fractions in `(0, 1]`).
+    Watermark {
+        /// Fraction of the budget that starts eviction.
+        high: f64,
+        /// Fraction eviction brings it back to.
+        low: f64,
+    },
+}
+
+/// What a policy remembers of one entry, keyed by its first position.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct Stat {
+    ema: f32,
+    hits: u32,
+}
+
+/// Score-based page eviction: the sink and the newest `window` tokens stay;
+/// when the [`Trigger`] fires, whole entries in between go, lowest score
+/// first, until the need is met.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Scored {
+    score: Score,
+    trigger: Trigger,
+    sink: u64,
+    window: u64,
+    stats: BTreeMap<SeqKey, BTreeMap<u64, Stat>>,
+}
+
+/// The decay of the EMA inside [`Score::Hybrid`].
+const HYBRID_DECAY: f32 = 0.9;
+
+impl Scored {
+    /// Keeps `sink` leading and `window` trailing tokens. Errors: a window
+    /// of nothing, a decay outside `[0, 1)`, hybrid weights negative, not
+    /// finite or all zero, a watermark outside `(0, 1]` or with `low >=
+    /// high`, a token budget that does not exceed the protected
+    /// `sink + window`.
+    pub fn new(score: Score, trigger: Trigger, sink: usize, window: usize) -> Result<Self> {
+        let bad = |m: String| Err(EvictError::Config(m));
+        if window == 0 {
+            return bad("the recent window must keep at least one token".into());
+        }
+        match score {
+            Score::AttentionEma { decay } if !(0.0..1.0).contains(&decay) => {
+                return bad(format!("decay {decay} must be in [0, 1)"));
+            }
+            Score::Hybrid { alpha, beta, gamma } => {
+                let w = [alpha, beta, gamma];
+                if w.iter().any(|x| !x.is_finite() || *x < 0.0) || w.iter().all(|x| *x == 0.0) {
+                    return bad(format!(
+                        "hybrid weights α={alpha} β={beta} γ={gamma} must be finite, >= 0 and not all 0"
+                    ));
+                }
+            }
+            _ => {}
+        }
+        match trigger {
+            Trigger::Tokens(n) if n <= sink + window => {
+                return bad(format!(
+                    "a budget of {n} tokens leaves nothing to choose beyond the sink ({sink}) and the window ({window})"
+                ));
+            }
+            Trigger::Watermark { high, low } if !(low > 0.0 && low < high && high <= 1.0) => {
+                return bad(format!(
+                    "watermarks low {low} and high {high} must satisfy 0 < low < high <= 1"
+                ));
+            }
+            _ => {}
+        }
+        Ok(Scored {
+            score,
+            trigger,
+            sink: sink as u64,
+            window: window as u64,
+            stats: BTreeMap::new(),
+        })
+    }
+
+    fn decay(&self) -> f32 {
+        match self.score {
+            Score::AttentionEma { decay } => decay,
+            _ => HYBRID_DECAY,
+        }
+    }
+
+    /// How much to free: tokens (token budget) or bytes (watermark).
+    fn need(&self, table: &BlockTable, p: Pressure) -> Need {
+        match self.trigger {
+            Trigger::Tokens(cap) => {
+                let live = table.live_tokens() as usize + p.new_tokens;
+                Need::Tokens(live.saturating_sub(cap) as u64)
+            }
+            Trigger::Watermark { high, low } => {
+                if p.used < high || p.budget_bytes == 0 {
+                    Need::Bytes(0)
+                } else {
+                    Need::Bytes(((p.used - low) * p.budget_bytes as f64).ceil() as u64)
+                }
+            }
+        }
+    }
+}
+
+enum Need {
+    Tokens(u64),
+    Bytes(u64),
+}
+
+impl EvictionPolicy for Scored {
+    fn name(&self) -> String {
+        let score = match self.score {
+            Score::AttentionEma { decay } => format!("h2o{decay}"),
+            Score::Lfu => "lfu".into(),
+            Score::Hybrid { alpha, beta, gamma } => format!("hybrid{alpha}/{beta}/{gamma}"),
+        };
+        let trigger = match self.trigger {
+            Trigger::Tokens(n) => format!("budget{n}"),
+            Trigger::Watermark { high, low } => format!("watermark{low}-{high}"),
+        };
+        format!("{score}-{trigger}-sink{}-window{}", self.sink, self.window)
+    }
+
+    fn wants_attention(&self) -> bool {
+        true
+    }
+
+    fn observe(&mut self, seq: SeqKey, table: &BlockTable, mass: &[f32]) {
+        let decay = self.decay();
+        let entries = table.entries();
+        let live = entries.iter().filter(|e| e.slot().is_live()).count().max(1);
+        let total: f32 = mass.iter().filter(|m| m.is_finite() && **m > 0.0).sum();
+        let stats = self.stats.entry(seq).or_default();
+        for (e, &m) in entries.iter().zip(mass) {
+            if !e.slot().is_live() {
+                stats.remove(&e.first());
+                continue;
+            }
+            let share = if total > 0.0 && m.is_finite() && m > 0.0 {
+                m / total
+            } else {
+                0.0
+            };
+            let s = stats.entry(e.first()).or_default();
+            s.ema = decay * s.ema + (1.0 - decay) * share;
+            if share > 1.0 / live as f32 {
+                s.hits = s.hits.saturating_add(1);
+            }
+        }
+    }
+
+    fn victims(&mut self, seq: SeqKey, table: &BlockTable, p: Pressure, out: &mut Vec<usize>) {
+        let need = self.need(table, p);
+        if matches!(need, Need::Tokens(0) | Need::Bytes(0)) {
+            return;
+        }
+        let recent = table.positions().saturating_sub(self.window);
+        let last = table.entries().len().wrapping_sub(1);
+        let by_bytes = matches!(need, Need::Bytes(_));
+        let bytes = |slot: Slot| match slot {
+            Slot::Hot(_) => p.hot_block_bytes,
+            Slot::Cold(_) => p.cold_block_bytes,
+            Slot::Alias { .. } | Slot::Dropped => 0,
+        };
+        let empty = BTreeMap::new();
+        let stats = self.stats.get(&seq).unwrap_or(&empty);
+        // Candidates: live, outside the sink and the window, not the open
+        // entry; under a watermark only those whose release frees bytes.
+        let cands: Vec<(usize, Stat, u64)> = table
+            .entries()
+            .iter()
+            .enumerate()
+            .filter(|(i, e)| {
+                e.slot().is_live()
+                    && e.first() >= self.sink
+                    && e.end() <= recent
+                    && !(table.is_open() && *i == last)
+                    && !(by_bytes && bytes(e.slot()) == 0)
+            })
+            .map(|(i, e)| {
+                (
+                    i,
+                    stats.get(&e.first()).copied().unwrap_or_default(),
+                    e.first(),
+                )
+            })
+            .collect();
+        if cands.is_empty() {
+            return;
+        }
+        // Higher priority = evicted sooner.
+        let max_ema = cands.iter().map(|c| c.1.ema).fold(0.0f32, f32::max);
+        let max_hits = cands.iter().map(|c| c.1.hits).max().unwrap_or(0);
+        let (lo, hi) = (cands[0].2, cands[cands.len() - 1].2);
+        let norm = |x: f32, max: f32| if max > 0.0 { x / max } else { 0.0 };
+        let priority = |c: &(usize, Stat, u64)| -> f32 {
+            match self.score {
+                Score::AttentionEma { .. } => -c.1.ema,
+                Score::Lfu => -(c.1.hits as f32),
+                Score::Hybrid { alpha, beta, gamma } => {
+                    let recency = if hi > lo {
+                        (c.2 - lo) as f32 / (hi - lo) as f32
+                    } else {
+                        1.0
+                    };
+                    alpha * (1.0 - recency)
+                        + beta * (1.0 - norm(c.1.ema, max_ema))
+                        + gamma * (1.0 - norm(c.1.hits as f32, max_hits as f32))
+                }
+            }
+        };
+        let mut order: Vec<(f32, usize, Slot, u64)> = cands
+            .iter()
+            .map(|c| {
+                let e = table.entries()[c.0];
+                (priority(c), c.0, e.slot(), u64::from(e.tokens()))
+            })
+            .collect();
+        // Highest priority first; the older entry on a tie.
+        order.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        let start = out.len();
+        let mut left = match need {
+            Need::Tokens(n) | Need::Bytes(n) => n,
+        };
+        for (_, i, slot, tokens) in order {
+            if left == 0 {
+                break;
+            }
+            let freed = if by_bytes { bytes(slot) } else { tokens };
+            left = left.saturating_sub(freed);
+            out.push(i);
+        }
+        out[start..].sort_unstable();
+    }
+
+    fn forget(&mut self, seq: SeqKey) {
+        self.stats.remove(&seq);
+    }
+}
