@@ -18,10 +18,11 @@
 //! * [`Scored`] — page-level eviction by a score over the attention mass
 //!   each entry received ([`Score::AttentionEma`]: H2O's heavy hitters,
 //!   Zhang et al., 2023; [`Score::Lfu`]: how often an entry drew more than
-//!   its share; [`Score::Hybrid`]: seed 004's `α(1−recency) + β(1−attention)
-//!   + γ(1−frequency)`), triggered by a per-sequence token budget or a
-//!   high/low watermark over the byte budget ([`Trigger`]); the sink and
-//!   the recent window are never dropped.
+//!   its share; [`Score::Hybrid`]: seed 004's priority
+//!   `α(1−recency) + β(1−attention) + γ(1−frequency)`), triggered by a
+//!   per-sequence token budget or a high/low watermark over the byte
+//!   budget ([`Trigger`]); the sink and the recent window are never
+//!   dropped.
 //!
 //! Each passes [`testing::check_policy`].
 
