@@ -63,6 +63,69 @@ pub fn positive(flag: &str, value: &str) -> anyhow::Result<usize> {
     Ok(v)
 }
 
+/// Conversations of `chitchat-dataset` (`dataset.json`) whose number of
+/// messages is in `lengths` and at least `turns`, in file order, cut to
+/// `turns` user messages (each message's fragments joined by newlines);
+/// an error if fewer than `n` qualify.
+pub fn load_chats(
+    path: &std::path::Path,
+    turns: usize,
+    n: usize,
+    lengths: std::ops::RangeInclusive<usize>,
+) -> anyhow::Result<Vec<Vec<String>>> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading {} (run `cargo xtask setup`)", path.display()))?;
+    let all: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    let map = all
+        .as_object()
+        .with_context(|| format!("{}: not a JSON object", path.display()))?;
+    let mut out = Vec::new();
+    for conv in map.values() {
+        let Some(msgs) = conv["messages"].as_array() else {
+            continue;
+        };
+        if !lengths.contains(&msgs.len()) || msgs.len() < turns {
+            continue;
+        }
+        let chat: Vec<String> = msgs[..turns]
+            .iter()
+            .map(|t| {
+                let parts = t.as_array().map(Vec::as_slice).unwrap_or(&[]);
+                parts
+                    .iter()
+                    .filter_map(|m| m["text"].as_str())
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            })
+            .collect();
+        out.push(chat);
+        if out.len() == n {
+            return Ok(out);
+        }
+    }
+    bail!(
+        "{}: only {} conversations with {turns}+ turns",
+        path.display(),
+        out.len()
+    )
+}
+
+/// The median of the finite values of `v` (NaN if there are none).
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.retain(|x| x.is_finite());
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
 /// The longest article of a text file (`<doc …>` files such as the setup's
 /// `wiki.utf8` are split into articles; plain text is one).
 #[cfg(feature = "engine")]

@@ -3,7 +3,47 @@
 use std::path::Path;
 
 use anyhow::Result;
+use plotters::coord::Shift;
+use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
+
+type Chart<'a, 'b> =
+    ChartContext<'a, BitMapBackend<'b>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
+
+/// A white PNG canvas of `size` at `path`, the embedded DejaVu font
+/// registered.
+fn canvas(path: &Path, size: (u32, u32)) -> Result<DrawingArea<BitMapBackend<'_>, Shift>> {
+    plotters::style::register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular())
+        .map_err(|_| anyhow::anyhow!("embedded font rejected"))?;
+    let root = BitMapBackend::new(path, size).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    Ok(root)
+}
+
+/// A titled chart over `x` × `y` on `root`, axes labelled and meshed.
+fn axes<'a, 'b>(
+    root: &'a DrawingArea<BitMapBackend<'b>, Shift>,
+    title: &str,
+    x_label: &str,
+    y_label: &str,
+    x: (f64, f64),
+    y: (f64, f64),
+) -> Result<Chart<'a, 'b>> {
+    let mut chart = ChartBuilder::on(root)
+        .caption(title, ("sans-serif", 24))
+        .margin(16)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d(x.0..x.1, y.0..y.1)
+        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    chart
+        .configure_mesh()
+        .x_desc(x_label)
+        .y_desc(y_label)
+        .draw()
+        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    Ok(chart)
+}
 
 /// Draws `series` (one line with point markers each) into a PNG at
 /// `path`; registers the embedded DejaVu font first.
@@ -16,23 +56,8 @@ pub fn line_plot(
     y: (f64, f64),
     series: &[(&str, Vec<(f64, f64)>)],
 ) -> Result<()> {
-    plotters::style::register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular())
-        .map_err(|_| anyhow::anyhow!("embedded font rejected"))?;
-    let root = BitMapBackend::new(path, (800, 480)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| anyhow::anyhow!("{e:?}"))?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(title, ("sans-serif", 24))
-        .margin(16)
-        .x_label_area_size(40)
-        .y_label_area_size(60)
-        .build_cartesian_2d(x.0..x.1, y.0..y.1)
-        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
-    chart
-        .configure_mesh()
-        .x_desc(x_label)
-        .y_desc(y_label)
-        .draw()
-        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    let root = canvas(path, (800, 480))?;
+    let mut chart = axes(&root, title, x_label, y_label, x, y)?;
     for (i, (name, pts)) in series.iter().enumerate() {
         let color = Palette99::pick(i).to_rgba();
         chart
@@ -68,8 +93,6 @@ pub fn scatter_plot(
     points: &[(String, f64, f64)],
     front: bool,
 ) -> Result<()> {
-    plotters::style::register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular())
-        .map_err(|_| anyhow::anyhow!("embedded font rejected"))?;
     let mut pts: Vec<(String, f64, f64)> = Vec::new();
     for p in points.iter().filter(|p| p.1.is_finite() && p.2.is_finite()) {
         match pts.iter_mut().find(|q| q.1 == p.1 && q.2 == p.2) {
@@ -89,21 +112,8 @@ pub fn scatter_plot(
     let (x, y) = (span(|p| p.1), span(|p| p.2));
     // Room on the right for the labels of the rightmost points.
     let x = (x.0, x.1 + (x.1 - x.0) * 0.25);
-    let root = BitMapBackend::new(path, (900, 560)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| anyhow::anyhow!("{e:?}"))?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(title, ("sans-serif", 22))
-        .margin(16)
-        .x_label_area_size(40)
-        .y_label_area_size(70)
-        .build_cartesian_2d(x.0..x.1, y.0..y.1)
-        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
-    chart
-        .configure_mesh()
-        .x_desc(x_label)
-        .y_desc(y_label)
-        .draw()
-        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    let root = canvas(path, (900, 560))?;
+    let mut chart = axes(&root, title, x_label, y_label, x, y)?;
     if front {
         let mut sorted: Vec<(f64, f64)> = pts.iter().map(|p| (p.1, p.2)).collect();
         sorted.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.total_cmp(&b.1)));

@@ -375,7 +375,10 @@ impl Inputs {
         let w = &exp.workloads;
         let max_ctx = exp.model.random.map_or(8192, |r| r.max_ctx);
         let chat = match &w.chat {
-            Some(c) => Some((c.clone(), load_chats(&c.data, c.turns, c.chats)?)),
+            Some(c) => Some((
+                c.clone(),
+                crate::load_chats(&c.data, c.turns, c.chats, c.turns..=usize::MAX)?,
+            )),
             None => None,
         };
         let stream = match &w.stream {
@@ -459,46 +462,6 @@ impl Inputs {
         }
         v
     }
-}
-
-/// Conversations of 10–20 turns with at least `turns` turns, in file order.
-fn load_chats(path: &Path, turns: usize, n: usize) -> Result<Vec<Vec<String>>> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    let all: serde_json::Value =
-        serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
-    let map = all
-        .as_object()
-        .with_context(|| format!("{}: not a JSON object", path.display()))?;
-    let mut out = Vec::new();
-    for conv in map.values() {
-        let Some(msgs) = conv["messages"].as_array() else {
-            continue;
-        };
-        if msgs.len() < turns {
-            continue;
-        }
-        let chat: Vec<String> = msgs[..turns]
-            .iter()
-            .map(|t| {
-                let parts = t.as_array().map(Vec::as_slice).unwrap_or(&[]);
-                parts
-                    .iter()
-                    .filter_map(|m| m["text"].as_str())
-                    .collect::<Vec<_>>()
-                    .join("\n")
-            })
-            .collect();
-        out.push(chat);
-        if out.len() == n {
-            return Ok(out);
-        }
-    }
-    bail!(
-        "{}: only {} conversations with {turns}+ turns",
-        path.display(),
-        out.len()
-    )
 }
 
 /// The essays of `dir` in name order, tokenized until `need` tokens.

@@ -17,13 +17,13 @@
 
 #![allow(clippy::print_stdout)] // a report printer
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 use kvforge_bench::sealing::{self, Turn, TurnTail};
-use kvforge_bench::smollm2_layout;
+use kvforge_bench::{median, smollm2_layout};
 use kvforge_engine::{
     CacheManager, Engine, EngineConfig, Message, ReuseConfig, Sampler, SamplingParams, Sequence,
     Tokenizer,
@@ -81,50 +81,6 @@ fn parse_args() -> Result<Args> {
     Ok(a)
 }
 
-/// Conversations of 10–20 turns with at least `turns` turns, in file order;
-/// each turn's fragments joined by newlines.
-fn load_chats(path: &Path, turns: usize, n: usize) -> Result<Vec<Vec<String>>> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("reading {} (run `cargo xtask setup`)", path.display()))?;
-    let all: serde_json::Value =
-        serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
-    let map = all
-        .as_object()
-        .with_context(|| format!("{}: not a JSON object", path.display()))?;
-    let mut out = Vec::new();
-    for conv in map.values() {
-        let Some(msgs) = conv["messages"].as_array() else {
-            continue;
-        };
-        if !(10..=20).contains(&msgs.len()) || msgs.len() < turns {
-            continue;
-        }
-        let chat: Vec<String> = msgs[..turns]
-            .iter()
-            .map(|t| {
-                let parts = t.as_array().map(Vec::as_slice).unwrap_or(&[]);
-                parts
-                    .iter()
-                    .filter_map(|m| m["text"].as_str())
-                    .collect::<Vec<_>>()
-                    .join("\n")
-            })
-            .collect();
-        out.push(chat);
-        if out.len() == n {
-            break;
-        }
-    }
-    if out.len() < n {
-        bail!(
-            "{}: only {} conversations with {turns}+ turns",
-            path.display(),
-            out.len()
-        );
-    }
-    Ok(out)
-}
-
 struct Row {
     block_size: usize,
     repeat: usize,
@@ -144,7 +100,7 @@ fn main() -> std::process::ExitCode {
 
 fn run() -> Result<()> {
     let a = parse_args()?;
-    let chats = load_chats(&a.data, a.turns, a.chats)?;
+    let chats = kvforge_bench::load_chats(&a.data, a.turns, a.chats, 10..=20)?;
     let total = (a.repeats * a.block_sizes.len() * a.chats * a.turns) as u64;
     let bar = ProgressBar::new(total);
     bar.set_style(
@@ -286,19 +242,6 @@ fn replay_chats(
         streams.push(stream);
     }
     Ok(streams)
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
 }
 
 fn write_outputs(a: &Args, rows: &[Row], sweep: &[sealing::SealRun]) -> Result<()> {
