@@ -478,28 +478,22 @@ fn csv_field(s: &str) -> String {
     }
 }
 
-fn results_csv(records: &[Record]) -> String {
-    let keys: std::collections::BTreeSet<&str> = records
+/// A CSV: `head` then the union of the rows' keys as columns; each row is
+/// its leading fields (already joined) and its values, empty where absent.
+fn csv_table(head: &str, rows: &[(String, &BTreeMap<String, f64>)]) -> String {
+    let keys: std::collections::BTreeSet<&str> = rows
         .iter()
-        .flat_map(|r| r.values.keys().map(String::as_str))
+        .flat_map(|(_, v)| v.keys().map(String::as_str))
         .collect();
-    let mut s = String::from("config,workload,item,error,secs");
+    let mut s = String::from(head);
     for k in &keys {
         let _ = write!(s, ",{k}");
     }
     s.push('\n');
-    for r in records {
-        let _ = write!(
-            s,
-            "{},{},{},{},{:.3}",
-            csv_field(&r.config),
-            r.workload,
-            r.item,
-            csv_field(r.error.as_deref().unwrap_or("")),
-            r.secs
-        );
+    for (lead, values) in rows {
+        s.push_str(lead);
         for k in &keys {
-            match r.values.get(*k) {
+            match values.get(*k) {
                 Some(v) => {
                     let _ = write!(s, ",{v}");
                 }
@@ -511,31 +505,35 @@ fn results_csv(records: &[Record]) -> String {
     s
 }
 
-fn turns_csv(records: &[Record]) -> String {
-    let keys: std::collections::BTreeSet<&str> = records
+fn results_csv(records: &[Record]) -> String {
+    let rows: Vec<(String, &BTreeMap<String, f64>)> = records
         .iter()
-        .flat_map(|r| r.turns.iter().flat_map(|t| t.keys().map(String::as_str)))
+        .map(|r| {
+            let lead = format!(
+                "{},{},{},{},{:.3}",
+                csv_field(&r.config),
+                r.workload,
+                r.item,
+                csv_field(r.error.as_deref().unwrap_or("")),
+                r.secs
+            );
+            (lead, &r.values)
+        })
         .collect();
-    let mut s = String::from("config,item,turn");
-    for k in &keys {
-        let _ = write!(s, ",{k}");
-    }
-    s.push('\n');
-    for r in records {
-        for (i, t) in r.turns.iter().enumerate() {
-            let _ = write!(s, "{},{},{}", csv_field(&r.config), r.item, i + 1);
-            for k in &keys {
-                match t.get(*k) {
-                    Some(v) => {
-                        let _ = write!(s, ",{v}");
-                    }
-                    None => s.push(','),
-                }
-            }
-            s.push('\n');
-        }
-    }
-    s
+    csv_table("config,workload,item,error,secs", &rows)
+}
+
+fn turns_csv(records: &[Record]) -> String {
+    let rows: Vec<(String, &BTreeMap<String, f64>)> = records
+        .iter()
+        .flat_map(|r| {
+            r.turns
+                .iter()
+                .enumerate()
+                .map(move |(i, t)| (format!("{},{},{}", csv_field(&r.config), r.item, i + 1), t))
+        })
+        .collect();
+    csv_table("config,item,turn", &rows)
 }
 
 fn plots(dir: &Path, exp: &Experiment, records: &[Record], summary: &[Summary]) -> Result<()> {
