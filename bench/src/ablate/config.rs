@@ -161,6 +161,15 @@ pub struct Mechanisms {
     /// Byte budget of all KV tiers, MiB (0 = the hot tier's capacity).
     #[serde(default)]
     pub budget_mib: u64,
+    /// Tokens per KV block for this configuration (default: the model's).
+    pub block_size: Option<usize>,
+}
+
+impl Mechanisms {
+    /// The block size this configuration runs with.
+    pub fn block_size(&self, model: &ModelSpec) -> usize {
+        self.block_size.unwrap_or(model.block_size)
+    }
 }
 
 /// Prefix reuse.
@@ -539,7 +548,16 @@ impl Experiment {
             if !names.insert(mech.name.as_str()) {
                 bail!("{}", at(format!("config {:?} appears twice", mech.name)));
             }
-            if let Some(msg) = mech.problem(m.block_size) {
+            if mech.block_size.is_some_and(|b| !(1..=4096).contains(&b)) {
+                bail!(
+                    "{}",
+                    at(format!(
+                        "config {:?}: block_size must be within 1..=4096",
+                        mech.name
+                    ))
+                );
+            }
+            if let Some(msg) = mech.problem(mech.block_size(m)) {
                 bail!("{}", at(format!("config {:?}: {msg}", mech.name)));
             }
         }
@@ -644,6 +662,7 @@ eviction = { policy = "sink-window", sink = 16, window = 64 }
 share = { policy = "exact" }
 lifecycle = { policy = "recent-turns", keep = 2 }
 budget_mib = 64
+block_size = 8
 "#;
 
     const SINK_WINDOW: &str = "\"sink-window\", sink = 16, window = 64";
@@ -672,6 +691,10 @@ budget_mib = 64
             })
         );
         assert_eq!(e.model.weights, "f32");
+        assert_eq!(
+            (m[0].block_size(&e.model), m[1].block_size(&e.model)),
+            (16, 8)
+        );
     }
 
     #[test]
@@ -714,7 +737,7 @@ budget_mib = 64
                 "share needs a cold tier",
             ),
             (
-                GOOD.replace("window = 32,", "window = 40,"),
+                GOOD.replace("window = 32,", "window = 36,"),
                 "x.toml:17:1:",
                 "multiples of the block size",
             ),
@@ -760,6 +783,11 @@ budget_mib = 64
                 GOOD.replace(SINK_WINDOW, "\"h2o\", sink = 16, window = 64, high = 0.5, low = 0.9"),
                 "x.toml:17:1:",
                 "0 < low < high <= 1",
+            ),
+            (
+                GOOD.replace("block_size = 8", "block_size = 0"),
+                "x.toml:17:1:",
+                "block_size must be within 1..=4096",
             ),
             (
                 GOOD.replace("path = \"m.gguf\"", ""),

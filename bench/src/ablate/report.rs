@@ -131,6 +131,9 @@ pub fn describe(m: &Mechanisms) -> String {
     if m.budget_mib > 0 {
         parts.push(format!("budget {} MiB", m.budget_mib));
     }
+    if let Some(b) = m.block_size {
+        parts.push(format!("block {b}"));
+    }
     if parts.is_empty() {
         "full cache".into()
     } else {

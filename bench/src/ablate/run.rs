@@ -500,7 +500,7 @@ type Configured = (EngineConfig, ReuseConfig, Option<Box<dyn EvictionPolicy>>);
 /// Engine and reuse configuration of `m`, and a policy the coordinator's
 /// configuration cannot name (installed after it is built).
 fn configure(exp: &Experiment, m: &Mechanisms) -> Result<Configured> {
-    let bs = exp.model.block_size;
+    let bs = m.block_size(&exp.model);
     let kv_quant = m.cold.map(|c| KvQuant {
         bits: match c.format {
             ColdFormat::Int8 | ColdFormat::Int4 | ColdFormat::Int2 => c.format.bits(),
