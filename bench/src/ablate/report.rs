@@ -570,7 +570,7 @@ fn plots(dir: &Path, exp: &Experiment, records: &[Record], summary: &[Summary]) 
         )?;
     }
     if exp.workloads.chat.is_some() {
-        let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+        let mut series: Vec<(&str, Vec<(f64, f64)>)> = Vec::new();
         for m in exp.matrix() {
             let first = records
                 .iter()
@@ -582,7 +582,7 @@ fn plots(dir: &Path, exp: &Experiment, records: &[Record], summary: &[Summary]) 
                     .enumerate()
                     .filter_map(|(i, t)| Some(((i + 1) as f64, t.get("kv_bytes")? / MIB)))
                     .collect();
-                series.push((m.name.clone(), line));
+                series.push((m.name.as_str(), line));
             }
         }
         let turns = series.iter().map(|s| s.1.len()).max().unwrap_or(1) as f64;
@@ -590,10 +590,6 @@ fn plots(dir: &Path, exp: &Experiment, records: &[Record], summary: &[Summary]) 
             .iter()
             .flat_map(|s| s.1.iter().map(|p| p.1))
             .fold(0.0f64, f64::max);
-        let named: Vec<(&str, Vec<(f64, f64)>)> = series
-            .iter()
-            .map(|(n, v)| (n.as_str(), v.clone()))
-            .collect();
         plot::line_plot(
             &dir.join("chat_kv.png"),
             "KV held over a conversation (first chat)",
@@ -601,7 +597,7 @@ fn plots(dir: &Path, exp: &Experiment, records: &[Record], summary: &[Summary]) 
             "KV MiB",
             (1.0, turns.max(2.0)),
             (0.0, (top * 1.1).max(1e-3)),
-            &named,
+            &series,
         )?;
     }
     Ok(())

@@ -19,8 +19,8 @@ use kvforge_engine::{
 use kvforge_evict::EvictionPolicy;
 
 use super::config::{
-    ChatWorkload, ColdFormat, EvictionSpec, Experiment, IndexName, KeyAxis, LifecycleSpec,
-    Mechanisms, PasskeyWorkload, ShareSpec, StreamWorkload, TailName,
+    ChatWorkload, EvictionSpec, Experiment, IndexName, KeyAxis, LifecycleSpec, Mechanisms,
+    PasskeyWorkload, ShareSpec, StreamWorkload, TailName,
 };
 use super::report::{self, Record, RunInfo};
 use super::strided::Strided;
@@ -88,7 +88,7 @@ pub fn run(opts: &Options) -> Result<PathBuf> {
     }
     let (model, tok) = load_model(&exp)?;
     let inputs = Inputs::load(&exp, &tok)?;
-    let items = inputs.items(&exp);
+    let items = inputs.items();
     // The unit of resumption is one workload of one configuration: its
     // items share an engine (a later chat reuses what an earlier one
     // cached), so a workload cut short runs again from its first item.
@@ -147,10 +147,7 @@ pub fn run(opts: &Options) -> Result<PathBuf> {
             if mine.is_empty() {
                 continue;
             }
-            let mut runner = match Runner::new(&exp, m, &model, &tok) {
-                Ok(r) => Ok(r),
-                Err(e) => Err(format!("{e:#}")),
-            };
+            let mut runner = Runner::new(&exp, m, &model, &tok).map_err(|e| format!("{e:#}"));
             for item in mine {
                 bar.set_message(format!("{} · {} {}", m.name, workload, item.name));
                 let t0 = Instant::now();
@@ -240,11 +237,12 @@ fn load_records(path: &Path) -> Result<Vec<Record>> {
         return Ok(Vec::new());
     };
     let mut out = Vec::new();
+    let last = text.lines().count();
     for (i, line) in text.lines().enumerate() {
         // The last line may be cut short by an interrupt: skip it.
         match serde_json::from_str::<Record>(line) {
             Ok(r) => out.push(r),
-            Err(_) if i + 1 == text.lines().count() => {}
+            Err(_) if i + 1 == last => {}
             Err(e) => bail!("{}:{}: {e}", path.display(), i + 1),
         }
     }
@@ -426,7 +424,7 @@ impl Inputs {
         })
     }
 
-    fn items(&self, _exp: &Experiment) -> Vec<Item> {
+    fn items(&self) -> Vec<Item> {
         let mut v = Vec::new();
         if let Some((_, chats)) = &self.chat {
             for i in 0..chats.len() {
@@ -502,9 +500,7 @@ type Configured = (EngineConfig, ReuseConfig, Option<Box<dyn EvictionPolicy>>);
 fn configure(exp: &Experiment, m: &Mechanisms) -> Result<Configured> {
     let bs = m.block_size(&exp.model);
     let kv_quant = m.cold.map(|c| KvQuant {
-        bits: match c.format {
-            ColdFormat::Int8 | ColdFormat::Int4 | ColdFormat::Int2 => c.format.bits(),
-        },
+        bits: c.format.bits(),
         group_size: c.group,
         window: c.window,
         rotate: c.rotate,
