@@ -407,10 +407,15 @@ impl PagedSeq<'_> {
             let base = TieredPool::slot_of(d.hot) as usize * bs;
             let block = Arc::new(tier.quantize(&c.k, &c.v, base)?);
             tier.put(TieredPool::slot_of(d.cold) as usize, Arc::clone(&block));
-            let content = block.content();
-            c.coordinator().share(id, d.cold, &content, &mut |other| {
-                tier.get(TieredPool::slot_of(other) as usize)
-                    .is_some_and(|o| *o == *block)
+            let mut coord = c.coordinator();
+            if coord.share_stats().is_none() {
+                continue;
+            }
+            let vector = coord.share_wants_vectors();
+            let content = tier.content(&block, vector)?;
+            coord.share(id, d.cold, &content, &mut |other| {
+                let o = tier.get(TieredPool::slot_of(other) as usize)?;
+                tier.content(&o, vector).ok()
             })?;
         }
         let mut new = Vec::with_capacity(n);

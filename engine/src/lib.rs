@@ -52,7 +52,8 @@ pub use cache::{ContiguousCache, KvStore, PagedKvCache, Sequence};
 pub use error::{EngineError, Result};
 pub use generate::{Generation, Sampler, SamplingParams};
 pub use kvforge_coordinator::{
-    Coordinator, CoordinatorConfig, DedupConfig, EvictionConfig, LifecycleConfig, Score, Trigger,
+    Coordinator, CoordinatorConfig, DedupConfig, EvictionConfig, LifecycleConfig, Score,
+    SimHashConfig, Trigger,
 };
 pub use kvforge_quant::Axis;
 pub use manager::{CacheManager, IndexKind, ReuseConfig, SessionId, TurnReport, TurnTail};

@@ -248,6 +248,32 @@ impl ColdTier {
         Ok(block)
     }
 
+    /// The content a deduplicator compares: the block's bytes and, with
+    /// `vector`, every layer's dequantized K then V.
+    pub(crate) fn content(
+        &self,
+        block: &ColdBlock,
+        vector: bool,
+    ) -> Result<kvforge_coordinator::Content> {
+        let mut v = Vec::new();
+        if vector {
+            let n = self.shape.len();
+            v.resize(n * (block.k.len() + block.v.len()), 0f32);
+            for (i, q) in block.k.iter().chain(&block.v).enumerate() {
+                let dq = if i < block.k.len() {
+                    &*self.keys
+                } else {
+                    &*self.values
+                };
+                dq.dequantize(q, &mut v[i * n..(i + 1) * n])?;
+            }
+        }
+        Ok(kvforge_coordinator::Content {
+            bytes: block.content(),
+            vector: v,
+        })
+    }
+
     /// Dequantizes layer `layer`'s K (or V, with `values`) of `blocks`,
     /// in order, into `dst` (`[blocks × tokens, heads, head_dim]`, any
     /// dtype and device).

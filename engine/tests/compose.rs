@@ -420,3 +420,37 @@ fn eight_threads_with_every_mechanism_leak_nothing() {
         );
     });
 }
+
+/// Near-duplicate sharing through the engine: at cosine 1 it changes no
+/// output; at a low threshold it aliases blocks (fewer cold blocks in use)
+/// and generation goes on reading the canonical blocks.
+#[test]
+fn near_duplicate_sharing_aliases_cold_blocks_and_at_cosine_one_changes_nothing() {
+    let with = |threshold: Option<f32>| {
+        let cfg = EngineConfig {
+            dedup: threshold.map(|threshold| {
+                kvforge_engine::DedupConfig::SimHash(kvforge_engine::SimHashConfig {
+                    threshold,
+                    bits: 4,
+                    tables: 2,
+                    seed: 5,
+                })
+            }),
+            ..cold_cfg()
+        };
+        let m = manager(cfg);
+        let prompt: Vec<u32> = (0..96).map(|i| 3 + (i % 7) as u32).collect();
+        let out = m
+            .complete(&prompt, "a", &params(24), &mut |_, _| true)
+            .unwrap();
+        let metrics = m.metrics();
+        (out.generation.tokens, metrics)
+    };
+    let (plain, _) = with(None);
+    let (exact, m1) = with(Some(1.0));
+    assert_eq!(plain, exact, "cosine 1 shares only identical content");
+    assert!(m1["sharing"]["offered"].as_u64().unwrap() > 0, "{m1}");
+    let (loose, m2) = with(Some(0.05));
+    assert_eq!(loose.len(), 24);
+    assert!(m2["sharing"]["shared"].as_u64().unwrap() > 0, "{m2}");
+}

@@ -955,6 +955,10 @@ fn cli_cold_tier_bad_settings_are_one_line_errors() {
     }
     // Options that cannot work together, and unknown names.
     assert_one_line_error(&["chat", "--kv-share"], "configure a cold tier");
+    assert_one_line_error(
+        &["chat", "--kv-quant", "int4", "--kv-share-cos", "1.5"],
+        "outside (0, 1]",
+    );
     assert_one_line_error(&["chat", "--turn-tail", "fold"], "unknown turn tail");
     assert_one_line_error(
         &["chat", "--kv-quant", "int4", "--evict-window", "64"],

@@ -1,34 +1,61 @@
 //! Store a cold KV block once when another block already holds (nearly)
 //! the same content.
 //!
-//! A [`Deduplicator`] is offered each new cold block's content and may name
-//! a *canonical* block to read in its place; the cache coordinator then
-//! turns the new entry into an
+//! A [`Deduplicator`] is offered each new cold block's [`Content`] and may
+//! name a *canonical* block to read in its place; the cache coordinator
+//! then turns the new entry into an
 //! [`Alias`](kvforge_pool::Slot::Alias) of the canonical block (one more
 //! reference on it) and frees the new block. Sharing happens only in the
 //! cold (quantized) tier, as in the design seed.
 //!
-//! Policies only decide. Every candidate is verified by the caller before
-//! it is returned: a deduplicator never aliases on a hash alone.
+//! A deduplicator never aliases on a hash alone: it fetches every
+//! candidate's stored content from the caller and returns only one that
+//! [`matches`](Deduplicator::matches) the offered content.
 //!
 //! # Implementations
 //!
 //! * [`ExactDedup`] — identical quantized bytes (xxh3-128 buckets, then a
-//!   byte comparison by the caller). It shares only what is bit-for-bit the
-//!   same, so it never changes a result; it finds little in natural text.
+//!   byte comparison). It shares only what is bit-for-bit the same, so it
+//!   never changes a result.
+//! * [`SimHashDedup`] — near-duplicates: random-hyperplane signatures of the
+//!   dequantized vector (`bits` hyperplanes per table, `tables` tables),
+//!   candidates from the buckets of every table, verified by their exact
+//!   cosine against a threshold.
 //!
-//! Near-duplicate sharing (random-hyperplane LSH over the dequantized
-//! vectors, cosine threshold) comes with the LSH issue, measured first; it
-//! must pass [`testing::check_deduplicator`] too.
+//! Both pass [`testing::check_deduplicator`].
 
 #![deny(missing_docs)]
 
+mod simhash;
 pub mod testing;
 
 use std::collections::HashMap;
 
 use kvforge_pool::BlockId;
 use xxhash_rust::xxh3::{Xxh3Builder, xxh3_128};
+
+pub use simhash::{MAX_BITS, SimHashConfig, SimHashDedup, cosine};
+
+/// A bad configuration or input; nothing changed.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ShareError {
+    /// A parameter that cannot work.
+    #[error("sharing config: {0}")]
+    Config(String),
+    /// Content a deduplicator cannot compare.
+    #[error("sharing: {0}")]
+    Content(String),
+}
+
+/// What a deduplicator sees of a cold block.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Content {
+    /// The stored bytes (codes and group parameters).
+    pub bytes: Vec<u8>,
+    /// The dequantized elements, when the deduplicator
+    /// [`wants_vectors`](Deduplicator::wants_vectors) (empty otherwise).
+    pub vector: Vec<f32>,
+}
 
 /// Counters since the deduplicator was built.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -37,7 +64,7 @@ pub struct ShareStats {
     pub offered: u64,
     /// Offers answered with a canonical block.
     pub shared: u64,
-    /// Candidates the caller's verification rejected.
+    /// Candidates whose stored content did not match (or was gone).
     pub rejected: u64,
     /// Canonical candidates known now.
     pub canonical: u64,
@@ -47,22 +74,35 @@ pub struct ShareStats {
 ///
 /// Contract (checked by [`testing::check_deduplicator`]): `offer` returns
 /// only a block that was offered before, is not forgotten, is not `block`
-/// itself, and that `same` accepted; a block it does not return becomes a
-/// candidate for later offers; `forget` removes a candidate for good.
+/// itself, whose content it fetched through `stored` and that
+/// [`matches`](Self::matches) the offered content; a block it does not
+/// return becomes a candidate for later offers; `forget` removes a
+/// candidate for good. Only candidates are returned, so an alias never
+/// points at another alias.
 pub trait Deduplicator: Send {
     /// A short name for reports.
     fn name(&self) -> String;
 
-    /// `block` now holds `content` (its quantized bytes). Returns a
-    /// canonical block to alias it to: one for which `same(candidate)`
-    /// returned true (the caller compares the stored contents). Otherwise
-    /// `block` becomes a candidate itself.
+    /// Whether [`Content::vector`] must be filled (the caller dequantizes
+    /// for it).
+    fn wants_vectors(&self) -> bool {
+        false
+    }
+
+    /// Whether a block holding `a` may be read as one holding `b`.
+    fn matches(&self, a: &Content, b: &Content) -> bool;
+
+    /// `block` now holds `content`. Returns a canonical block to alias it
+    /// to, one whose content (fetched with `stored`; `None` when it is
+    /// gone) [`matches`](Self::matches); otherwise `block` becomes a
+    /// candidate itself. An error (content it cannot compare) changes
+    /// nothing.
     fn offer(
         &mut self,
         block: BlockId,
-        content: &[u8],
-        same: &mut dyn FnMut(BlockId) -> bool,
-    ) -> Option<BlockId>;
+        content: &Content,
+        stored: &mut dyn FnMut(BlockId) -> Option<Content>,
+    ) -> Result<Option<BlockId>, ShareError>;
 
     /// `block`'s storage is gone (freed or reclaimed): never return it.
     fn forget(&mut self, block: BlockId);
@@ -71,11 +111,85 @@ pub trait Deduplicator: Send {
     fn stats(&self) -> ShareStats;
 }
 
+/// Candidate lists by key, and each candidate's key: what both
+/// deduplicators keep.
+struct Buckets<K> {
+    lists: HashMap<K, Vec<BlockId>, Xxh3Builder>,
+    keys: HashMap<BlockId, Vec<K>, Xxh3Builder>,
+}
+
+impl<K: std::hash::Hash + Eq + Copy> Default for Buckets<K> {
+    fn default() -> Self {
+        Buckets {
+            lists: HashMap::default(),
+            keys: HashMap::default(),
+        }
+    }
+}
+
+impl<K: std::hash::Hash + Eq + Copy> Buckets<K> {
+    /// The candidates under any of `keys`, each once, oldest first per key.
+    fn candidates(&self, keys: &[K], skip: BlockId) -> Vec<BlockId> {
+        let mut out: Vec<BlockId> = Vec::new();
+        for k in keys {
+            for &c in self.lists.get(k).into_iter().flatten() {
+                if c != skip && !out.contains(&c) {
+                    out.push(c);
+                }
+            }
+        }
+        out
+    }
+
+    /// `block` becomes a candidate under `keys` (replacing what it was).
+    fn insert(&mut self, block: BlockId, keys: Vec<K>) {
+        self.remove(block);
+        for &k in &keys {
+            self.lists.entry(k).or_default().push(block);
+        }
+        self.keys.insert(block, keys);
+    }
+
+    fn remove(&mut self, block: BlockId) {
+        for k in self.keys.remove(&block).unwrap_or_default() {
+            if let Some(l) = self.lists.get_mut(&k) {
+                l.retain(|&x| x != block);
+                if l.is_empty() {
+                    self.lists.remove(&k);
+                }
+            }
+        }
+    }
+
+    fn len(&self) -> u64 {
+        self.keys.len() as u64
+    }
+}
+
+/// Checks `candidates` in order: the first whose stored content matches.
+fn verify(
+    d: &dyn Deduplicator,
+    content: &Content,
+    candidates: &[BlockId],
+    stored: &mut dyn FnMut(BlockId) -> Option<Content>,
+    stats: &mut ShareStats,
+) -> Option<BlockId> {
+    for &c in candidates {
+        match stored(c) {
+            Some(s) if d.matches(content, &s) => {
+                stats.shared += 1;
+                return Some(c);
+            }
+            _ => stats.rejected += 1,
+        }
+    }
+    None
+}
+
 /// Shares blocks whose quantized bytes are identical.
 #[derive(Default)]
 pub struct ExactDedup {
-    buckets: HashMap<u128, Vec<BlockId>, Xxh3Builder>,
-    keys: HashMap<BlockId, u128, Xxh3Builder>,
+    buckets: Buckets<u128>,
     stats: ShareStats,
 }
 
@@ -91,48 +205,32 @@ impl Deduplicator for ExactDedup {
         "exact".into()
     }
 
+    fn matches(&self, a: &Content, b: &Content) -> bool {
+        a.bytes == b.bytes
+    }
+
     fn offer(
         &mut self,
         block: BlockId,
-        content: &[u8],
-        same: &mut dyn FnMut(BlockId) -> bool,
-    ) -> Option<BlockId> {
+        content: &Content,
+        stored: &mut dyn FnMut(BlockId) -> Option<Content>,
+    ) -> Result<Option<BlockId>, ShareError> {
         self.stats.offered += 1;
-        let key = xxh3_128(content);
-        let bucket = self.buckets.entry(key).or_default();
-        for &c in bucket.iter() {
-            if c == block {
-                continue;
-            }
-            if same(c) {
-                self.stats.shared += 1;
-                return Some(c);
-            }
-            self.stats.rejected += 1;
+        let key = xxh3_128(&content.bytes);
+        let candidates = self.buckets.candidates(&[key], block);
+        let mut stats = self.stats;
+        let found = verify(self, content, &candidates, stored, &mut stats);
+        self.stats = stats;
+        if found.is_none() {
+            self.buckets.insert(block, vec![key]);
         }
-        if !bucket.contains(&block) {
-            bucket.push(block);
-            if let Some(old) = self.keys.insert(block, key) {
-                // Offered again with other content: leave the old bucket.
-                if let Some(b) = self.buckets.get_mut(&old) {
-                    b.retain(|&x| x != block);
-                }
-            }
-        }
-        self.stats.canonical = self.keys.len() as u64;
-        None
+        self.stats.canonical = self.buckets.len();
+        Ok(found)
     }
 
     fn forget(&mut self, block: BlockId) {
-        if let Some(key) = self.keys.remove(&block) {
-            if let Some(b) = self.buckets.get_mut(&key) {
-                b.retain(|&x| x != block);
-                if b.is_empty() {
-                    self.buckets.remove(&key);
-                }
-            }
-        }
-        self.stats.canonical = self.keys.len() as u64;
+        self.buckets.remove(block);
+        self.stats.canonical = self.buckets.len();
     }
 
     fn stats(&self) -> ShareStats {

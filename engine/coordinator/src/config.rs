@@ -127,10 +127,13 @@ impl EvictionConfig {
 }
 
 /// Sharing of duplicate cold blocks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum DedupConfig {
     /// Bit-identical quantized blocks, verified byte for byte.
     Exact,
+    /// Near-duplicate blocks: random-hyperplane signatures of the
+    /// dequantized block, candidates verified by their exact cosine.
+    SimHash(kvforge_lsh::SimHashConfig),
 }
 
 /// Context lifecycle at turn ends.

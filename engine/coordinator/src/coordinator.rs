@@ -6,7 +6,7 @@ use std::ops::Range;
 
 use kvforge_evict::{EvictionPolicy, Pressure, Scored, SinkWindow};
 use kvforge_lifecycle::{LifecyclePolicy, RecentTurns, Segment};
-use kvforge_lsh::{Deduplicator, ExactDedup, ShareStats};
+use kvforge_lsh::{Content, Deduplicator, ExactDedup, ShareStats, SimHashDedup};
 use kvforge_pool::{
     Allocation, BlockAllocator, BlockId, BlockTable, KvLayout, MAX_TIER_BLOCKS, PoolConfig,
     PoolStats, Retained, Slot, TieredPool,
@@ -209,6 +209,7 @@ impl Coordinator {
                 ));
             }
             Some(DedupConfig::Exact) => Some(Box::new(ExactDedup::new())),
+            Some(DedupConfig::SimHash(c)) => Some(Box::new(SimHashDedup::new(c)?)),
         };
         let lifecycle: Option<Box<dyn LifecyclePolicy>> = match cfg.lifecycle {
             None => None,
@@ -723,16 +724,22 @@ impl Coordinator {
         }
     }
 
-    /// Offers a cold block this step quantized (`content`: its bytes) to
-    /// the deduplicator. When it names a canonical block that `same`
-    /// confirms, the entry becomes an alias of it and the new block is
-    /// freed at commit. Returns the canonical block, if any.
+    /// Whether the deduplicator compares dequantized vectors (fill
+    /// [`Content::vector`] for [`share`](Self::share)).
+    pub fn share_wants_vectors(&self) -> bool {
+        self.dedup.as_ref().is_some_and(|d| d.wants_vectors())
+    }
+
+    /// Offers a cold block this step quantized to the deduplicator, which
+    /// reads candidates' contents through `stored` (`None`: gone). When it
+    /// names a canonical block, the entry becomes an alias of it and the
+    /// new block is freed at commit. Returns the canonical block, if any.
     pub fn share(
         &mut self,
         seq: SeqId,
         cold: BlockId,
-        content: &[u8],
-        same: &mut dyn FnMut(BlockId) -> bool,
+        content: &Content,
+        stored: &mut dyn FnMut(BlockId) -> Option<Content>,
     ) -> Result<Option<BlockId>> {
         let Some(d) = self.dedup.as_mut() else {
             return Ok(None);
@@ -744,7 +751,7 @@ impl Coordinator {
                 what: "shared a block this step did not quantize",
             });
         };
-        let Some(canonical) = d.offer(cold, content, same) else {
+        let Some(canonical) = d.offer(cold, content, stored)? else {
             return Ok(None);
         };
         match self.tiers.retain(canonical) {

@@ -47,6 +47,9 @@ pub enum CoordError {
     /// An eviction policy parameter that cannot work.
     #[error(transparent)]
     Evict(#[from] EvictError),
+    /// A sharing parameter that cannot work, or content it cannot compare.
+    #[error(transparent)]
+    Share(#[from] kvforge_lsh::ShareError),
     /// A lifecycle policy parameter that cannot work.
     #[error(transparent)]
     Lifecycle(#[from] LifecycleError),

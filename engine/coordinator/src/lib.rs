@@ -65,6 +65,7 @@ pub use config::{
 pub use coordinator::{COLD, Coordinator, Counters, HOT, Opened, SeqId, TierStats};
 pub use error::{CoordError, Result};
 pub use kvforge_evict::{Score, Trigger};
+pub use kvforge_lsh::{Content, SimHashConfig};
 pub use kvforge_pool::{BlockId, BlockTable, Entry, Slot, TieredPool};
 pub use plan::{CopyOp, Demotion, Plan, Write};
 

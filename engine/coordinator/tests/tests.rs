@@ -6,8 +6,9 @@
 use std::sync::{Arc, Mutex};
 
 use kvforge_coordinator::{
-    COLD, ColdConfig, CoordError, Coordinator, CoordinatorConfig, DedupConfig, EvictionConfig, HOT,
-    IndexKind, LifecycleConfig, PrefixConfig, Score, SeqId, Slot, TieredPool, Trigger,
+    COLD, ColdConfig, Content, CoordError, Coordinator, CoordinatorConfig, DedupConfig,
+    EvictionConfig, HOT, IndexKind, LifecycleConfig, PrefixConfig, Score, SeqId, SimHashConfig,
+    Slot, TieredPool, Trigger,
 };
 use kvforge_pool::{BlockAllocator, BlockId, KvLayout, PoolStats, StorageFormat};
 use kvforge_prefix::{ExtraKeys, MatchStats};
@@ -85,6 +86,13 @@ fn state(c: &Coordinator, seqs: &[SeqId]) -> State {
     }
 }
 
+fn bytes(b: &[u8]) -> Content {
+    Content {
+        bytes: b.to_vec(),
+        vector: Vec::new(),
+    }
+}
+
 fn step(c: &mut Coordinator, seq: SeqId, n: usize) -> kvforge_coordinator::Plan {
     let p = c.plan(seq, n).unwrap();
     c.commit(seq).unwrap();
@@ -131,7 +139,11 @@ fn the_abort_of_every_kind_of_operation_leaves_everything_as_it_was() {
         // Alias every freshly quantized block (exact sharing, as if the
         // engine found identical bytes).
         for d in p.demotions.iter().filter(|d| d.quantize) {
-            let _ = c.share(seq, d.cold, &[1, 2, 3], &mut |_| true).unwrap();
+            let _ = c
+                .share(seq, d.cold, &bytes(&[1, 2, 3]), &mut |_| {
+                    Some(bytes(&[1, 2, 3]))
+                })
+                .unwrap();
         }
         c.abort(seq).unwrap();
         assert_eq!(state(&c, &seqs), before, "abort of {p:?}");
@@ -413,7 +425,12 @@ fn bad_configurations_and_calls_are_clear_errors_that_change_nothing() {
     assert_eq!(state(&c, &[s]), before);
     c.plan(s, 1).unwrap();
     assert!(matches!(c.plan(s, 1), Err(CoordError::Order { .. })));
-    assert!(c.share(s, BlockId::new(3, 1), &[0], &mut |_| true).is_err());
+    assert!(
+        c.share(s, BlockId::new(3, 1), &bytes(&[0]), &mut |_| Some(bytes(
+            &[0]
+        )))
+        .is_err()
+    );
     c.abort(s).unwrap();
     assert_eq!(state(&c, &[s]), before);
     c.close(s).unwrap();
@@ -474,9 +491,11 @@ fn many_threads_share_prefixes_over_one_budget_and_leak_nothing() {
                         match g.plan(o.seq, n) {
                             Ok(p) => {
                                 for d in p.demotions.iter().filter(|d| d.quantize) {
-                                    let bytes = [d.hot.index() as u8; 4];
-                                    g.share(o.seq, d.cold, &bytes, &mut |_| next() % 2 == 0)
-                                        .unwrap();
+                                    let b = bytes(&[d.hot.index() as u8; 4]);
+                                    g.share(o.seq, d.cold, &b, &mut |_| {
+                                        (next() % 2 == 0).then(|| b.clone())
+                                    })
+                                    .unwrap();
                                 }
                                 if next() % 10 == 0 {
                                     g.abort(o.seq).unwrap();
@@ -679,4 +698,124 @@ fn a_policy_that_breaks_its_contract_is_an_error_that_changes_nothing() {
     // No cold tier, no tier policy to set.
     let mut plain = Coordinator::new(config(8)).unwrap();
     assert!(plain.set_tier_policy(Box::new(OpenTail)).is_err());
+}
+
+#[test]
+fn near_duplicate_aliasing_racing_eviction_on_eight_threads_never_reads_a_freed_block() {
+    let mut cfg = all_on(192);
+    cfg.dedup = Some(DedupConfig::SimHash(SimHashConfig {
+        threshold: 0.9,
+        bits: 8,
+        tables: 2,
+        seed: 1,
+    }));
+    let c = Arc::new(Mutex::new(Coordinator::new(cfg).unwrap()));
+    // Cold blocks' stored content, as the engine's cold tier keeps it: put
+    // when a block is quantized, removed when the coordinator frees it.
+    let store = Arc::new(Mutex::new(
+        std::collections::BTreeMap::<BlockId, Content>::new(),
+    ));
+    let aliased = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let threads: Vec<_> = (0..8u32)
+        .map(|t| {
+            let (c, store, aliased) = (Arc::clone(&c), Arc::clone(&store), Arc::clone(&aliased));
+            std::thread::spawn(move || {
+                let mut rng = u64::from(t) * 0x9E37_79B9 + 7;
+                let mut next = move || {
+                    rng ^= rng << 13;
+                    rng ^= rng >> 7;
+                    rng ^= rng << 17;
+                    rng
+                };
+                for r in 0..40u32 {
+                    let tokens: Vec<u32> = (0..8).map(|i| 10_000 * t + 100 * r + i).collect();
+                    let o = c
+                        .lock()
+                        .unwrap()
+                        .open(&tokens, &ExtraKeys::default())
+                        .unwrap();
+                    let mut held = o.reused;
+                    while held < tokens.len() + 60 {
+                        let n = if held < tokens.len() {
+                            tokens.len() - held
+                        } else {
+                            1 + (next() % 4) as usize
+                        };
+                        let mut g = c.lock().unwrap();
+                        let p = match g.plan(o.seq, n) {
+                            Ok(p) => p,
+                            Err(CoordError::CacheFull(_)) => break,
+                            Err(e) => panic!("{e}"),
+                        };
+                        for d in p.demotions.iter().filter(|d| d.quantize) {
+                            // Four families of nearly equal vectors.
+                            let family = next() % 4;
+                            let vector: Vec<f32> = (0..64u64)
+                                .map(|i| {
+                                    let base = if (i * 7 + family * 13) % 5 < 2 {
+                                        1.0
+                                    } else {
+                                        -1.0
+                                    };
+                                    base + (next() % 100) as f32 / 1000.0
+                                })
+                                .collect();
+                            let content = Content {
+                                bytes: Vec::new(),
+                                vector,
+                            };
+                            let mut s = store.lock().unwrap();
+                            let got = g
+                                .share(o.seq, d.cold, &content, &mut |b| s.get(&b).cloned())
+                                .unwrap();
+                            match got {
+                                Some(_) => {
+                                    aliased.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                                }
+                                None => {
+                                    s.insert(d.cold, content);
+                                }
+                            }
+                        }
+                        if next() % 8 == 0 {
+                            g.abort(o.seq).unwrap();
+                        } else {
+                            g.commit(o.seq).unwrap();
+                            held += n;
+                        }
+                        let mut s = store.lock().unwrap();
+                        for b in g.take_freed_cold() {
+                            s.remove(&b);
+                        }
+                        // Every alias of every live sequence reads a block
+                        // that is held and still stored.
+                        for e in g.table(o.seq).unwrap().entries() {
+                            if let Slot::Alias { canonical } = e.slot() {
+                                assert!(g.pools().ref_count(canonical).unwrap() > 0);
+                                assert!(s.contains_key(&canonical), "{canonical:?} was freed");
+                            }
+                        }
+                    }
+                    let mut g = c.lock().unwrap();
+                    g.close(o.seq).unwrap();
+                    let mut s = store.lock().unwrap();
+                    for b in g.take_freed_cold() {
+                        s.remove(&b);
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let c = c.lock().unwrap();
+    assert_eq!(c.sequences(), 0);
+    assert_eq!(c.pools().stats().in_use, 0, "leaked blocks");
+    assert!(
+        aliased.load(std::sync::atomic::Ordering::Relaxed) > 50,
+        "near-duplicates were aliased"
+    );
+    let s = c.share_stats().unwrap();
+    assert!(s.rejected > 0 || s.shared > 0, "{s:?}");
 }

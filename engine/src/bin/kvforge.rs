@@ -20,7 +20,7 @@ use clap::{Args, Parser, Subcommand};
 use kvforge_engine::{
     Axis, CacheManager, DedupConfig, Engine, EngineConfig, EngineError, EvictionConfig, Generation,
     IndexKind, KvQuant, LifecycleConfig, Message, PplReport, ReuseConfig, SamplingParams, Sequence,
-    Tokenizer, TurnTail, parse_device, parse_dtype,
+    SimHashConfig, Tokenizer, TurnTail, parse_device, parse_dtype,
 };
 
 /// The model `cargo xtask setup` installs.
@@ -189,6 +189,11 @@ struct Tier {
     /// Store identical quantized blocks once (needs --kv-quant).
     #[arg(long)]
     kv_share: bool,
+    /// Store near-duplicate quantized blocks once: blocks whose dequantized
+    /// K/V have at least this cosine (in (0, 1]), found by random-hyperplane
+    /// hashing (needs --kv-quant; replaces --kv-share's exact matching).
+    #[arg(long)]
+    kv_share_cos: Option<f32>,
     /// Chat: drop turns older than the newest N (the first turn stays;
     /// 0 = keep everything).
     #[arg(long, default_value_t = 0)]
@@ -205,7 +210,13 @@ impl Tier {
             sink: self.evict_sink,
             window: self.evict_window,
         });
-        cfg.dedup = self.kv_share.then_some(DedupConfig::Exact);
+        cfg.dedup = match self.kv_share_cos {
+            Some(threshold) => Some(DedupConfig::SimHash(SimHashConfig {
+                threshold,
+                ..SimHashConfig::default()
+            })),
+            None => self.kv_share.then_some(DedupConfig::Exact),
+        };
         cfg.lifecycle = (self.keep_turns > 0).then_some(LifecycleConfig::RecentTurns {
             keep: self.keep_turns,
         });
