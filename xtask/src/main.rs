@@ -17,6 +17,9 @@
 //!   context (CSV / Markdown / Pareto PNG in `target/quant-sweep`).
 //! * `decode-ab ARGS` — decode speed of the cold tier's formats against the
 //!   unquantized cache, interleaved rounds in one process.
+//! * `kv-stats ARGS` — how often the KV cache holds near-duplicate vectors
+//!   (best cosine match per vector across positions, layers and sequences;
+//!   CSV / Markdown / PNG in `target/kv-stats`).
 //! * `bench` — the criterion benches, then a Markdown summary of their
 //!   medians in `target/kvforge-bench.md`.
 //! * `fuzz [RUNS]` — the coverage-guided fuzzers of the GGUF and the
@@ -32,7 +35,7 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 
 const USAGE: &str = "usage: cargo xtask <setup [--reference] | ci | ablate [--quick | --full | --config FILE] [--resume] | \
-                     bench [FILTER] | fuzz [RUNS] | kvforge ARGS... | prefix-bench ARGS... | quant-sweep ARGS... | decode-ab ARGS... | engine-bench [CONTEXT] [DECODE] | tidy>";
+                     bench [FILTER] | fuzz [RUNS] | kvforge ARGS... | prefix-bench ARGS... | quant-sweep ARGS... | decode-ab ARGS... | kv-stats ARGS... | engine-bench [CONTEXT] [DECODE] | tidy>";
 
 fn main() {
     if let Err(e) = run() {
@@ -54,6 +57,7 @@ fn run() -> Result<()> {
         Some("kvforge") => run_after_setup(&root, "kvforge-engine", "kvforge", &args[1..]),
         Some("prefix-bench") => run_after_setup(&root, "kvforge-bench", "prefix_bench", &args[1..]),
         Some("quant-sweep") => run_after_setup(&root, "kvforge-bench", "quant_sweep", &args[1..]),
+        Some("kv-stats") => run_after_setup(&root, "kvforge-bench", "kv_stats", &args[1..]),
         Some("decode-ab") => run_after_setup(&root, "kvforge-bench", "decode_ab", &args[1..]),
         Some("engine-bench") if args.len() <= 3 => {
             let num = |i: usize, d: usize| -> Result<usize> {
