@@ -10,5 +10,6 @@ criterion::criterion_main!(
     benchmarks::pool::benches,
     benchmarks::hashing::benches,
     benchmarks::matching::benches,
-    benchmarks::quant::benches
+    benchmarks::quant::benches,
+    benchmarks::lsh::benches
 );

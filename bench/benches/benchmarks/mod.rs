@@ -1,6 +1,7 @@
 //! Benchmark groups.
 
 pub(crate) mod hashing;
+pub(crate) mod lsh;
 pub(crate) mod matching;
 pub(crate) mod pool;
 pub(crate) mod quant;

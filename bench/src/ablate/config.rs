@@ -6,6 +6,7 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Result, bail};
+use kvforge_coordinator::{DedupConfig, SimHashConfig};
 use kvforge_evict::{Score, Scored, Trigger};
 use serde::Deserialize;
 use toml::Spanned;
@@ -402,11 +403,58 @@ pub enum EvictionSpec {
 }
 
 /// Sharing of duplicate cold blocks, by `policy = "…"`.
-#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq)]
 #[serde(tag = "policy", rename_all = "kebab-case", deny_unknown_fields)]
 pub enum ShareSpec {
     /// Bit-identical quantized blocks, verified byte for byte.
     Exact,
+    /// Near-duplicate blocks: random-hyperplane signatures of the
+    /// dequantized block, candidates verified by their exact cosine.
+    Lsh {
+        /// The least cosine shared, in (0, 1].
+        threshold: f32,
+        /// Hyperplanes per table (default 16, at most 64).
+        #[serde(default = "default_lsh_bits")]
+        bits: u32,
+        /// Tables (default 4).
+        #[serde(default = "default_lsh_tables")]
+        tables: u32,
+    },
+}
+
+fn default_lsh_bits() -> u32 {
+    SimHashConfig::default().bits
+}
+
+fn default_lsh_tables() -> u32 {
+    SimHashConfig::default().tables
+}
+
+impl ShareSpec {
+    /// The coordinator's configuration.
+    pub fn config(self) -> DedupConfig {
+        match self {
+            ShareSpec::Exact => DedupConfig::Exact,
+            ShareSpec::Lsh {
+                threshold,
+                bits,
+                tables,
+            } => DedupConfig::SimHash(SimHashConfig {
+                threshold,
+                bits,
+                tables,
+                ..SimHashConfig::default()
+            }),
+        }
+    }
+
+    /// A label for reports.
+    pub fn label(self) -> String {
+        match self {
+            ShareSpec::Exact => "share exact".into(),
+            ShareSpec::Lsh { threshold, .. } => format!("share cos ≥ {threshold}"),
+        }
+    }
 }
 
 /// Context lifecycle, by `policy = "…"`.
@@ -585,6 +633,11 @@ impl Mechanisms {
         if self.share.is_some() && self.cold.is_none() {
             return Some("share needs a cold tier (it shares quantized blocks)".into());
         }
+        if let Some(DedupConfig::SimHash(c)) = self.share.map(ShareSpec::config) {
+            if let Err(e) = c.validate() {
+                return Some(e.to_string());
+            }
+        }
         if let Some(Some(scored)) = self.eviction.map(|e| e.scored()) {
             let built = scored.and_then(|(score, trigger, sink, window)| {
                 Scored::new(score, trigger, sink, window)
@@ -740,6 +793,22 @@ block_size = 8
                 GOOD.replace("window = 32,", "window = 36,"),
                 "x.toml:17:1:",
                 "multiples of the block size",
+            ),
+            // Near-duplicate sharing at an impossible threshold or width.
+            (
+                GOOD.replace("policy = \"exact\"", "policy = \"lsh\", threshold = 1.2"),
+                "x.toml:17:1:",
+                "outside (0, 1]",
+            ),
+            (
+                GOOD.replace("policy = \"exact\"", "policy = \"lsh\", threshold = 0.9, bits = 80"),
+                "x.toml:17:1:",
+                "at most 64",
+            ),
+            (
+                GOOD.replace("policy = \"exact\"", "policy = \"lsh\""),
+                "x.toml:",
+                "missing field `threshold`",
             ),
             (
                 GOOD.replace("name = \"all\"", "name = \"baseline\""),

@@ -122,8 +122,8 @@ pub fn describe(m: &Mechanisms) -> String {
         }
         None => {}
     }
-    if m.share.is_some() {
-        parts.push("share exact".into());
+    if let Some(share) = m.share {
+        parts.push(share.label());
     }
     if let Some(LifecycleSpec::RecentTurns { keep }) = m.lifecycle {
         parts.push(format!("lifecycle keep {keep}"));

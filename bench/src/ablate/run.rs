@@ -12,9 +12,9 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 use kvforge_engine::{
-    Axis, CacheManager, DedupConfig, Device, Engine, EngineConfig, EvictionConfig, IndexKind,
-    KvQuant, LifecycleConfig, Llama, LlamaConfig, Message, ReuseConfig, SamplingParams, Sequence,
-    Tokenizer, TurnTail,
+    Axis, CacheManager, Device, Engine, EngineConfig, EvictionConfig, IndexKind, KvQuant,
+    LifecycleConfig, Llama, LlamaConfig, Message, ReuseConfig, SamplingParams, Sequence, Tokenizer,
+    TurnTail,
 };
 use kvforge_evict::EvictionPolicy;
 
@@ -540,7 +540,7 @@ fn configure(exp: &Experiment, m: &Mechanisms) -> Result<Configured> {
         block_size: bs,
         kv_quant,
         eviction,
-        dedup: m.share.map(|ShareSpec::Exact| DedupConfig::Exact),
+        dedup: m.share.map(ShareSpec::config),
         lifecycle: m
             .lifecycle
             .map(|LifecycleSpec::RecentTurns { keep }| LifecycleConfig::RecentTurns { keep }),
