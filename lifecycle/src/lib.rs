@@ -14,13 +14,17 @@
 //!   the first turn (system prompt and first exchange) and the last `keep`
 //!   turns stay, older turns are dropped.
 //!
-//! Model-written `[LIFECYCLE]` labels, their tolerant parser, delayed
+//! [`labels`] parses the `[LIFECYCLE]` block a model appends to its reply
+//! ([`parse_labels`]). Policies that act on those labels, delayed
 //! reclamation and compression come with the lifecycle issue; every policy
 //! must pass [`testing::check_policy`].
 
 #![deny(missing_docs)]
 
+pub mod labels;
 pub mod testing;
+
+pub use labels::{Label, Parsed, parse_labels};
 
 use std::ops::Range;
 

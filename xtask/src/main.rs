@@ -23,7 +23,8 @@
 //! * `bench` — the criterion benches, then a Markdown summary of their
 //!   medians in `target/kvforge-bench.md`.
 //! * `fuzz [RUNS]` — the coverage-guided fuzzers of the GGUF and the
-//!   Hugging Face loaders (cargo-fuzz, libFuzzer), 10^6 runs each by default.
+//!   Hugging Face loaders and of the `[LIFECYCLE]` label parser (cargo-fuzz,
+//!   libFuzzer), 10^6 runs each by default.
 //! * `tidy`  — source hygiene checks (also run by `cargo test`).
 
 mod setup;
@@ -304,7 +305,7 @@ fn fuzz_after_setup(root: &Path, runs: u64) -> Result<()> {
 }
 
 /// The fuzz targets in `fuzz/fuzz_targets`.
-const FUZZ_TARGETS: [&str; 2] = ["gguf", "hf"];
+const FUZZ_TARGETS: [&str; 3] = ["gguf", "hf", "labels"];
 
 fn bench(root: &Path, filter: Option<&str>) -> Result<()> {
     // The bench crate also holds the engine-backed prefix-bench binary.
