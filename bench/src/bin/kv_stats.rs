@@ -33,6 +33,8 @@ use kvforge_engine::ppl::articles;
 use kvforge_engine::{
     ContiguousCache, Device, Engine, EngineConfig, Kind, KvStore, Message, Tensor,
 };
+use kvforge_lsh::{Content, Deduplicator, SimHashConfig, SimHashDedup};
+use kvforge_pool::BlockId;
 use kvforge_quant::{Axis, BlockShape, GroupQuantizer, QuantConfig, QuantizedBlock, Quantizer};
 
 const THRESHOLDS: [f64; 3] = [0.90, 0.95, 0.99];
@@ -495,8 +497,70 @@ struct Sharing {
     /// Per layer, `[heads, stored, head_dim]`.
     k_pre: Vec<Option<Tensor>>,
     v: Vec<Option<Tensor>>,
+    /// Values found through [`SimHashDedup`] instead of an exhaustive
+    /// search.
+    lsh: Option<LshValues>,
     shared: i64,
     vectors: i64,
+}
+
+/// Per layer × head: a deduplicator over single value vectors, and every
+/// value stored so far by position (a shared one holds its canonical's).
+struct LshValues {
+    dedup: Vec<SimHashDedup>,
+    stored: Vec<Vec<Vec<f32>>>,
+    secs: f64,
+}
+
+impl LshValues {
+    fn new(cfg: SimHashConfig, slots: usize) -> Result<Self> {
+        Ok(LshValues {
+            dedup: (0..slots)
+                .map(|_| SimHashDedup::new(cfg))
+                .collect::<std::result::Result<_, _>>()?,
+            stored: vec![Vec::new(); slots],
+            secs: 0.0,
+        })
+    }
+
+    /// Offers every row of `new` (`[h, n, d]`, positions from `start`) to
+    /// its head's deduplicator; a shared row is replaced by its canonical
+    /// vector. Returns the rows and how many were shared.
+    fn share(&mut self, layer: usize, new: &Tensor) -> Result<(Tensor, i64)> {
+        let size = new.size();
+        let (h, n, d) = (size[0] as usize, size[1] as usize, size[2] as usize);
+        let mut data = values(new)?;
+        let t0 = std::time::Instant::now();
+        let mut shared = 0;
+        for head in 0..h {
+            let slot = layer * h + head;
+            let (dedup, stored) = (&mut self.dedup[slot], &mut self.stored[slot]);
+            for i in 0..n {
+                let row = &mut data[(head * n + i) * d..(head * n + i + 1) * d];
+                let content = Content {
+                    bytes: Vec::new(),
+                    vector: row.to_vec(),
+                };
+                let pos = BlockId::new(stored.len() as u32, 1);
+                let got = dedup.offer(pos, &content, &mut |b| {
+                    Some(Content {
+                        bytes: Vec::new(),
+                        vector: stored.get(b.index() as usize)?.clone(),
+                    })
+                })?;
+                if let Some(c) = got {
+                    row.copy_from_slice(&stored[c.index() as usize]);
+                    shared += 1;
+                }
+                stored.push(row.to_vec());
+            }
+        }
+        self.secs += t0.elapsed().as_secs_f64();
+        Ok((
+            Tensor::f_from_slice(&data)?.f_reshape([h as i64, n as i64, d as i64])?,
+            shared,
+        ))
+    }
 }
 
 impl Sharing {
@@ -535,10 +599,15 @@ impl KvStore for Sharing {
             let cos = self.rope.0.f_narrow(0, start, n)?;
             let sin = self.rope.1.f_narrow(0, start, n)?;
             let heads = |t: &Tensor| -> Result<Tensor> { Ok(t.f_transpose(0, 1)?.f_contiguous()?) };
-            let v_new = self.share(
-                &heads(&v.f_to_kind(Kind::Float)?)?,
-                &self.v[layer].as_ref().map(Tensor::shallow_clone),
-            )?;
+            let v_heads = heads(&v.f_to_kind(Kind::Float)?)?;
+            let v_new = match self.lsh.as_mut() {
+                Some(lsh) => {
+                    let (t, shared) = lsh.share(layer, &v_heads)?;
+                    self.shared += shared;
+                    t
+                }
+                None => self.share(&v_heads, &self.v[layer].as_ref().map(Tensor::shallow_clone))?,
+            };
             let k_pre = heads(&rotate(&k.f_to_kind(Kind::Float)?, &cos, &sin, -1.0)?)?;
             let k_pre = if self.keys {
                 self.share(
@@ -579,6 +648,9 @@ struct Simulated {
     ppl: f64,
     /// Share of all K and V vectors stored once instead.
     shared: f64,
+    /// Through SimHash (not an exhaustive search): its time per token,
+    /// every layer and head, in µs.
+    lsh_us: Option<f64>,
 }
 
 /// Perplexity of `tokens` (scored in chunks of 64 after the first 64)
@@ -589,8 +661,19 @@ fn simulate(
     tokens: &[u32],
     keys: bool,
     threshold: Option<f64>,
+    lsh: bool,
 ) -> Result<Simulated> {
     let c = &e.model.cfg;
+    let lsh = match threshold.filter(|_| lsh && !keys) {
+        Some(t) => Some(LshValues::new(
+            SimHashConfig {
+                threshold: t as f32,
+                ..SimHashConfig::default()
+            },
+            c.n_layers * c.n_kv_heads,
+        )?),
+        None => None,
+    };
     let mut s = Sharing {
         inner: ContiguousCache::new(c.n_layers),
         threshold: threshold.unwrap_or(f64::INFINITY),
@@ -598,6 +681,7 @@ fn simulate(
         rope: rope_tables(c, tokens.len())?,
         k_pre: (0..c.n_layers).map(|_| None).collect(),
         v: (0..c.n_layers).map(|_| None).collect(),
+        lsh,
         shared: 0,
         vectors: 0,
     };
@@ -623,10 +707,15 @@ fn simulate(
     }
     Ok(Simulated {
         text: text.into(),
-        what: if keys { "k+v" } else { "v" },
+        what: match (keys, s.lsh.is_some()) {
+            (true, _) => "k+v",
+            (false, false) => "v",
+            (false, true) => "v (SimHash)",
+        },
         threshold,
         ppl: (nll / scored.max(1) as f64).exp(),
         shared: s.shared as f64 / s.vectors.max(1) as f64,
+        lsh_us: s.lsh.map(|l| 1e6 * l.secs / tokens.len() as f64),
     })
 }
 
@@ -648,15 +737,16 @@ fn run() -> Result<()> {
     }
     let mut sims = Vec::new();
     for t in &texts {
-        sims.push(simulate(&e, &t.name, &t.tokens, false, None)?);
-        for keys in [false, true] {
+        sims.push(simulate(&e, &t.name, &t.tokens, false, None, false)?);
+        for (keys, lsh) in [(false, false), (false, true), (true, false)] {
             for th in [0.99, 0.95, 0.90] {
-                println!(
-                    "{}: sharing {} at cosine {th}",
-                    t.name,
-                    if keys { "k+v" } else { "v" }
-                );
-                sims.push(simulate(&e, &t.name, &t.tokens, keys, Some(th))?);
+                let what = match (keys, lsh) {
+                    (true, _) => "k+v",
+                    (false, false) => "v",
+                    (false, true) => "v (SimHash)",
+                };
+                println!("{}: sharing {what} at cosine {th}", t.name);
+                sims.push(simulate(&e, &t.name, &t.tokens, keys, Some(th), lsh)?);
             }
         }
     }
@@ -671,15 +761,19 @@ fn run() -> Result<()> {
 }
 
 fn write_simulated(a: &Args, sims: &[Simulated]) -> Result<()> {
-    let mut csv = String::from("text,shared,threshold,ppl,ppl_change,vectors_shared\n");
+    let mut csv =
+        String::from("text,shared,threshold,ppl,ppl_change,vectors_shared,simhash_us_per_token\n");
     let mut md = String::from(
         "\n## Token-level sharing, simulated\n\n\
          Each new value (`v`), or value and pre-RoPE key (`k+v`), whose best cosine among the vectors already stored \
          for its layer and head reaches the threshold is replaced by that vector (keys rotated at their own position), \
          which is exactly what attention reads from a cache that stores it once. `shared` is the share of all K and V \
          vectors stored once instead: the KV bytes an ideal token-level store saves, before the cost of its index \
-         (≈ 2 bytes per shared vector against ≈ 36 for an INT4 head vector with its group parameters).\n\n\
-         | text | shared | cosine ≥ | perplexity | change | vectors shared |\n|---|---|---|---|---|---|\n",
+         (≈ 2 bytes per shared vector against ≈ 36 for an INT4 head vector with its group parameters). \
+         `v` searches every stored value exhaustively; `v (SimHash)` offers each value to a `SimHashDedup` per layer \
+         and head (16 bits × 4 tables; the first candidate that verifies, not the best, and earlier tokens of the \
+         same chunk count too), whose time per token (all layers and heads) is the last column.\n\n\
+         | text | shared | cosine ≥ | perplexity | change | vectors shared | SimHash µs / token |\n|---|---|---|---|---|---|---|\n",
     );
     for s in sims {
         let base = sims
@@ -693,17 +787,19 @@ fn write_simulated(a: &Args, sims: &[Simulated]) -> Result<()> {
         } else {
             s.what
         };
+        let us = s.lsh_us.map_or(String::new(), |u| format!("{u:.0}"));
         let _ = writeln!(
             csv,
-            "{},{what},{th},{:.4},{change:.3},{:.4}",
+            "{},{what},{th},{:.4},{change:.3},{:.4},{us}",
             s.text, s.ppl, s.shared
         );
         let _ = writeln!(
             md,
-            "| {} | {what} | {th} | {:.3} | {change:+.2}% | {:.1}% |",
+            "| {} | {what} | {th} | {:.3} | {change:+.2}% | {:.1}% | {} |",
             s.text,
             s.ppl,
-            100.0 * s.shared
+            100.0 * s.shared,
+            if us.is_empty() { "–" } else { &us }
         );
     }
     let p = a.out.join("simulated.csv");
