@@ -11,5 +11,6 @@ criterion::criterion_main!(
     benchmarks::hashing::benches,
     benchmarks::matching::benches,
     benchmarks::quant::benches,
-    benchmarks::lsh::benches
+    benchmarks::lsh::benches,
+    benchmarks::evict::benches
 );

