@@ -61,7 +61,10 @@ mod labels {
 
     #[test]
     fn unknown_labels_missing_segments_and_truncation_are_tolerated() {
-        let p = parse_labels("ok [LIFECYCLE] seg_0: maybe seg_9: drop seg_1: drop seg_2", 3);
+        let p = parse_labels(
+            "ok [LIFECYCLE] seg_0: maybe seg_9: drop seg_1: drop seg_2",
+            3,
+        );
         assert_eq!(p.labels, vec![Keep, Drop, Keep]);
         assert_eq!(p.text, "ok ");
         assert_eq!((p.labelled, p.ignored), (1, 3));
@@ -79,20 +82,56 @@ mod labels {
         assert_eq!(p.labels, vec![Keep, Drop]);
         assert_eq!(p.text, "abc");
         // Removing a block joins a tag from the text around it: gone too.
-        let p = parse_labels("[LIFE[LIFECYCLE]seg_0: drop[/LIFECYCLE]CYCLE] seg_1: drop", 2);
+        let p = parse_labels(
+            "[LIFE[LIFECYCLE]seg_0: drop[/LIFECYCLE]CYCLE] seg_1: drop",
+            2,
+        );
         assert_eq!(p.labels, vec![Drop, Drop]);
         assert_eq!(p.text, "");
         // A huge segment number is ignored, not an overflow.
-        let p = parse_labels("[LIFECYCLE] seg_99999999999999999999999: drop [/LIFECYCLE]", 2);
+        let p = parse_labels(
+            "[LIFECYCLE] seg_99999999999999999999999: drop [/LIFECYCLE]",
+            2,
+        );
         assert_eq!((p.labels, p.ignored), (vec![Keep, Keep], 1));
     }
 
     /// Fragments the model (and a fuzzer) might write.
     const PIECES: &[&str] = &[
-        "[LIFECYCLE]", "[/LIFECYCLE]", "[ lifecycle ]", "[/", "[", "]", "seg_", "seg", "segment ",
-        "0", "1", "2", "17", "99999999999999999999", ":", "=", ",", ";", " ", "\n", "keep", "drop",
-        "compress", "Drop", "KEEP", "summarize", "maybe", "é", "日本", "\u{0}", "LIFECYCLE", "-",
-        "[LIFE", "CYCLE]",
+        "[LIFECYCLE]",
+        "[/LIFECYCLE]",
+        "[ lifecycle ]",
+        "[/",
+        "[",
+        "]",
+        "seg_",
+        "seg",
+        "segment ",
+        "0",
+        "1",
+        "2",
+        "17",
+        "99999999999999999999",
+        ":",
+        "=",
+        ",",
+        ";",
+        " ",
+        "\n",
+        "keep",
+        "drop",
+        "compress",
+        "Drop",
+        "KEEP",
+        "summarize",
+        "maybe",
+        "é",
+        "日本",
+        "\u{0}",
+        "LIFECYCLE",
+        "-",
+        "[LIFE",
+        "CYCLE]",
     ];
 
     fn assemble(picks: &[usize]) -> String {
@@ -173,6 +212,9 @@ mod labels {
             assert_eq!(p.labels.len(), segments);
             labelled += u64::from(p.labelled);
         }
-        assert!(labelled > 100_000, "the mutations kept many blocks parseable: {labelled}");
+        assert!(
+            labelled > 100_000,
+            "the mutations kept many blocks parseable: {labelled}"
+        );
     }
 }
