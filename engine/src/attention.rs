@@ -268,6 +268,37 @@ impl AttentionBackend for ReferenceBackend {
     }
 }
 
+/// KeyDiff's signal for one layer, per table entry: `1 − cos(key, mean
+/// key)` per live key and KV head (the mean over the view's live keys),
+/// averaged over heads and over the entry's keys (0 for dropped entries).
+pub(crate) fn entry_key_novelty(
+    view: &StepView,
+    kv: &KvTensors<'_>,
+    layer: usize,
+) -> Result<Vec<f32>> {
+    let k = view.gather(kv, layer, false)?.f_to_kind(Kind::Float)?; // [keys, h, d]
+    let unit = |t: &Tensor| -> Result<Tensor> {
+        let n = t.f_norm_scalaropt_dim(2, [-1i64].as_slice(), true)?;
+        Ok(t / n.f_clamp_min(1e-12)?)
+    };
+    let mean = k.f_mean_dim([0i64].as_slice(), true, Kind::Float)?; // [1, h, d]
+    let cos =
+        (unit(&k)? * unit(&mean)?).f_sum_dim_intlist([-1i64].as_slice(), false, Kind::Float)?;
+    let novelty = (cos.f_neg()? + 1.0)
+        .f_mean_dim([1i64].as_slice(), false, Kind::Float)?
+        .f_to_device(Device::Cpu)?;
+    let per_key = Vec::<f32>::try_from(novelty)?;
+    let mut out = Vec::with_capacity(view.entry_keys.len());
+    let mut at = 0usize;
+    for &len in &view.entry_keys {
+        let len = len as usize;
+        let sum: f32 = per_key[at..at + len].iter().sum();
+        out.push(if len > 0 { sum / len as f32 } else { 0.0 });
+        at += len;
+    }
+    Ok(out)
+}
+
 /// Softmax weights of every query over the keys, summed over heads and
 /// queries, then per table entry.
 fn entry_mass(view: &StepView, q: &Tensor, k: &Tensor, group: i64) -> Result<Vec<f32>> {
@@ -393,5 +424,52 @@ mod tests {
             (mass.iter().sum::<f32>() - 2.0).abs() < 1e-4,
             "one per query"
         );
+    }
+
+    /// KeyDiff's signal: per entry, `1 − cos(key, mean of the live keys)`
+    /// averaged over its keys and heads; 0 for a dropped entry.
+    #[test]
+    fn key_novelty_is_the_distance_from_the_mean_live_key_per_entry() {
+        let (bs, h, d) = (4i64, 2i64, 8i64);
+        let k = Tensor::randn([16, h, d], (Kind::Float, Device::Cpu));
+        let v = Tensor::zeros([16, h, d], (Kind::Float, Device::Cpu));
+        let mut table = BlockTable::new(bs as u32).unwrap();
+        table.push(Slot::Hot(BlockId::new(2, 1)), 4, false).unwrap();
+        table.push(Slot::Hot(BlockId::new(1, 1)), 4, false).unwrap();
+        table.push(Slot::Hot(BlockId::new(0, 1)), 3, true).unwrap();
+        table.set_slot(1, Slot::Dropped).unwrap();
+        let view = StepView::new(&table, 1, bs as usize, None, Device::Cpu).unwrap();
+        let (ks, vs) = ([k.shallow_clone()], [v]);
+        let kv = KvTensors {
+            k: &ks,
+            v: &vs,
+            cold: None,
+        };
+        let got = entry_key_novelty(&view, &kv, 0).unwrap();
+        let slots: Vec<i64> = (8..12).chain(0..3).collect();
+        let key = |s: i64, head: i64| -> Vec<f64> {
+            Vec::<f64>::try_from(k.get(s).get(head).to_kind(Kind::Double)).unwrap()
+        };
+        let cos = |a: &[f64], b: &[f64]| {
+            let dot: f64 = a.iter().zip(b).map(|(x, y)| x * y).sum();
+            let n = |x: &[f64]| x.iter().map(|v| v * v).sum::<f64>().sqrt();
+            dot / (n(a) * n(b))
+        };
+        let mut want = [0f64; 3];
+        for head in 0..h {
+            let mean: Vec<f64> = (0..d as usize)
+                .map(|c| slots.iter().map(|&s| key(s, head)[c]).sum::<f64>() / slots.len() as f64)
+                .collect();
+            for (j, &s) in slots.iter().enumerate() {
+                let entry = if j < 4 { 0 } else { 2 };
+                let len = if j < 4 { 4.0 } else { 3.0 };
+                want[entry] += (1.0 - cos(&key(s, head), &mean)) / (len * h as f64);
+            }
+        }
+        assert_eq!(got.len(), 3);
+        assert_eq!(got[1], 0.0, "dropped");
+        for (g, w) in got.iter().zip(want) {
+            assert!((f64::from(*g) - w).abs() < 1e-4, "{got:?} vs {want:?}");
+        }
     }
 }

@@ -371,6 +371,9 @@ struct Step {
     new_slots: Tensor,
     view: StepView,
     mass: Option<Vec<f32>>,
+    /// KeyDiff's signal summed over the layers so far, when the eviction
+    /// policy wants it.
+    novelty: Option<Vec<f32>>,
 }
 
 /// One sequence of a [`PagedKvCache`] seen as a [`KvStore`].
@@ -423,20 +426,24 @@ impl PagedSeq<'_> {
             let base = TieredPool::slot_of(w.block) as i64 * bs as i64 + i64::from(w.offset);
             new.extend(base..base + i64::from(w.tokens));
         }
-        let (view, mass) = {
+        let (view, mass, novelty) = {
             let coord = c.coordinator();
             let table = coord.view(id)?;
             let view = StepView::new(table, n, bs, c.cold.as_ref(), device)?;
             let mass = coord
                 .wants_attention()
                 .then(|| vec![0f32; table.entries().len()]);
-            (view, mass)
+            let novelty = coord
+                .wants_keys()
+                .then(|| vec![0f32; table.entries().len()]);
+            (view, mass, novelty)
         };
         Ok(Step {
             id,
             new_slots: Tensor::f_from_slice(&new)?.f_to_device(device)?,
             view,
             mass,
+            novelty,
         })
     }
 }
@@ -482,6 +489,10 @@ impl KvStore for PagedSeq<'_> {
         if let (Some(acc), Some(m)) = (step.mass.as_mut(), a.mass) {
             acc.iter_mut().zip(m).for_each(|(x, y)| *x += y);
         }
+        if let Some(acc) = step.novelty.as_mut() {
+            let n = crate::attention::entry_key_novelty(&step.view, &c.tensors(), layer)?;
+            acc.iter_mut().zip(n).for_each(|(x, y)| *x += y);
+        }
         Ok(a.out)
     }
 
@@ -494,6 +505,10 @@ impl KvStore for PagedSeq<'_> {
         let mut c = self.cache.coordinator();
         if let Some(m) = &step.mass {
             c.observe(step.id, m)?;
+        }
+        if let Some(n) = &step.novelty {
+            // Summed over layers: the ranking is the layers' mean's.
+            c.observe_keys(step.id, n)?;
         }
         c.commit(step.id)?;
         self.cache.free_cold(&mut c);

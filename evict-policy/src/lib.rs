@@ -99,6 +99,21 @@ pub trait EvictionPolicy: Send {
         let _ = (seq, table, mass);
     }
 
+    /// Whether [`observe_keys`](Self::observe_keys) wants how far each
+    /// entry's keys stand from the mean key (the engine computes it only
+    /// when asked).
+    fn wants_keys(&self) -> bool {
+        false
+    }
+
+    /// Entry `i` of `table`'s keys stood `novelty[i]` from the mean key in
+    /// the last step: `1 − cos(key, mean key)` averaged over the entry's
+    /// keys, heads and layers (KeyDiff's signal), `novelty.len() ==
+    /// table.entries().len()`, 0 for dropped entries.
+    fn observe_keys(&mut self, seq: SeqKey, table: &BlockTable, novelty: &[f32]) {
+        let _ = (seq, table, novelty);
+    }
+
     /// Appends the entries of `table` to drop before the next step.
     fn victims(
         &mut self,

@@ -1,4 +1,5 @@
-//! Page-level eviction by score: attention EMA (H2O), LFU, the hybrid.
+//! Page-level eviction by score: attention EMA (H2O), LFU, the hybrid,
+//! key novelty (KeyDiff).
 
 use std::collections::BTreeMap;
 
@@ -31,6 +32,13 @@ pub enum Score {
         /// Weight of rare use.
         gamma: f32,
     },
+    /// KeyDiff (Park et al., as in NVIDIA kvpress): the entries whose keys
+    /// stand closest to the mean key go first — keys share a dominant
+    /// direction that adds the same logit everywhere, and the keys that
+    /// stand out from it are those attention can single out. Needs no
+    /// attention weights; the engine reports each entry's
+    /// `1 − cos(key, mean key)` (the latest step's).
+    KeyDiff,
 }
 
 /// When [`Scored`] evicts, and how much.
@@ -55,6 +63,7 @@ pub enum Trigger {
 struct Stat {
     ema: f32,
     hits: u32,
+    novelty: f32,
 }
 
 /// Score-based page eviction: the sink and the newest `window` tokens stay;
@@ -155,6 +164,7 @@ impl EvictionPolicy for Scored {
             Score::AttentionEma { decay } => format!("h2o{decay}"),
             Score::Lfu => "lfu".into(),
             Score::Hybrid { alpha, beta, gamma } => format!("hybrid{alpha}/{beta}/{gamma}"),
+            Score::KeyDiff => "keydiff".into(),
         };
         let trigger = match self.trigger {
             Trigger::Tokens(n) => format!("budget{n}"),
@@ -164,7 +174,22 @@ impl EvictionPolicy for Scored {
     }
 
     fn wants_attention(&self) -> bool {
-        true
+        self.score != Score::KeyDiff
+    }
+
+    fn wants_keys(&self) -> bool {
+        self.score == Score::KeyDiff
+    }
+
+    fn observe_keys(&mut self, seq: SeqKey, table: &BlockTable, novelty: &[f32]) {
+        let stats = self.stats.entry(seq).or_default();
+        for (e, &n) in table.entries().iter().zip(novelty) {
+            if e.slot().is_live() {
+                stats.entry(e.first()).or_default().novelty = if n.is_finite() { n } else { 0.0 };
+            } else {
+                stats.remove(&e.first());
+            }
+        }
     }
 
     fn observe(&mut self, seq: SeqKey, table: &BlockTable, mass: &[f32]) {
@@ -239,6 +264,7 @@ impl EvictionPolicy for Scored {
             match self.score {
                 Score::AttentionEma { .. } => -c.1.ema,
                 Score::Lfu => -(c.1.hits as f32),
+                Score::KeyDiff => -c.1.novelty,
                 Score::Hybrid { alpha, beta, gamma } => {
                     let recency = if hi > lo {
                         (c.2 - lo) as f32 / (hi - lo) as f32

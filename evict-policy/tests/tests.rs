@@ -175,3 +175,28 @@ fn bad_scored_configurations_are_refused() {
     }
     assert!(err(Score::Lfu, t, 4, 0).contains("at least one token"));
 }
+
+#[test]
+fn keydiff_passes_the_conformance_suite_and_drops_the_keys_nearest_the_mean() {
+    for trigger in [Trigger::Tokens(13), Trigger::Tokens(40)] {
+        for bs in [1, 4, 16] {
+            testing::check_policy(&mut scored(Score::KeyDiff, trigger), bs);
+        }
+    }
+    let mut p = scored(Score::KeyDiff, Trigger::Tokens(20));
+    assert!(p.wants_keys() && !p.wants_attention());
+    let mut t = BlockTable::new(4).unwrap();
+    for i in 0..10 {
+        t.push(Slot::Hot(BlockId::new(i, 1)), 4, false).unwrap();
+    }
+    // Entries 1..=7 are candidates; 21 tokens (6 entries) must go: all but
+    // the one whose keys stand farthest from the mean (entry 5).
+    let novelty: Vec<f32> = (0..10)
+        .map(|i| if i == 5 { 0.9 } else { 0.1 + i as f32 * 0.01 })
+        .collect();
+    p.observe_keys(0, &t, &novelty);
+    let mut out = Vec::new();
+    p.victims(0, &t, Pressure::new(0.1, 1), &mut out);
+    assert_eq!(out, [1, 2, 3, 4, 6, 7]);
+    assert!(p.name().starts_with("keydiff"));
+}

@@ -262,6 +262,13 @@ impl EvictionSpec {
                 high,
                 low,
             } => (Score::Lfu, sink, window, budget_tokens, high, low),
+            EvictionSpec::Keydiff {
+                sink,
+                window,
+                budget_tokens,
+                high,
+                low,
+            } => (Score::KeyDiff, sink, window, budget_tokens, high, low),
             EvictionSpec::Hybrid {
                 sink,
                 window,
@@ -360,6 +367,19 @@ pub enum EvictionSpec {
     },
     /// LFU: the entries that drew more than their share least often go.
     Lfu {
+        /// Tokens kept at the start.
+        sink: usize,
+        /// Tokens kept at the end.
+        window: usize,
+        /// Live tokens per sequence at most.
+        budget_tokens: Option<usize>,
+        /// Watermark that starts eviction.
+        high: Option<f64>,
+        /// Watermark eviction brings it back to.
+        low: Option<f64>,
+    },
+    /// KeyDiff: the entries whose keys stand closest to the mean key go.
+    Keydiff {
         /// Tokens kept at the start.
         sink: usize,
         /// Tokens kept at the end.

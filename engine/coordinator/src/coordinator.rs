@@ -797,6 +797,30 @@ impl Coordinator {
         Ok(())
     }
 
+    /// Feeds each entry's key novelty (`1 − cos(key, mean key)`, averaged
+    /// over its keys, heads and layers) in the step to the eviction policy
+    /// (if it wants it).
+    pub fn observe_keys(&mut self, seq: SeqId, novelty: &[f32]) -> Result<()> {
+        let Some(ev) = self.evict.as_mut() else {
+            return Ok(());
+        };
+        let s = self.seqs.get(&seq).ok_or(CoordError::UnknownSeq(seq))?;
+        let t = s.pending.as_ref().map_or(&s.table, |p| &p.next);
+        if novelty.len() != t.entries().len() {
+            return Err(CoordError::Order {
+                seq,
+                what: "key novelty for another number of entries",
+            });
+        }
+        ev.observe_keys(seq, t, novelty);
+        Ok(())
+    }
+
+    /// Whether the eviction policy wants key novelty.
+    pub fn wants_keys(&self) -> bool {
+        self.evict.as_ref().is_some_and(|e| e.wants_keys())
+    }
+
     /// Whether the eviction policy wants attention mass.
     pub fn wants_attention(&self) -> bool {
         self.evict.as_ref().is_some_and(|e| e.wants_attention())

@@ -321,6 +321,35 @@ fn scored_eviction_keeps_the_entry_attention_favours() {
 }
 
 #[test]
+fn keydiff_eviction_keeps_the_entry_whose_keys_stand_out() {
+    let mut cfg = config(64);
+    cfg.eviction = Some(EvictionConfig::Scored {
+        score: Score::KeyDiff,
+        trigger: Trigger::Tokens(16),
+        sink: 4,
+        window: 4,
+    });
+    let mut c = Coordinator::new(cfg).unwrap();
+    assert!(c.wants_keys() && !c.wants_attention());
+    let s = c.open_empty();
+    for n in [12, 12] {
+        c.plan(s, n).unwrap();
+        let k = c.view(s).unwrap().entries().len();
+        let novelty: Vec<f32> = (0..k).map(|i| if i == 3 { 0.8 } else { 0.1 }).collect();
+        // A signal for another number of entries is refused, changing nothing.
+        assert!(c.observe_keys(s, &novelty[1..]).is_err());
+        c.observe_keys(s, &novelty).unwrap();
+        c.commit(s).unwrap();
+    }
+    // As with attention: two more entries go, not the one that stands out
+    // (entry 3); the first step's evictions took entry 1.
+    let p = step(&mut c, s, 1);
+    assert_eq!(p.drops, [2, 4]);
+    c.close(s).unwrap();
+    assert_eq!(c.pools().stats().in_use, 0);
+}
+
+#[test]
 fn a_failed_turn_rolls_back_exactly_after_demotions_and_drops() {
     let mut c = Coordinator::new(all_on(64)).unwrap();
     let s = c.open_empty();
