@@ -111,45 +111,64 @@ pub trait Deduplicator: Send {
     fn stats(&self) -> ShareStats;
 }
 
-/// Candidate lists by key, and each candidate's key: what both
-/// deduplicators keep.
-struct Buckets<K> {
+/// Candidate lists by key, each candidate's keys, and the counters: what
+/// both deduplicators keep.
+struct Candidates<K> {
     lists: HashMap<K, Vec<BlockId>, Xxh3Builder>,
     keys: HashMap<BlockId, Vec<K>, Xxh3Builder>,
+    stats: ShareStats,
 }
 
-impl<K: std::hash::Hash + Eq + Copy> Default for Buckets<K> {
+impl<K: std::hash::Hash + Eq + Copy> Default for Candidates<K> {
     fn default() -> Self {
-        Buckets {
+        Candidates {
             lists: HashMap::default(),
             keys: HashMap::default(),
+            stats: ShareStats::default(),
         }
     }
 }
 
-impl<K: std::hash::Hash + Eq + Copy> Buckets<K> {
-    /// The candidates under any of `keys`, each once, oldest first per key.
-    fn candidates(&self, keys: &[K], skip: BlockId) -> Vec<BlockId> {
-        let mut out: Vec<BlockId> = Vec::new();
-        for k in keys {
+impl<K: std::hash::Hash + Eq + Copy> Candidates<K> {
+    /// An offer of `block` under `keys`: the candidates under any of them,
+    /// each once and oldest first per key, are fetched and checked in turn;
+    /// the first whose stored content `matches` is returned. Otherwise
+    /// `block` becomes a candidate under `keys`.
+    fn offer(
+        &mut self,
+        block: BlockId,
+        keys: Vec<K>,
+        content: &Content,
+        stored: &mut dyn FnMut(BlockId) -> Option<Content>,
+        matches: impl Fn(&Content, &Content) -> bool,
+    ) -> Option<BlockId> {
+        self.stats.offered += 1;
+        let mut seen: Vec<BlockId> = Vec::new();
+        for k in &keys {
             for &c in self.lists.get(k).into_iter().flatten() {
-                if c != skip && !out.contains(&c) {
-                    out.push(c);
+                if c == block || seen.contains(&c) {
+                    continue;
+                }
+                seen.push(c);
+                match stored(c) {
+                    Some(s) if matches(content, &s) => {
+                        self.stats.shared += 1;
+                        return Some(c);
+                    }
+                    _ => self.stats.rejected += 1,
                 }
             }
         }
-        out
-    }
-
-    /// `block` becomes a candidate under `keys` (replacing what it was).
-    fn insert(&mut self, block: BlockId, keys: Vec<K>) {
         self.remove(block);
         for &k in &keys {
             self.lists.entry(k).or_default().push(block);
         }
         self.keys.insert(block, keys);
+        self.stats.canonical = self.keys.len() as u64;
+        None
     }
 
+    /// `block` is a candidate no more.
     fn remove(&mut self, block: BlockId) {
         for k in self.keys.remove(&block).unwrap_or_default() {
             if let Some(l) = self.lists.get_mut(&k) {
@@ -159,38 +178,14 @@ impl<K: std::hash::Hash + Eq + Copy> Buckets<K> {
                 }
             }
         }
+        self.stats.canonical = self.keys.len() as u64;
     }
-
-    fn len(&self) -> u64 {
-        self.keys.len() as u64
-    }
-}
-
-/// Checks `candidates` in order: the first whose stored content matches.
-fn verify(
-    d: &dyn Deduplicator,
-    content: &Content,
-    candidates: &[BlockId],
-    stored: &mut dyn FnMut(BlockId) -> Option<Content>,
-    stats: &mut ShareStats,
-) -> Option<BlockId> {
-    for &c in candidates {
-        match stored(c) {
-            Some(s) if d.matches(content, &s) => {
-                stats.shared += 1;
-                return Some(c);
-            }
-            _ => stats.rejected += 1,
-        }
-    }
-    None
 }
 
 /// Shares blocks whose quantized bytes are identical.
 #[derive(Default)]
 pub struct ExactDedup {
-    buckets: Buckets<u128>,
-    stats: ShareStats,
+    index: Candidates<u128>,
 }
 
 impl ExactDedup {
@@ -215,26 +210,18 @@ impl Deduplicator for ExactDedup {
         content: &Content,
         stored: &mut dyn FnMut(BlockId) -> Option<Content>,
     ) -> Result<Option<BlockId>, ShareError> {
-        self.stats.offered += 1;
         let key = xxh3_128(&content.bytes);
-        let candidates = self.buckets.candidates(&[key], block);
-        let mut stats = self.stats;
-        let found = verify(self, content, &candidates, stored, &mut stats);
-        self.stats = stats;
-        if found.is_none() {
-            self.buckets.insert(block, vec![key]);
-        }
-        self.stats.canonical = self.buckets.len();
-        Ok(found)
+        Ok(self
+            .index
+            .offer(block, vec![key], content, stored, |a, b| a.bytes == b.bytes))
     }
 
     fn forget(&mut self, block: BlockId) {
-        self.buckets.remove(block);
-        self.stats.canonical = self.buckets.len();
+        self.index.remove(block);
     }
 
     fn stats(&self) -> ShareStats {
-        self.stats
+        self.index.stats
     }
 }
 

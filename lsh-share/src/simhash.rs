@@ -3,7 +3,7 @@
 
 use kvforge_pool::BlockId;
 
-use crate::{Buckets, Content, Deduplicator, ShareError, ShareStats, verify};
+use crate::{Candidates, Content, Deduplicator, ShareError, ShareStats};
 
 /// The widest signature of one table.
 pub const MAX_BITS: u32 = 64;
@@ -91,8 +91,7 @@ pub struct SimHashDedup {
     /// Sign bits, plane after plane, `words` u64 each.
     planes: Vec<u64>,
     words: usize,
-    buckets: Buckets<(u32, u64)>,
-    stats: ShareStats,
+    index: Candidates<(u32, u64)>,
 }
 
 impl SimHashDedup {
@@ -104,8 +103,7 @@ impl SimHashDedup {
             dim: 0,
             planes: Vec::new(),
             words: 0,
-            buckets: Buckets::default(),
-            stats: ShareStats::default(),
+            index: Candidates::default(),
         })
     }
 
@@ -204,25 +202,18 @@ impl Deduplicator for SimHashDedup {
             )));
         }
         self.planes_for(x.len())?;
-        self.stats.offered += 1;
         let keys = self.keys(x);
-        let candidates = self.buckets.candidates(&keys, block);
-        let mut stats = self.stats;
-        let found = verify(self, content, &candidates, stored, &mut stats);
-        self.stats = stats;
-        if found.is_none() {
-            self.buckets.insert(block, keys);
-        }
-        self.stats.canonical = self.buckets.len();
-        Ok(found)
+        let t = f64::from(self.cfg.threshold);
+        Ok(self.index.offer(block, keys, content, stored, |a, b| {
+            cosine(&a.vector, &b.vector) >= t
+        }))
     }
 
     fn forget(&mut self, block: BlockId) {
-        self.buckets.remove(block);
-        self.stats.canonical = self.buckets.len();
+        self.index.remove(block);
     }
 
     fn stats(&self) -> ShareStats {
-        self.stats
+        self.index.stats
     }
 }

@@ -75,37 +75,6 @@ fn parse_args() -> Result<Args> {
     Ok(a)
 }
 
-/// Records the keys (rotated) and values every layer stores, and attends
-/// through a contiguous cache.
-struct Recorder {
-    inner: ContiguousCache,
-    k: Vec<Vec<Tensor>>,
-    v: Vec<Vec<Tensor>>,
-}
-
-impl KvStore for Recorder {
-    fn len(&self) -> usize {
-        self.inner.len()
-    }
-    fn prepare(&mut self, n: usize) -> kvforge_engine::Result<()> {
-        self.inner.prepare(n)
-    }
-    fn attend(
-        &mut self,
-        layer: usize,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-    ) -> kvforge_engine::Result<Tensor> {
-        self.k[layer].push(k.f_to_kind(Kind::Float)?);
-        self.v[layer].push(v.f_to_kind(Kind::Float)?);
-        self.inner.attend(layer, q, k, v)
-    }
-    fn commit(&mut self, n: usize) -> kvforge_engine::Result<()> {
-        self.inner.commit(n)
-    }
-}
-
 /// One text's KV: per layer, `[heads, tokens, head_dim]` f32.
 struct Kv {
     k_post: Vec<Tensor>,
@@ -131,46 +100,27 @@ impl Kv {
 const KINDS: [&str; 4] = ["k_post", "k_pre", "k_pre_c", "v"];
 
 fn record(e: &Engine, tokens: &[u32]) -> Result<Kv> {
-    let c = e.model.cfg.clone();
-    let mut r = Recorder {
-        inner: ContiguousCache::new(c.n_layers),
-        k: (0..c.n_layers).map(|_| Vec::new()).collect(),
-        v: (0..c.n_layers).map(|_| Vec::new()).collect(),
-    };
+    let c = &e.model.cfg;
+    // A sharing store that shares nothing records what the model stores.
+    let mut r = Sharing::new(e, tokens.len(), false, None, false)?;
     for chunk in tokens.chunks(512) {
         let _ = e.model.forward(chunk, &mut r, false)?;
     }
-    // RoPE undone: x = y·cos − rotate_half(y)·sin.
-    let half = (c.head_dim / 2) as i64;
-    let inv: Vec<f64> = (0..half)
-        .map(|i| c.rope_theta.powf(-2.0 * i as f64 / c.head_dim as f64))
-        .collect();
-    let pos = Tensor::f_arange(tokens.len() as i64, (Kind::Double, Device::Cpu))?;
-    let freqs = pos.f_outer(&Tensor::f_from_slice(&inv)?)?;
-    let emb = Tensor::f_cat(&[&freqs, &freqs], -1)?.f_unsqueeze(1)?;
-    let (cos, sin) = (
-        emb.f_cos()?.f_to_kind(Kind::Float)?,
-        emb.f_sin()?.f_to_kind(Kind::Float)?,
-    );
     let mut kv = Kv {
         k_post: Vec::new(),
         k_pre: Vec::new(),
         k_pre_c: Vec::new(),
         v: Vec::new(),
     };
+    let stored = |t: &Option<Tensor>| t.as_ref().map(Tensor::shallow_clone).context("no tokens");
     for l in 0..c.n_layers {
-        let k = Tensor::f_cat(&r.k[l], 0)?.f_to_device(Device::Cpu)?; // [n, h, d]
-        let v = Tensor::f_cat(&r.v[l], 0)?.f_to_device(Device::Cpu)?;
-        let (y1, y2) = (k.f_narrow(-1, 0, half)?, k.f_narrow(-1, half, half)?);
-        let rot = Tensor::f_cat(&[&y2.f_neg()?, &y1], -1)?;
-        let pre = &k * &cos - rot * &sin;
-        let heads = |t: &Tensor| -> Result<Tensor> { Ok(t.f_transpose(0, 1)?.f_contiguous()?) };
-        kv.k_post.push(heads(&k)?);
-        let pre = heads(&pre)?;
+        let k = Tensor::f_cat(&r.k_post[l], 0)?; // [n, h, d]
+        kv.k_post.push(k.f_transpose(0, 1)?.f_contiguous()?);
+        let pre = stored(&r.k_pre[l])?;
         kv.k_pre_c
             .push(&pre - pre.f_mean_dim([1i64].as_slice(), true, Kind::Float)?);
         kv.k_pre.push(pre);
-        kv.v.push(heads(&v)?);
+        kv.v.push(stored(&r.v[l])?);
     }
     Ok(kv)
 }
@@ -497,6 +447,8 @@ struct Sharing {
     /// Per layer, `[heads, stored, head_dim]`.
     k_pre: Vec<Option<Tensor>>,
     v: Vec<Option<Tensor>>,
+    /// Per layer, the keys attention read, `[n, heads, head_dim]` chunks.
+    k_post: Vec<Vec<Tensor>>,
     /// Values found through [`SimHashDedup`] instead of an exhaustive
     /// search.
     lsh: Option<LshValues>,
@@ -564,10 +516,39 @@ impl LshValues {
 }
 
 impl Sharing {
+    /// A store for `tokens` positions of `e`'s model: values (and, with
+    /// `keys`, keys) shared at `threshold` (`None`: nothing shared), found
+    /// through SimHash with `lsh` (values only).
+    fn new(e: &Engine, tokens: usize, keys: bool, threshold: Option<f64>, lsh: bool) -> Result<Self> {
+        let c = &e.model.cfg;
+        let lsh = match threshold.filter(|_| lsh && !keys) {
+            Some(t) => Some(LshValues::new(
+                SimHashConfig {
+                    threshold: t as f32,
+                    ..SimHashConfig::default()
+                },
+                c.n_layers * c.n_kv_heads,
+            )?),
+            None => None,
+        };
+        Ok(Sharing {
+            inner: ContiguousCache::new(c.n_layers),
+            threshold: threshold.unwrap_or(f64::INFINITY),
+            keys,
+            rope: rope_tables(c, tokens)?,
+            k_pre: (0..c.n_layers).map(|_| None).collect(),
+            v: (0..c.n_layers).map(|_| None).collect(),
+            k_post: (0..c.n_layers).map(|_| Vec::new()).collect(),
+            lsh,
+            shared: 0,
+            vectors: 0,
+        })
+    }
+
     /// `new` (`[h, n, d]`) with each row replaced by its best match in
     /// `old` where that reaches the threshold; counts what it replaced.
     fn share(&mut self, new: &Tensor, old: &Option<Tensor>) -> Result<Tensor> {
-        let Some(old) = old else {
+        let Some(old) = old.as_ref().filter(|_| self.threshold.is_finite()) else {
             return Ok(new.shallow_clone());
         };
         let s = unit(new)?.f_bmm(&unit(old)?.f_transpose(1, 2)?)?;
@@ -626,7 +607,14 @@ impl KvStore for Sharing {
             };
             self.k_pre[layer] = Some(cat(&self.k_pre[layer], &k_pre)?);
             self.v[layer] = Some(cat(&self.v[layer], &v_new)?);
-            let k_out = rotate(&k_pre.f_transpose(0, 1)?, &cos, &sin, 1.0)?;
+            // Keys shared before RoPE are rotated back at their own
+            // position; otherwise attention reads the model's keys.
+            let k_out = if self.keys {
+                rotate(&k_pre.f_transpose(0, 1)?, &cos, &sin, 1.0)?
+            } else {
+                k.f_to_kind(Kind::Float)?
+            };
+            self.k_post[layer].push(k_out.shallow_clone());
             Ok((
                 k_out.f_to_kind(k.kind())?,
                 v_new.f_transpose(0, 1)?.f_to_kind(v.kind())?,
@@ -663,28 +651,7 @@ fn simulate(
     threshold: Option<f64>,
     lsh: bool,
 ) -> Result<Simulated> {
-    let c = &e.model.cfg;
-    let lsh = match threshold.filter(|_| lsh && !keys) {
-        Some(t) => Some(LshValues::new(
-            SimHashConfig {
-                threshold: t as f32,
-                ..SimHashConfig::default()
-            },
-            c.n_layers * c.n_kv_heads,
-        )?),
-        None => None,
-    };
-    let mut s = Sharing {
-        inner: ContiguousCache::new(c.n_layers),
-        threshold: threshold.unwrap_or(f64::INFINITY),
-        keys,
-        rope: rope_tables(c, tokens.len())?,
-        k_pre: (0..c.n_layers).map(|_| None).collect(),
-        v: (0..c.n_layers).map(|_| None).collect(),
-        lsh,
-        shared: 0,
-        vectors: 0,
-    };
+    let mut s = Sharing::new(e, tokens.len(), keys, threshold, lsh)?;
     let (mut nll, mut scored) = (0f64, 0usize);
     for (i, chunk) in tokens.chunks(64).enumerate() {
         let logits = e.model.forward(chunk, &mut s, true)?;

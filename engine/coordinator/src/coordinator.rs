@@ -782,37 +782,38 @@ impl Coordinator {
     /// Feeds the attention mass each entry of [`view`](Self::view) received
     /// in the step to the eviction policy (if it wants it).
     pub fn observe(&mut self, seq: SeqId, mass: &[f32]) -> Result<()> {
-        let Some(ev) = self.evict.as_mut() else {
-            return Ok(());
-        };
-        let s = self.seqs.get(&seq).ok_or(CoordError::UnknownSeq(seq))?;
-        let t = s.pending.as_ref().map_or(&s.table, |p| &p.next);
-        if mass.len() != t.entries().len() {
-            return Err(CoordError::Order {
-                seq,
-                what: "attention mass for another number of entries",
-            });
-        }
-        ev.observe(seq, t, mass);
-        Ok(())
+        self.feed_policy(seq, mass, false)
     }
 
     /// Feeds each entry's key novelty (`1 − cos(key, mean key)`, averaged
     /// over its keys, heads and layers) in the step to the eviction policy
     /// (if it wants it).
     pub fn observe_keys(&mut self, seq: SeqId, novelty: &[f32]) -> Result<()> {
+        self.feed_policy(seq, novelty, true)
+    }
+
+    /// [`observe`](Self::observe), or with `keys`
+    /// [`observe_keys`](Self::observe_keys): one value per entry of the
+    /// step's table.
+    fn feed_policy(&mut self, seq: SeqId, values: &[f32], keys: bool) -> Result<()> {
         let Some(ev) = self.evict.as_mut() else {
             return Ok(());
         };
         let s = self.seqs.get(&seq).ok_or(CoordError::UnknownSeq(seq))?;
         let t = s.pending.as_ref().map_or(&s.table, |p| &p.next);
-        if novelty.len() != t.entries().len() {
-            return Err(CoordError::Order {
-                seq,
-                what: "key novelty for another number of entries",
-            });
+        if values.len() != t.entries().len() {
+            let what = if keys {
+                "key novelty for another number of entries"
+            } else {
+                "attention mass for another number of entries"
+            };
+            return Err(CoordError::Order { seq, what });
         }
-        ev.observe_keys(seq, t, novelty);
+        if keys {
+            ev.observe_keys(seq, t, values);
+        } else {
+            ev.observe(seq, t, values);
+        }
         Ok(())
     }
 
