@@ -519,7 +519,13 @@ impl Sharing {
     /// A store for `tokens` positions of `e`'s model: values (and, with
     /// `keys`, keys) shared at `threshold` (`None`: nothing shared), found
     /// through SimHash with `lsh` (values only).
-    fn new(e: &Engine, tokens: usize, keys: bool, threshold: Option<f64>, lsh: bool) -> Result<Self> {
+    fn new(
+        e: &Engine,
+        tokens: usize,
+        keys: bool,
+        threshold: Option<f64>,
+        lsh: bool,
+    ) -> Result<Self> {
         let c = &e.model.cfg;
         let lsh = match threshold.filter(|_| lsh && !keys) {
             Some(t) => Some(LshValues::new(
