@@ -151,6 +151,25 @@ impl StepView {
         self.start as usize
     }
 
+    /// Folds one value per live key (in position order) into one per table
+    /// entry: their sum, or with `mean` their mean (0 for an entry without
+    /// live keys).
+    fn per_entry(&self, per_key: &[f32], mean: bool) -> Vec<f32> {
+        let mut out = Vec::with_capacity(self.entry_keys.len());
+        let mut at = 0usize;
+        for &len in &self.entry_keys {
+            let len = len as usize;
+            let sum: f32 = per_key[at..at + len].iter().sum();
+            out.push(match (mean, len) {
+                (false, _) => sum,
+                (true, 0) => 0.0,
+                (true, _) => sum / len as f32,
+            });
+            at += len;
+        }
+        out
+    }
+
     /// One layer's K (or V, with `values`) of every live key, in position
     /// order: `[keys, kv_heads, head_dim]` in the storage dtype.
     fn gather(&self, kv: &KvTensors<'_>, layer: usize, values: bool) -> Result<Tensor> {
@@ -190,13 +209,26 @@ pub struct KvTensors<'a> {
     pub(crate) cold: Option<&'a ColdTier>,
 }
 
-/// One layer's attention output, and the mass each entry received.
+/// What an eviction policy asked the backend to report per entry, besides
+/// the output.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Observe {
+    /// The attention mass each entry received.
+    pub mass: bool,
+    /// How far each entry's keys stand from the mean key (KeyDiff).
+    pub key_novelty: bool,
+}
+
+/// One layer's attention output, and what was asked of it per entry.
 pub struct Attended {
     /// `[n, heads, head_dim]` in the query's dtype.
     pub out: Tensor,
     /// Per entry of the step's table: attention weight summed over heads
     /// and queries (0 for dropped entries). Present when asked for.
     pub mass: Option<Vec<f32>>,
+    /// Per entry: `1 − cos(key, mean live key)` averaged over its keys and
+    /// KV heads (0 for dropped entries). Present when asked for.
+    pub key_novelty: Option<Vec<f32>>,
 }
 
 /// Attends one layer's queries over a [`StepView`].
@@ -207,22 +239,23 @@ pub trait AttentionBackend: Send + Sync {
     /// `q`: `[n, heads, head_dim]`, already rotated, at positions
     /// `view.start()..`. Every live key of the view (the step's own
     /// included, already written) at or before a query's position is
-    /// visible to it. With `mass`, also returns the attention each entry
-    /// received.
+    /// visible to it. Also returns what `observe` asks for: the attention
+    /// each entry received, each entry's key novelty.
     fn attend(
         &self,
         layer: usize,
         q: &Tensor,
         view: &StepView,
         kv: &KvTensors<'_>,
-        mass: bool,
+        observe: Observe,
     ) -> Result<Attended>;
 }
 
 /// Gather + SDPA: the live keys are gathered into one tensor (cold blocks
 /// dequantized, aliases read from their canonical block), then
 /// libtorch's scaled dot-product attention runs with a position mask. The
-/// attention mass, when asked, comes from an explicit softmax.
+/// attention mass, when asked, comes from an explicit softmax; key novelty
+/// from the same gathered keys.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ReferenceBackend;
 
@@ -237,7 +270,7 @@ impl AttentionBackend for ReferenceBackend {
         q: &Tensor,
         view: &StepView,
         kv: &KvTensors<'_>,
-        mass: bool,
+        observe: Observe,
     ) -> Result<Attended> {
         let kind = q.kind();
         let (h, hkv) = (q.size()[1], kv.k[layer].size()[1]);
@@ -245,7 +278,13 @@ impl AttentionBackend for ReferenceBackend {
         let prep = |t: Tensor| -> Result<Tensor> {
             Ok(t.f_to_kind(kind)?.f_transpose(0, 1)?.f_unsqueeze(0)?)
         };
-        let k = prep(view.gather(kv, layer, false)?)?;
+        let keys = view.gather(kv, layer, false)?;
+        let key_novelty = if observe.key_novelty {
+            Some(entry_key_novelty(view, &keys)?)
+        } else {
+            None
+        };
+        let k = prep(keys)?;
         let v = prep(view.gather(kv, layer, true)?)?;
         let q4 = q.f_transpose(0, 1)?.f_unsqueeze(0)?;
         let out = Tensor::f_scaled_dot_product_attention(
@@ -259,24 +298,25 @@ impl AttentionBackend for ReferenceBackend {
             hkv != h,
         )?;
         let out = out.f_squeeze_dim(0)?.f_transpose(0, 1)?;
-        let mass = if mass {
+        let mass = if observe.mass {
             Some(entry_mass(view, &q4, &k, h / hkv)?)
         } else {
             None
         };
-        Ok(Attended { out, mass })
+        Ok(Attended {
+            out,
+            mass,
+            key_novelty,
+        })
     }
 }
 
-/// KeyDiff's signal for one layer, per table entry: `1 − cos(key, mean
-/// key)` per live key and KV head (the mean over the view's live keys),
-/// averaged over heads and over the entry's keys (0 for dropped entries).
-pub(crate) fn entry_key_novelty(
-    view: &StepView,
-    kv: &KvTensors<'_>,
-    layer: usize,
-) -> Result<Vec<f32>> {
-    let k = view.gather(kv, layer, false)?.f_to_kind(Kind::Float)?; // [keys, h, d]
+/// KeyDiff's signal for one layer, per table entry, from the view's live
+/// keys `[keys, kv_heads, head_dim]`: `1 − cos(key, mean key)` per key and
+/// head, averaged over heads and over the entry's keys (0 for dropped
+/// entries).
+fn entry_key_novelty(view: &StepView, keys: &Tensor) -> Result<Vec<f32>> {
+    let k = keys.f_to_kind(Kind::Float)?;
     let unit = |t: &Tensor| -> Result<Tensor> {
         let n = t.f_norm_scalaropt_dim(2, [-1i64].as_slice(), true)?;
         Ok(t / n.f_clamp_min(1e-12)?)
@@ -287,16 +327,7 @@ pub(crate) fn entry_key_novelty(
     let novelty = (cos.f_neg()? + 1.0)
         .f_mean_dim([1i64].as_slice(), false, Kind::Float)?
         .f_to_device(Device::Cpu)?;
-    let per_key = Vec::<f32>::try_from(novelty)?;
-    let mut out = Vec::with_capacity(view.entry_keys.len());
-    let mut at = 0usize;
-    for &len in &view.entry_keys {
-        let len = len as usize;
-        let sum: f32 = per_key[at..at + len].iter().sum();
-        out.push(if len > 0 { sum / len as f32 } else { 0.0 });
-        at += len;
-    }
-    Ok(out)
+    Ok(view.per_entry(&Vec::<f32>::try_from(novelty)?, true))
 }
 
 /// Softmax weights of every query over the keys, summed over heads and
@@ -328,15 +359,7 @@ fn entry_mass(view: &StepView, q: &Tensor, k: &Tensor, group: i64) -> Result<Vec
         .f_softmax(-1, Kind::Float)?
         .f_sum_dim_intlist([0i64, 1, 2].as_slice(), false, Kind::Float)?
         .f_to_device(Device::Cpu)?;
-    let per_key = Vec::<f32>::try_from(w)?;
-    let mut out = Vec::with_capacity(view.entry_keys.len());
-    let mut at = 0usize;
-    for &len in &view.entry_keys {
-        let len = len as usize;
-        out.push(per_key[at..at + len].iter().sum());
-        at += len;
-    }
-    Ok(out)
+    Ok(view.per_entry(&Vec::<f32>::try_from(w)?, false))
 }
 
 #[cfg(test)]
@@ -395,7 +418,12 @@ mod tests {
             v: &vs,
             cold: None,
         };
-        let a = ReferenceBackend.attend(0, &q, &view, &kv, true).unwrap();
+        let observe = Observe {
+            mass: true,
+            key_novelty: false,
+        };
+        let a = ReferenceBackend.attend(0, &q, &view, &kv, observe).unwrap();
+        assert!(a.key_novelty.is_none(), "not asked for");
         // Live slots in position order: block 2, block 0, block 3.
         let slots: Vec<i64> = (8..12).chain(0..4).chain(12..14).collect();
         let mass = a.mass.unwrap();
@@ -445,7 +473,14 @@ mod tests {
             v: &vs,
             cold: None,
         };
-        let got = entry_key_novelty(&view, &kv, 0).unwrap();
+        let q = Tensor::randn([1, h, d], (Kind::Float, Device::Cpu));
+        let observe = Observe {
+            mass: false,
+            key_novelty: true,
+        };
+        let a = ReferenceBackend.attend(0, &q, &view, &kv, observe).unwrap();
+        assert!(a.mass.is_none(), "not asked for");
+        let got = a.key_novelty.unwrap();
         let slots: Vec<i64> = (8..12).chain(0..3).collect();
         let key = |s: i64, head: i64| -> Vec<f64> {
             Vec::<f64>::try_from(k.get(s).get(head).to_kind(Kind::Double)).unwrap()

@@ -20,7 +20,7 @@ use kvforge_prefix::ExtraKeys;
 use kvforge_quant::BlockShape;
 use tch::{Device, Kind, Tensor};
 
-use crate::attention::{AttentionBackend, KvTensors, ReferenceBackend, StepView};
+use crate::attention::{AttentionBackend, KvTensors, Observe, ReferenceBackend, StepView};
 use crate::model::LlamaConfig;
 use crate::tier::{ColdTier, KvQuant};
 use crate::{EngineError, Result};
@@ -484,14 +484,17 @@ impl KvStore for PagedSeq<'_> {
         let mut vs = c.v[layer].shallow_clone();
         let _ = ks.f_index_copy_(0, &step.new_slots, &k.f_to_kind(ks.kind())?)?;
         let _ = vs.f_index_copy_(0, &step.new_slots, &v.f_to_kind(vs.kind())?)?;
-        let want = step.mass.is_some();
-        let a = c.backend.attend(layer, q, &step.view, &c.tensors(), want)?;
-        if let (Some(acc), Some(m)) = (step.mass.as_mut(), a.mass) {
-            acc.iter_mut().zip(m).for_each(|(x, y)| *x += y);
-        }
-        if let Some(acc) = step.novelty.as_mut() {
-            let n = crate::attention::entry_key_novelty(&step.view, &c.tensors(), layer)?;
-            acc.iter_mut().zip(n).for_each(|(x, y)| *x += y);
+        let observe = Observe {
+            mass: step.mass.is_some(),
+            key_novelty: step.novelty.is_some(),
+        };
+        let a = c
+            .backend
+            .attend(layer, q, &step.view, &c.tensors(), observe)?;
+        for (acc, got) in [(&mut step.mass, a.mass), (&mut step.novelty, a.key_novelty)] {
+            if let (Some(acc), Some(got)) = (acc.as_mut(), got) {
+                acc.iter_mut().zip(got).for_each(|(x, y)| *x += y);
+            }
         }
         Ok(a.out)
     }

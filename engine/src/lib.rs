@@ -47,7 +47,7 @@ pub mod tokenizer;
 
 use std::path::Path;
 
-pub use attention::{Attended, AttentionBackend, KvTensors, ReferenceBackend, StepView};
+pub use attention::{Attended, AttentionBackend, KvTensors, Observe, ReferenceBackend, StepView};
 pub use cache::{ContiguousCache, KvStore, PagedKvCache, Sequence};
 pub use error::{EngineError, Result};
 pub use generate::{Generation, Sampler, SamplingParams};

@@ -182,6 +182,11 @@ impl<K: std::hash::Hash + Eq + Copy> Candidates<K> {
     }
 }
 
+/// [`ExactDedup`]'s test: the stored bytes are identical.
+fn same_bytes(a: &Content, b: &Content) -> bool {
+    a.bytes == b.bytes
+}
+
 /// Shares blocks whose quantized bytes are identical.
 #[derive(Default)]
 pub struct ExactDedup {
@@ -201,7 +206,7 @@ impl Deduplicator for ExactDedup {
     }
 
     fn matches(&self, a: &Content, b: &Content) -> bool {
-        a.bytes == b.bytes
+        same_bytes(a, b)
     }
 
     fn offer(
@@ -213,7 +218,7 @@ impl Deduplicator for ExactDedup {
         let key = xxh3_128(&content.bytes);
         Ok(self
             .index
-            .offer(block, vec![key], content, stored, |a, b| a.bytes == b.bytes))
+            .offer(block, vec![key], content, stored, same_bytes))
     }
 
     fn forget(&mut self, block: BlockId) {

@@ -79,6 +79,11 @@ pub fn cosine(a: &[f32], b: &[f32]) -> f64 {
     ab / (aa.sqrt() * bb.sqrt())
 }
 
+/// [`SimHashDedup`]'s test: the vectors' cosine reaches `threshold`.
+fn near(a: &Content, b: &Content, threshold: f32) -> bool {
+    cosine(&a.vector, &b.vector) >= f64::from(threshold)
+}
+
 /// Shares blocks whose dequantized vectors have a cosine of at least the
 /// threshold, found through random-hyperplane signatures.
 ///
@@ -185,7 +190,7 @@ impl Deduplicator for SimHashDedup {
     }
 
     fn matches(&self, a: &Content, b: &Content) -> bool {
-        cosine(&a.vector, &b.vector) >= f64::from(self.cfg.threshold)
+        near(a, b, self.cfg.threshold)
     }
 
     fn offer(
@@ -203,10 +208,10 @@ impl Deduplicator for SimHashDedup {
         }
         self.planes_for(x.len())?;
         let keys = self.keys(x);
-        let t = f64::from(self.cfg.threshold);
-        Ok(self.index.offer(block, keys, content, stored, |a, b| {
-            cosine(&a.vector, &b.vector) >= t
-        }))
+        let t = self.cfg.threshold;
+        Ok(self
+            .index
+            .offer(block, keys, content, stored, |a, b| near(a, b, t)))
     }
 
     fn forget(&mut self, block: BlockId) {
