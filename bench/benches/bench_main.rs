@@ -12,5 +12,6 @@ criterion::criterion_main!(
     benchmarks::matching::benches,
     benchmarks::quant::benches,
     benchmarks::lsh::benches,
-    benchmarks::evict::benches
+    benchmarks::evict::benches,
+    benchmarks::attention::benches
 );

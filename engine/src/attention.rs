@@ -31,9 +31,20 @@ enum Run {
     },
 }
 
+/// Where one live table entry's keys are, for kernels that read the
+/// table in place.
+pub(crate) enum PageRef {
+    /// `len` hot slots from `slot`.
+    Hot { slot: usize, len: usize },
+    /// A cold block (an alias's canonical block), all of it.
+    Cold { block: Arc<ColdBlock>, len: usize },
+}
+
 /// What one step of one sequence attends over.
 pub struct StepView {
     runs: Vec<Run>,
+    /// The live entries in order, with their table index.
+    pub(crate) pages: Vec<(PageRef, usize)>,
     /// Live keys.
     keys: i64,
     /// Position of the first query; queries are `start..start + n`.
@@ -67,6 +78,7 @@ impl StepView {
         let mut cold_run: Vec<Arc<ColdBlock>> = Vec::new();
         let mut key_pos: Vec<i64> = Vec::new();
         let mut entry_keys = Vec::with_capacity(table.entries().len());
+        let mut pages = Vec::with_capacity(table.entries().len());
         let dense = table.entries().iter().all(|e| e.slot().is_live());
         let bs = block_size as i64;
         let flush_hot = |hot: &mut Vec<i64>, runs: &mut Vec<Run>| -> Result<()> {
@@ -95,6 +107,8 @@ impl StepView {
                     flush_cold(&mut cold_run, &mut runs);
                     let base = i64::from(TieredPool::slot_of(b)) * bs;
                     hot.extend(base..base + len);
+                    let (slot, len) = (base as usize, len as usize);
+                    pages.push((PageRef::Hot { slot, len }, entry_keys.len()));
                 }
                 Slot::Cold(b) | Slot::Alias { canonical: b } => {
                     flush_hot(&mut hot, &mut runs)?;
@@ -103,6 +117,11 @@ impl StepView {
                         .ok_or_else(|| {
                             EngineError::Torch(format!("cold block {b} has no stored content"))
                         })?;
+                    let page = PageRef::Cold {
+                        block: Arc::clone(&block),
+                        len: len as usize,
+                    };
+                    pages.push((page, entry_keys.len()));
                     cold_run.push(block);
                 }
                 Slot::Dropped => {
@@ -132,6 +151,7 @@ impl StepView {
         };
         Ok(StepView {
             runs,
+            pages,
             keys,
             start,
             n,
@@ -149,6 +169,11 @@ impl StepView {
     /// Position of the first query.
     pub fn start(&self) -> usize {
         self.start as usize
+    }
+
+    /// Entries of the step's table, dropped ones included.
+    pub fn entries(&self) -> usize {
+        self.entry_keys.len()
     }
 
     /// Folds one value per live key (in position order) into one per table
@@ -171,20 +196,25 @@ impl StepView {
     }
 
     /// One layer's K (or V, with `values`) of every live key, in position
-    /// order: `[keys, kv_heads, head_dim]` in the storage dtype.
-    fn gather(&self, kv: &KvTensors<'_>, layer: usize, values: bool) -> Result<Tensor> {
+    /// order: `[keys, kv_heads, head_dim]` in `kind` (cold blocks are
+    /// dequantized straight into it, not rounded to the storage dtype).
+    fn gather(&self, kv: &KvTensors<'_>, layer: usize, values: bool, kind: Kind) -> Result<Tensor> {
         let src = if values { &kv.v[layer] } else { &kv.k[layer] };
         if let [Run::Hot { slots, .. }] = self.runs.as_slice() {
-            return Ok(src.f_index_select(0, slots)?);
+            return Ok(src.f_index_select(0, slots)?.f_to_kind(kind)?);
         }
         let size = src.size();
-        let out = Tensor::f_empty([self.keys, size[1], size[2]], (src.kind(), src.device()))?;
+        let out = Tensor::f_empty([self.keys, size[1], size[2]], (kind, src.device()))?;
         let mut at = 0;
         for run in &self.runs {
             match run {
                 Run::Hot { slots, len } => {
-                    let dst = out.f_narrow(0, at, *len)?;
-                    let _ = src.f_index_select_out(&dst, 0, slots)?;
+                    let mut dst = out.f_narrow(0, at, *len)?;
+                    if src.kind() == kind {
+                        let _ = src.f_index_select_out(&dst, 0, slots)?;
+                    } else {
+                        dst.f_copy_(&src.f_index_select(0, slots)?)?;
+                    }
                     at += len;
                 }
                 Run::Cold { blocks, len } => {
@@ -278,14 +308,14 @@ impl AttentionBackend for ReferenceBackend {
         let prep = |t: Tensor| -> Result<Tensor> {
             Ok(t.f_to_kind(kind)?.f_transpose(0, 1)?.f_unsqueeze(0)?)
         };
-        let keys = view.gather(kv, layer, false)?;
+        let keys = view.gather(kv, layer, false, kind)?;
         let key_novelty = if observe.key_novelty {
             Some(entry_key_novelty(view, &keys)?)
         } else {
             None
         };
         let k = prep(keys)?;
-        let v = prep(view.gather(kv, layer, true)?)?;
+        let v = prep(view.gather(kv, layer, true, kind)?)?;
         let q4 = q.f_transpose(0, 1)?.f_unsqueeze(0)?;
         let out = Tensor::f_scaled_dot_product_attention(
             &q4,

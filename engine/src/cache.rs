@@ -20,7 +20,8 @@ use kvforge_prefix::ExtraKeys;
 use kvforge_quant::BlockShape;
 use tch::{Device, Kind, Tensor};
 
-use crate::attention::{AttentionBackend, KvTensors, Observe, ReferenceBackend, StepView};
+use crate::attention::{AttentionBackend, KvTensors, Observe, StepView};
+use crate::fused::FusedBackend;
 use crate::model::LlamaConfig;
 use crate::tier::{ColdTier, KvQuant};
 use crate::{EngineError, Result};
@@ -156,7 +157,7 @@ impl PagedKvCache {
             k,
             v,
             cold: None,
-            backend: Box::new(ReferenceBackend),
+            backend: Box::new(FusedBackend::default()),
         })
     }
 

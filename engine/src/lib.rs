@@ -15,7 +15,9 @@
 //!   tier, [`KvQuant`]), attends, and commits or aborts. Also
 //!   [`ContiguousCache`], a test oracle.
 //! * [`attention`]: the [`AttentionBackend`] seam and its
-//!   [`ReferenceBackend`] (gather + SDPA over a [`StepView`]).
+//!   [`ReferenceBackend`] (gather + SDPA over a [`StepView`]);
+//!   [`fused`]: [`FusedBackend`], decode steps through `kvforge-kernels`'
+//!   paged attention (the table read in place, one pass).
 //! * [`generate`]: seeded sampling and the generation loop.
 //! * [`ppl`]: window and streaming perplexity over the cache.
 //! * [`manager`]: [`CacheManager`] — prefix reuse across turns, requests and
@@ -36,6 +38,7 @@
 pub mod attention;
 pub mod cache;
 mod error;
+pub mod fused;
 pub mod generate;
 pub mod gguf;
 pub mod manager;
@@ -50,11 +53,14 @@ use std::path::Path;
 pub use attention::{Attended, AttentionBackend, KvTensors, Observe, ReferenceBackend, StepView};
 pub use cache::{ContiguousCache, KvStore, PagedKvCache, Sequence};
 pub use error::{EngineError, Result};
+pub use fused::FusedBackend;
 pub use generate::{Generation, Sampler, SamplingParams};
 pub use kvforge_coordinator::{
     Coordinator, CoordinatorConfig, DedupConfig, EvictionConfig, LifecycleConfig, Score,
     SimHashConfig, Trigger,
 };
+pub use kvforge_kernels::DEFAULT_MIN_SPLIT;
+pub use kvforge_kernels::Isa;
 pub use kvforge_quant::Axis;
 pub use manager::{CacheManager, IndexKind, ReuseConfig, SessionId, TurnReport, TurnTail};
 pub use model::{Llama, LlamaConfig};
@@ -145,6 +151,32 @@ pub struct EngineConfig {
     pub lifecycle: Option<LifecycleConfig>,
     /// Bytes all KV tiers may hold in use (0 = the hot tier's capacity).
     pub kv_budget: u64,
+    /// How attention reads the cache.
+    pub attention: Attention,
+}
+
+/// The attention backend a cache uses.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Attention {
+    /// [`ReferenceBackend`]: gather + SDPA for every step.
+    Reference,
+    /// [`FusedBackend`]: the paged kernel for CPU decode steps, the
+    /// reference for the rest.
+    #[default]
+    Fused,
+}
+
+impl Attention {
+    /// `reference` or `fused`.
+    pub fn parse(name: &str) -> Result<Self> {
+        match name {
+            "reference" => Ok(Attention::Reference),
+            "fused" => Ok(Attention::Fused),
+            _ => Err(EngineError::Request(format!(
+                "unknown attention backend {name:?}; choose reference or fused"
+            ))),
+        }
+    }
 }
 
 impl Default for EngineConfig {
@@ -161,6 +193,7 @@ impl Default for EngineConfig {
             dedup: None,
             lifecycle: None,
             kv_budget: 0,
+            attention: Attention::Fused,
         }
     }
 }
@@ -201,6 +234,9 @@ impl Engine {
         c.lifecycle = cfg.lifecycle;
         c.budget_bytes = cfg.kv_budget;
         cache.configure(c, cfg.kv_quant)?;
+        if cfg.attention == Attention::Reference {
+            cache.set_backend(Box::new(ReferenceBackend));
+        }
         Ok(Engine {
             model,
             tokenizer,

@@ -93,6 +93,11 @@ impl ColdBlock {
         self.k.iter().chain(&self.v).map(|b| b.bytes() as u64).sum()
     }
 
+    /// Layer `layer`'s quantized keys and values.
+    pub(crate) fn layer(&self, layer: usize) -> Option<(&QuantizedBlock, &QuantizedBlock)> {
+        Some((self.k.get(layer)?, self.v.get(layer)?))
+    }
+
     /// Every code and group parameter, layer by layer (what a
     /// deduplicator compares).
     pub fn content(&self) -> Vec<u8> {
@@ -184,6 +189,11 @@ impl ColdTier {
 
     pub(crate) fn spec(&self) -> KvQuant {
         self.spec
+    }
+
+    /// How the fused kernel reads this tier's blocks.
+    pub(crate) fn kernel_format(&self) -> kvforge_kernels::ColdFormat {
+        kvforge_kernels::ColdFormat::new(self.keys.config(), self.values.config(), self.spec.rotate)
     }
 
     /// Storage of keys and values, for the coordinator's byte counts.

@@ -14,6 +14,7 @@ use kvforge_engine::{
 use tch::Tensor;
 
 mod compose;
+mod fused;
 mod hardening;
 mod manager;
 mod tier;

@@ -1,5 +1,6 @@
 //! Benchmark groups.
 
+pub(crate) mod attention;
 pub(crate) mod evict;
 pub(crate) mod hashing;
 pub(crate) mod lsh;

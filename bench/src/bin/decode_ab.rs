@@ -1,29 +1,41 @@
-//! Decode speed of the quantized cold tier against the unquantized cache,
-//! measured side by side (`cargo xtask decode-ab`).
+//! Decode speed of attention backends and cache formats, measured side by
+//! side (`cargo xtask decode-ab`).
 //!
-//! One model, one KV cache per configuration (unquantized, then each
-//! `--formats` entry with the default tier: window 128, sink 32, KIVI keys).
-//! Every sequence is prefilled with the same `--context` tokens of
-//! `wiki.utf8` (in 512-token chunks); then, for `--rounds` rounds, each
-//! configuration in turn decodes `--steps` greedy tokens. Interleaving the
-//! rounds spreads machine noise over all configurations alike. Prints one
-//! Markdown row per configuration: tokens/s over all its rounds, the ratio to
-//! the unquantized cache, and KV bytes.
+//! One model; one KV cache per storage configuration (`--kv-dtypes` ×
+//! unquantized and each `--formats` entry with the default tier: window
+//! 128, sink 32, KIVI keys). Every sequence is prefilled with the same
+//! `--context` tokens of `wiki.utf8` (in 512-token chunks). Then, for
+//! `--rounds` rounds, every configuration decodes `--steps` greedy tokens
+//! with each of `--backends` in turn (the backend is swapped on the same
+//! cache, so every backend sees the same contexts): interleaving spreads
+//! machine noise over all arms alike. Prints one Markdown row per arm: the
+//! median over rounds of tokens/s, its ratio to the first arm (the
+//! reference backend on the first dtype, unquantized) and to the same
+//! cache with the first backend, and KV bytes.
+//!
+//! Backends: `reference` (gather + SDPA), `fused` (the paged kernel,
+//! fastest instruction set), `fused-scalar` (its scalar twin), and a
+//! `-tN` suffix to split long contexts over N threads (`fused-t2`).
 
 #![allow(clippy::print_stdout)] // a report printer
 
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use kvforge_engine::ppl::greedy_token;
-use kvforge_engine::{Engine, EngineConfig, KvQuant, PagedKvCache, Sequence, Tensor};
+use kvforge_engine::{
+    AttentionBackend, Engine, EngineConfig, FusedBackend, Isa, Kind, KvQuant, PagedKvCache,
+    ReferenceBackend, Sequence, Tensor,
+};
 
 struct Args {
     context: usize,
     steps: usize,
     rounds: usize,
     formats: Vec<String>,
+    backends: Vec<String>,
+    kv_dtypes: Vec<String>,
     block_size: usize,
     model: PathBuf,
     text: PathBuf,
@@ -35,6 +47,8 @@ fn parse_args() -> Result<Args> {
         steps: 8,
         rounds: 8,
         formats: vec!["int8".into(), "int4".into(), "int2".into()],
+        backends: vec!["reference".into(), "fused".into()],
+        kv_dtypes: vec!["f32".into()],
         block_size: 32,
         model: PathBuf::from("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
         text: PathBuf::from("data/exllamav2/wiki.utf8"),
@@ -46,32 +60,96 @@ fn parse_args() -> Result<Args> {
             "--steps" => a.steps = num()?,
             "--rounds" => a.rounds = num()?,
             "--block-size" => a.block_size = num()?,
-            "--formats" => a.formats = value.split(',').map(|s| s.trim().into()).collect(),
+            "--formats" => a.formats = list(&value),
+            "--backends" => a.backends = list(&value),
+            "--kv-dtypes" => a.kv_dtypes = list(&value),
             "--model" => a.model = value.into(),
             "--text" => a.text = value.into(),
             _ => bail!(
-                "unknown flag {flag}; flags: --context --steps --rounds --formats --block-size --model --text"
+                "unknown flag {flag}; flags: --context --steps --rounds --formats --backends --kv-dtypes --block-size --model --text"
             ),
         }
     }
+    if a.backends.is_empty() || a.kv_dtypes.is_empty() {
+        bail!("--backends and --kv-dtypes need at least one entry");
+    }
     Ok(a)
+}
+
+/// Comma-separated entries (empty ones dropped; `none` alone is empty).
+fn list(value: &str) -> Vec<String> {
+    value
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty() && *s != "none")
+        .map(String::from)
+        .collect()
+}
+
+/// A backend by name: `reference`, `fused`, `fused-scalar`, with an
+/// optional `-tN` thread suffix on the fused ones.
+fn backend(name: &str) -> Result<Box<dyn AttentionBackend>> {
+    if name == "reference" {
+        return Ok(Box::new(ReferenceBackend));
+    }
+    let (base, threads) = match name.rsplit_once("-t") {
+        Some((b, n)) if n.parse::<usize>().is_ok_and(|n| n > 0) => (b, n.parse::<usize>()?),
+        _ => (name, 1),
+    };
+    let f = FusedBackend::default().with_threads(threads, kvforge_engine::DEFAULT_MIN_SPLIT);
+    Ok(Box::new(match base {
+        "fused" => f,
+        "fused-scalar" => f.with_isa(Isa::Scalar)?,
+        _ => bail!(
+            "unknown backend {name}; backends: reference, fused, fused-scalar (and -tN on fused ones)"
+        ),
+    }))
+}
+
+fn dtype(name: &str) -> Result<Kind> {
+    Ok(match name {
+        "f32" => Kind::Float,
+        "f16" => Kind::Half,
+        "bf16" => Kind::BFloat16,
+        _ => bail!("unknown KV dtype {name}; dtypes: f32, f16, bf16"),
+    })
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
 }
 
 fn main() -> std::process::ExitCode {
     kvforge_bench::main_with("decode-ab", run)
 }
 
-/// One configuration under test.
+/// One storage configuration under test, decoded by every backend.
 struct Arm {
     name: String,
     cache: PagedKvCache,
     seq: Sequence,
     last: Tensor,
-    time: Duration,
+    /// Per backend, tokens/s of each round.
+    rates: Vec<Vec<f64>>,
 }
 
 fn run() -> Result<()> {
     let a = parse_args()?;
+    for b in &a.backends {
+        backend(b)?;
+    }
+    let backends = &a.backends;
+    let kinds: Vec<(String, Kind)> = a
+        .kv_dtypes
+        .iter()
+        .map(|d| Ok((d.clone(), dtype(d)?)))
+        .collect::<Result<_>>()?;
     let article = kvforge_bench::longest_article(&a.text)?;
     let cfg = EngineConfig {
         block_size: a.block_size,
@@ -88,59 +166,74 @@ fn run() -> Result<()> {
         );
     }
     ids.truncate(a.context);
-    let capacity = a.context + a.steps * a.rounds;
-    let (model, kind) = (&engine.model, engine.model.kind());
+    let capacity = a.context + a.steps * a.rounds * backends.len();
+    let model = &engine.model;
     let mut specs: Vec<Option<KvQuant>> = vec![None];
     for f in &a.formats {
         specs.push(Some(KvQuant::parse(f)?));
     }
     let mut arms = Vec::new();
-    for spec in specs {
-        let mut cache =
-            PagedKvCache::new(&model.cfg, a.block_size, capacity, model.device(), kind)?;
-        cache.set_cold_tier(spec)?;
-        let mut seq = Sequence::default();
-        let mut last = None;
-        for chunk in ids.chunks(512) {
-            last = Some(model.forward(chunk, &mut cache.view(&mut seq), false)?);
+    for (dname, kind) in &kinds {
+        for spec in &specs {
+            let mut cache =
+                PagedKvCache::new(&model.cfg, a.block_size, capacity, model.device(), *kind)?;
+            cache.set_cold_tier(*spec)?;
+            let mut seq = Sequence::default();
+            let mut last = None;
+            for chunk in ids.chunks(512) {
+                last = Some(model.forward(chunk, &mut cache.view(&mut seq), false)?);
+            }
+            let last = last.context("empty context")?;
+            let format = spec.map_or_else(|| "unquantized".into(), |q| q.name());
+            arms.push(Arm {
+                name: format!("{dname} {format}"),
+                cache,
+                seq,
+                last,
+                rates: vec![Vec::new(); backends.len()],
+            });
         }
-        let last = last.context("empty context")?;
-        arms.push(Arm {
-            name: spec.map_or_else(|| "unquantized".into(), |q| q.name()),
-            cache,
-            seq,
-            last,
-            time: Duration::ZERO,
-        });
     }
     for _ in 0..a.rounds {
         for arm in &mut arms {
-            let t = Instant::now();
-            for _ in 0..a.steps {
-                let next = greedy_token(&arm.last)?;
-                arm.last = model.forward(&[next], &mut arm.cache.view(&mut arm.seq), false)?;
+            for (b, name) in backends.iter().enumerate() {
+                arm.cache.set_backend(backend(name)?);
+                let t = Instant::now();
+                for _ in 0..a.steps {
+                    let next = greedy_token(&arm.last)?;
+                    arm.last = model.forward(&[next], &mut arm.cache.view(&mut arm.seq), false)?;
+                }
+                arm.rates[b].push(a.steps as f64 / t.elapsed().as_secs_f64());
             }
-            arm.time += t.elapsed();
         }
     }
-    let n = (a.steps * a.rounds) as f64;
-    let base = n / arms[0].time.as_secs_f64();
+    let base = median(arms[0].rates[0].clone());
     println!(
-        "Decode at {} tokens of context, {} rounds × {} steps per configuration, interleaved (block {}).\n\n\
-         | cache | decode tok/s | × unquantized | KV MiB (hot + cold) |\n|---|---:|---:|---:|",
-        a.context, a.rounds, a.steps, a.block_size
+        "Decode at {} tokens of context, {} rounds × {} steps per arm, interleaved, medians (block {}, weights {:?}, {} kernel).\n\n\
+         | KV cache | backend | decode tok/s | × first row | × {} on this cache | KV MiB (hot + cold) |\n|---|---|---:|---:|---:|---:|",
+        a.context,
+        a.rounds,
+        a.steps,
+        a.block_size,
+        model.kind(),
+        Isa::detect().name(),
+        backends[0]
     );
     for arm in &arms {
-        let rate = n / arm.time.as_secs_f64();
         let (hot, cold) = arm.cache.tier_bytes();
-        println!(
-            "| {} | {rate:.2} | {:.2} | {:.1} ({:.1} + {:.1}) |",
-            arm.name,
-            rate / base,
-            (hot + cold) as f64 / 1048576.0,
-            hot as f64 / 1048576.0,
-            cold as f64 / 1048576.0
-        );
+        let own = median(arm.rates[0].clone());
+        for (b, bname) in backends.iter().enumerate() {
+            let rate = median(arm.rates[b].clone());
+            println!(
+                "| {} | {bname} | {rate:.2} | {:.2} | {:.2} | {:.1} ({:.1} + {:.1}) |",
+                arm.name,
+                rate / base,
+                rate / own,
+                (hot + cold) as f64 / 1048576.0,
+                hot as f64 / 1048576.0,
+                cold as f64 / 1048576.0
+            );
+        }
     }
     for arm in &mut arms {
         arm.cache.free(&mut arm.seq)?;

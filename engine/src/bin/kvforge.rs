@@ -18,9 +18,9 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 use kvforge_engine::{
-    Axis, CacheManager, DedupConfig, Engine, EngineConfig, EngineError, EvictionConfig, Generation,
-    IndexKind, KvQuant, LifecycleConfig, Message, PplReport, ReuseConfig, SamplingParams, Sequence,
-    SimHashConfig, Tokenizer, TurnTail, parse_device, parse_dtype,
+    Attention, Axis, CacheManager, DedupConfig, Engine, EngineConfig, EngineError, EvictionConfig,
+    Generation, IndexKind, KvQuant, LifecycleConfig, Message, PplReport, ReuseConfig,
+    SamplingParams, Sequence, SimHashConfig, Tokenizer, TurnTail, parse_device, parse_dtype,
 };
 
 /// The model `cargo xtask setup` installs.
@@ -124,6 +124,10 @@ struct Common {
     /// KV cache storage dtype (default: --dtype).
     #[arg(long)]
     kv_dtype: Option<String>,
+    /// Attention backend: fused (the paged kernel for CPU decode steps)
+    /// or reference (gather + SDPA).
+    #[arg(long, default_value = "fused")]
+    attention: String,
     /// Maximum new tokens per reply.
     #[arg(long, default_value_t = 256)]
     max_tokens: usize,
@@ -359,6 +363,7 @@ impl Common {
             weight_kind: self.weights.as_deref().map(parse_dtype).transpose()?,
             kv_kind: self.kv_dtype.as_deref().map(parse_dtype).transpose()?,
             block_size: self.block_size,
+            attention: Attention::parse(&self.attention)?,
             ..EngineConfig::default()
         };
         self.tier.apply(&mut cfg)?;

@@ -1,0 +1,186 @@
+//! The fused decode backend against the reference (gather + SDPA) on the
+//! same token stream: every tier mix the cache produces — hot f32 and f16,
+//! cold INT8 / INT4 / INT2 with and without rotation and sink, dropped
+//! entries, aliases — gives the same logits, and the attention mass it
+//! reports drives an attention-scored eviction to the same victims.
+
+use kvforge_engine::{
+    Axis, DedupConfig, Device, EvictionConfig, FusedBackend, Isa, Kind, KvQuant, PagedKvCache,
+    ReferenceBackend, Score, Sequence, SimHashConfig, Tensor, Trigger,
+};
+
+use super::{max_diff, tiny};
+
+const BS: usize = 8;
+
+fn quant(bits: u32, rotate: bool, key_axis: Axis, sink: usize) -> KvQuant {
+    KvQuant {
+        bits,
+        group_size: 8,
+        window: 16,
+        rotate,
+        key_axis,
+        sink,
+    }
+}
+
+/// A cache in `kind` with `quant`, `eviction` and `dedup`, attended by
+/// `fused`, or by the reference when `None`.
+fn cache(
+    kind: Kind,
+    quant: Option<KvQuant>,
+    eviction: Option<EvictionConfig>,
+    dedup: Option<DedupConfig>,
+    fused: Option<FusedBackend>,
+) -> PagedKvCache {
+    let model = tiny();
+    let mut c = PagedKvCache::new(&model.cfg, BS, 512, Device::Cpu, kind).unwrap();
+    let mut cfg = c.base_config();
+    cfg.eviction = eviction;
+    cfg.dedup = dedup;
+    c.configure(cfg, quant).unwrap();
+    match fused {
+        Some(f) => c.set_backend(Box::new(f)),
+        None => c.set_backend(Box::new(ReferenceBackend)),
+    }
+    c
+}
+
+/// Prefills 40 tokens (periodic, so that exact sharing finds duplicate
+/// blocks) in two chunks, then decodes 60 greedy-free steps of fixed
+/// tokens; returns every step's logits and the final table.
+fn stream(c: &PagedKvCache) -> (Vec<Tensor>, kvforge_pool::BlockTable) {
+    let model = tiny();
+    let toks: Vec<u32> = (0..100u32).map(|i| 3 + (i % 16) * 5).collect();
+    let mut seq = Sequence::default();
+    let mut outs = Vec::new();
+    for chunk in [&toks[..24], &toks[24..40]] {
+        outs.push(model.forward(chunk, &mut c.view(&mut seq), false).unwrap());
+    }
+    for t in &toks[40..] {
+        outs.push(model.forward(&[*t], &mut c.view(&mut seq), false).unwrap());
+    }
+    let table = c.table(&seq).unwrap();
+    c.free(&mut seq).unwrap();
+    (outs, table)
+}
+
+#[test]
+fn fused_decode_equals_the_reference_over_every_tier_mix() {
+    let sink_window = Some(EvictionConfig::SinkWindow {
+        sink: 8,
+        window: 32,
+    });
+    let h2o = Some(EvictionConfig::Scored {
+        score: Score::AttentionEma { decay: 0.5 },
+        trigger: Trigger::Tokens(48),
+        sink: 8,
+        window: 16,
+    });
+    // A threshold low enough that blocks really are aliased.
+    let loose = DedupConfig::SimHash(SimHashConfig {
+        threshold: 0.05,
+        bits: 4,
+        tables: 2,
+        seed: 5,
+    });
+    type Case = (
+        &'static str,
+        Kind,
+        Option<KvQuant>,
+        Option<EvictionConfig>,
+        Option<DedupConfig>,
+    );
+    let cases: Vec<Case> = vec![
+        ("f32", Kind::Float, None, None, None),
+        ("f16", Kind::Half, None, None, None),
+        (
+            "int4-kc",
+            Kind::Float,
+            Some(quant(4, false, Axis::PerChannel, 0)),
+            None,
+            None,
+        ),
+        (
+            "int8-kt+rot",
+            Kind::Float,
+            Some(quant(8, true, Axis::PerToken, 0)),
+            None,
+            None,
+        ),
+        (
+            "int2-kc+rot-s8",
+            Kind::Float,
+            Some(quant(2, true, Axis::PerChannel, 8)),
+            None,
+            None,
+        ),
+        (
+            "f16+int4",
+            Kind::Half,
+            Some(quant(4, false, Axis::PerChannel, 0)),
+            None,
+            None,
+        ),
+        ("sink-window", Kind::Float, None, sink_window, None),
+        (
+            "int4+sink-window",
+            Kind::Float,
+            Some(quant(4, false, Axis::PerChannel, 8)),
+            sink_window,
+            None,
+        ),
+        (
+            "int4+lsh-share",
+            Kind::Float,
+            Some(quant(4, false, Axis::PerChannel, 0)),
+            None,
+            Some(loose),
+        ),
+        ("h2o", Kind::Float, None, h2o, None),
+        (
+            "int4+h2o",
+            Kind::Float,
+            Some(quant(4, false, Axis::PerChannel, 0)),
+            h2o,
+            None,
+        ),
+    ];
+    let isas: Vec<Isa> = [Isa::Scalar, Isa::Avx2]
+        .into_iter()
+        .filter(|i| i.supported())
+        .collect();
+    for (name, kind, q, ev, dd) in cases {
+        let (want, want_table) = stream(&cache(kind, q, ev, dd, None));
+        for &isa in &isas {
+            for threads in [1, 2] {
+                let f = FusedBackend::default()
+                    .with_isa(isa)
+                    .unwrap()
+                    .with_threads(threads, 8);
+                let (got, table) = stream(&cache(kind, q, ev, dd, Some(f)));
+                assert_eq!(table, want_table, "{name} {isa:?} x{threads}: same table");
+                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                    let d = max_diff(a, b);
+                    assert!(d < 2e-4, "{name} {isa:?} x{threads} step {i}: {d}");
+                }
+            }
+        }
+        // The mix really holds what the case names.
+        let entries = want_table.entries();
+        let has = |f: &dyn Fn(&kvforge_pool::Slot) -> bool| entries.iter().any(|e| f(&e.slot()));
+        use kvforge_pool::Slot;
+        if q.is_some() {
+            assert!(
+                has(&|s| matches!(s, Slot::Cold(_) | Slot::Alias { .. })),
+                "{name}: cold"
+            );
+        }
+        if ev.is_some() {
+            assert!(has(&|s| matches!(s, Slot::Dropped)), "{name}: dropped");
+        }
+        if dd.is_some() {
+            assert!(has(&|s| matches!(s, Slot::Alias { .. })), "{name}: aliased");
+        }
+    }
+}
