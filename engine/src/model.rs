@@ -649,17 +649,37 @@ impl Llama {
         t.0.size()[0] as usize
     }
 
+    /// The cos/sin tables, grown to hold `need` positions.
+    fn rope_tables(&self, need: usize) -> Result<(Tensor, Tensor)> {
+        let mut t = self.rope.lock().unwrap_or_else(|e| e.into_inner());
+        if (t.0.size()[0] as usize) < need {
+            let positions = need.next_power_of_two().min(self.cfg.max_ctx).max(need);
+            *t = rope_tables(&self.cfg, positions, self.kind, self.device)?;
+        }
+        Ok((t.0.shallow_clone(), t.1.shallow_clone()))
+    }
+
     fn rope(&self, x: &Tensor, start: i64, n: i64) -> Result<Tensor> {
-        // x: [n, heads, hd]; cos/sin rows start..start+n, broadcast over heads.
-        let (cos, sin) = {
-            let mut t = self.rope.lock().unwrap_or_else(|e| e.into_inner());
-            let need = (start + n) as usize;
-            if (t.0.size()[0] as usize) < need {
-                let positions = need.next_power_of_two().min(self.cfg.max_ctx).max(need);
-                *t = rope_tables(&self.cfg, positions, self.kind, self.device)?;
-            }
-            (t.0.f_narrow(0, start, n)?, t.1.f_narrow(0, start, n)?)
-        };
+        // x: [n, heads, hd]; cos/sin rows start..start+n.
+        let (cos, sin) = self.rope_tables((start + n) as usize)?;
+        self.rotate(x, &cos.f_narrow(0, start, n)?, &sin.f_narrow(0, start, n)?)
+    }
+
+    /// RoPE of `x` (`[n, heads, hd]`) with row `i` at `positions[i]`.
+    fn rope_at(&self, x: &Tensor, positions: &[usize]) -> Result<Tensor> {
+        let need = positions.iter().max().map_or(0, |&p| p + 1);
+        let (cos, sin) = self.rope_tables(need)?;
+        let pos: Vec<i64> = positions.iter().map(|&p| p as i64).collect();
+        let pos = Tensor::f_from_slice(&pos)?.f_to_device(self.device)?;
+        self.rotate(
+            x,
+            &cos.f_index_select(0, &pos)?,
+            &sin.f_index_select(0, &pos)?,
+        )
+    }
+
+    /// `x · cos + rotate_half(x) · sin`, the tables broadcast over heads.
+    fn rotate(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         let (cos, sin) = (cos.f_unsqueeze(1)?, sin.f_unsqueeze(1)?);
         let half = (self.cfg.head_dim / 2) as i64;
         let x1 = x.f_narrow(-1, 0, half)?;
@@ -668,21 +688,12 @@ impl Llama {
         Ok(x * cos + rotated * sin)
     }
 
-    /// Runs `tokens` through the model after the positions already in
-    /// `store`, writing their K/V there. Returns logits `[n, vocab]` for every
-    /// new token when `all_logits`, else `[1, vocab]` for the last one.
-    pub fn forward(
-        &self,
-        tokens: &[u32],
-        store: &mut dyn KvStore,
-        all_logits: bool,
-    ) -> Result<Tensor> {
-        let _guard = tch::no_grad_guard();
+    /// Checks that `tokens` may follow `start` positions.
+    fn check_input(&self, tokens: &[u32], start: usize) -> Result<()> {
         let n = tokens.len();
         if n == 0 {
             return Err(EngineError::Request("empty input".into()));
         }
-        let start = store.len();
         if start + n > self.cfg.max_ctx {
             return Err(EngineError::Request(format!(
                 "{} positions exceed the model's context of {} tokens",
@@ -696,6 +707,83 @@ impl Llama {
                 self.cfg.vocab
             )));
         }
+        Ok(())
+    }
+
+    /// One decode step for many sequences at once: `tokens[i]` follows
+    /// the positions already in `stores[i]`. The weights are read once
+    /// for the whole batch (every linear layer is one `[batch, d]`
+    /// matmul); attention runs per sequence over its own store. Returns
+    /// logits `[batch, vocab]`, row `i` equal (up to rounding) to what
+    /// [`forward`](Self::forward) of `tokens[i]` alone on `stores[i]`
+    /// gives.
+    ///
+    /// Every store is prepared before the step and committed after it. On
+    /// an error nothing is committed: stores prepared before it keep a
+    /// pending step, which a paged view aborts when dropped (drop the
+    /// views of a failed batch).
+    pub fn forward_batch(&self, tokens: &[u32], stores: &mut [&mut dyn KvStore]) -> Result<Tensor> {
+        let _guard = tch::no_grad_guard();
+        if tokens.len() != stores.len() {
+            return Err(EngineError::Request(format!(
+                "{} tokens for {} sequences",
+                tokens.len(),
+                stores.len()
+            )));
+        }
+        let starts: Vec<usize> = stores.iter().map(|s| s.len()).collect();
+        for (t, &start) in tokens.iter().zip(&starts) {
+            self.check_input(std::slice::from_ref(t), start)?;
+        }
+        for s in stores.iter_mut() {
+            s.prepare(1)?;
+        }
+        let c = &self.cfg;
+        let b = tokens.len() as i64;
+        let ids: Vec<i64> = tokens.iter().map(|&t| i64::from(t)).collect();
+        let ids = Tensor::f_from_slice(&ids)?.f_to_device(self.device)?;
+        let mut x = self.embed.f_index_select(0, &ids)?.f_to_kind(self.kind)?; // [b, d]
+        let (nh, nkv, hd) = (c.n_heads as i64, c.n_kv_heads as i64, c.head_dim as i64);
+        for (l, layer) in self.layers.iter().enumerate() {
+            let h = self.rms_norm(&x, &layer.attn_norm)?;
+            let q = self.linear(&h, &layer.wq)?.f_reshape([b, nh, hd])?;
+            let k = self.linear(&h, &layer.wk)?.f_reshape([b, nkv, hd])?;
+            let v = self.linear(&h, &layer.wv)?.f_reshape([b, nkv, hd])?;
+            let q = self.rope_at(&q, &starts)?;
+            let k = self.rope_at(&k, &starts)?;
+            let mut att = Vec::with_capacity(stores.len());
+            for (i, s) in stores.iter_mut().enumerate() {
+                let row = |t: &Tensor| t.f_narrow(0, i as i64, 1);
+                att.push(s.attend(l, &row(&q)?, &row(&k)?, &row(&v)?)?);
+            }
+            let att = Tensor::f_cat(&att, 0)?.f_reshape([b, nh * hd])?;
+            x += self.linear(&att, &layer.wo)?;
+            let h = self.rms_norm(&x, &layer.ffn_norm)?;
+            let gate = self.linear(&h, &layer.w_gate)?.f_silu()?;
+            let up = self.linear(&h, &layer.w_up)?;
+            x += self.linear(&(gate * up), &layer.w_down)?;
+        }
+        let x = self.rms_norm(&x, &self.norm)?;
+        let logits = self.linear(&x, &self.lm_head)?.f_to_kind(Kind::Float)?;
+        for s in stores.iter_mut() {
+            s.commit(1)?;
+        }
+        Ok(logits)
+    }
+
+    /// Runs `tokens` through the model after the positions already in
+    /// `store`, writing their K/V there. Returns logits `[n, vocab]` for every
+    /// new token when `all_logits`, else `[1, vocab]` for the last one.
+    pub fn forward(
+        &self,
+        tokens: &[u32],
+        store: &mut dyn KvStore,
+        all_logits: bool,
+    ) -> Result<Tensor> {
+        let _guard = tch::no_grad_guard();
+        let n = tokens.len();
+        let start = store.len();
+        self.check_input(tokens, start)?;
         store.prepare(n)?;
         let out = self.forward_inner(tokens, start, store, all_logits)?;
         store.commit(n)?;

@@ -13,6 +13,7 @@ use kvforge_engine::{
 };
 use tch::Tensor;
 
+mod batch;
 mod compose;
 mod fused;
 mod hardening;

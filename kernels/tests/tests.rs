@@ -56,20 +56,21 @@ struct Fixture {
 }
 
 /// A cold format: `bits`, per-channel keys in groups of the block or
-/// per-token keys in groups of 8, values per token in groups of 8,
+/// per-token keys in groups of 8, values per token in groups of `vg`,
 /// rotated or not; with the quantizers the cache would decode with.
 fn cold_format(
     bits: u32,
     block: usize,
     key_axis: Axis,
     rotated: bool,
+    vg: usize,
 ) -> (ColdFormat, Box<dyn Quantizer>, Box<dyn Quantizer>) {
     let kg = match key_axis {
         Axis::PerChannel => block,
         Axis::PerToken => 8,
     };
     let kc = QuantConfig::new(bits, kg, key_axis).unwrap();
-    let vc = QuantConfig::new(bits, 8, Axis::PerToken).unwrap();
+    let vc = QuantConfig::new(bits, vg, Axis::PerToken).unwrap();
     let keys: Box<dyn Quantizer> = if rotated {
         Box::new(Rotated::new(GroupQuantizer::new(kc)))
     } else {
@@ -279,14 +280,20 @@ fn matches_a_dense_softmax_over_every_tier_mix() {
     ];
     let mut seed = 1;
     for dims in shapes {
-        for (bits, axis, rotated) in [
-            (8, Axis::PerChannel, false),
-            (4, Axis::PerChannel, false),
-            (4, Axis::PerToken, true),
-            (2, Axis::PerChannel, true),
+        for (bits, axis, rotated, vg) in [
+            (8, Axis::PerChannel, false, 8),
+            (4, Axis::PerChannel, false, 8),
+            (4, Axis::PerToken, true, 8),
+            (2, Axis::PerChannel, true, 8),
+            (4, Axis::PerChannel, false, 32),
+            (2, Axis::PerChannel, true, 32),
+            (4, Axis::PerToken, false, 32),
         ] {
+            if dims.head_dim % vg != 0 {
+                continue;
+            }
             let block = 16;
-            let (fmt, kq, vq) = cold_format(bits, block, axis, rotated);
+            let (fmt, kq, vq) = cold_format(bits, block, axis, rotated, vg);
             for mix in mixes {
                 seed += 1;
                 let last = 1 + (seed as usize * 7) % block;
@@ -325,7 +332,7 @@ fn every_instruction_set_agrees_with_the_scalar_twin() {
         kv_heads: 3,
         head_dim: 64,
     };
-    let (fmt, kq, vq) = cold_format(4, 32, Axis::PerChannel, false);
+    let (fmt, kq, vq) = cold_format(4, 32, Axis::PerChannel, false, 32);
     let f = fixture(
         77,
         dims,
@@ -408,11 +415,11 @@ fn malformed_inputs_are_errors_not_panics() {
     ] {
         assert!(matches!(PagedDecode::new(bad), Err(KernelError::Shape(_))));
     }
-    let (fmt, kq, vq) = cold_format(4, 4, Axis::PerChannel, false);
+    let (fmt, kq, vq) = cold_format(4, 8, Axis::PerChannel, false, 8);
     let f = fixture(
         4,
         dims,
-        4,
+        8,
         &[Kind::F32, Kind::Cold],
         2,
         4,
@@ -444,13 +451,13 @@ fn malformed_inputs_are_errors_not_panics() {
     expect(k.run(&q, &s, &mut out, None), "zero tokens", &out);
     // A cold span reading past its block.
     let mut s = spans.clone();
-    s[1].tokens = 5;
+    s[1].tokens = 9;
     expect(k.run(&q, &s, &mut out, None), "cold span too long", &out);
     // An entry past the mass buffer.
     let mut mass = vec![0f32; 2];
     expect(k.run(&q, &spans, &mut out, Some(&mut mass)), "entry", &out);
     // A cold page quantized another way than the kernel reads.
-    let (other, _, _) = cold_format(8, 4, Axis::PerChannel, false);
+    let (other, _, _) = cold_format(8, 8, Axis::PerChannel, false, 8);
     let k8 = PagedDecode::new(dims).unwrap().with_cold(other).unwrap();
     expect(k8.run(&q, &spans, &mut out, None), "other format", &out);
     // A corrupt cold page (non-finite scale): decoding refuses it.
@@ -468,6 +475,21 @@ fn malformed_inputs_are_errors_not_panics() {
         k.run(&q, &corrupt, &mut out, None),
         Err(KernelError::Quant(_))
     ));
+    // Truncated codes, a missing minimum.
+    let mut short = f.colds[0].0.clone();
+    short.packed.pop();
+    let mut no_min = f.colds[0].1.clone();
+    no_min.mins.pop();
+    for (kb, vb) in [(&short, &f.colds[0].1), (&f.colds[0].0, &no_min)] {
+        let span = [Span {
+            page: Page::Quant { k: kb, v: vb },
+            tokens: 4,
+            entry: 0,
+        }];
+        let r = k.run(&q, &span, &mut out, None);
+        assert!(matches!(r, Err(KernelError::Quant(_))), "{r:?}");
+        assert!(out.iter().all(|&x| x == 7.0), "output touched");
+    }
     // Rotation with a head dim that is not a power of two.
     let odd = PagedDecode::new(Dims {
         heads: 2,
@@ -475,7 +497,7 @@ fn malformed_inputs_are_errors_not_panics() {
         head_dim: 12,
     })
     .unwrap();
-    let (rot, _, _) = cold_format(4, 4, Axis::PerChannel, true);
+    let (rot, _, _) = cold_format(4, 8, Axis::PerChannel, true, 8);
     assert!(matches!(
         odd.with_cold(rot),
         Err(KernelError::Unsupported(_))
@@ -502,7 +524,7 @@ fn random_tables() {
         kv_heads: 2,
         head_dim: 32,
     };
-    let (fmt, kq, vq) = cold_format(4, 8, Axis::PerChannel, false);
+    let (fmt, kq, vq) = cold_format(4, 8, Axis::PerChannel, false, 32);
     let kinds = [Kind::F32, Kind::F16, Kind::Cold];
     for seed in 0..40u64 {
         let mut r = Rng(seed);

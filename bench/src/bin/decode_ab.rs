@@ -13,6 +13,13 @@
 //! reference backend on the first dtype, unquantized) and to the same
 //! cache with the first backend, and KV bytes.
 //!
+//! Then batched decode (`--batch B` sequences at `--batch-context` tokens,
+//! different slices of the article, on the first KV dtype, unquantized,
+//! the first fused backend or else the first one): rounds alternate
+//! decoding the B sequences one by one and as one batch
+//! (`Llama::forward_batch`), and the table gives the median tokens/s of
+//! each (`--batch 1` skips it).
+//!
 //! Backends: `reference` (gather + SDPA), `fused` (the paged kernel,
 //! fastest instruction set), `fused-scalar` (its scalar twin), and a
 //! `-tN` suffix to split long contexts over N threads (`fused-t2`).
@@ -25,8 +32,8 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use kvforge_engine::ppl::greedy_token;
 use kvforge_engine::{
-    AttentionBackend, Engine, EngineConfig, FusedBackend, Isa, Kind, KvQuant, PagedKvCache,
-    ReferenceBackend, Sequence, Tensor,
+    AttentionBackend, Engine, EngineConfig, FusedBackend, Isa, Kind, KvQuant, KvStore,
+    PagedKvCache, ReferenceBackend, Sequence, Tensor,
 };
 
 struct Args {
@@ -36,6 +43,8 @@ struct Args {
     formats: Vec<String>,
     backends: Vec<String>,
     kv_dtypes: Vec<String>,
+    batch: usize,
+    batch_context: usize,
     block_size: usize,
     model: PathBuf,
     text: PathBuf,
@@ -49,6 +58,8 @@ fn parse_args() -> Result<Args> {
         formats: vec!["int8".into(), "int4".into(), "int2".into()],
         backends: vec!["reference".into(), "fused".into()],
         kv_dtypes: vec!["f32".into()],
+        batch: 8,
+        batch_context: 1024,
         block_size: 32,
         model: PathBuf::from("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
         text: PathBuf::from("data/exllamav2/wiki.utf8"),
@@ -63,10 +74,12 @@ fn parse_args() -> Result<Args> {
             "--formats" => a.formats = list(&value),
             "--backends" => a.backends = list(&value),
             "--kv-dtypes" => a.kv_dtypes = list(&value),
+            "--batch" => a.batch = num()?,
+            "--batch-context" => a.batch_context = num()?,
             "--model" => a.model = value.into(),
             "--text" => a.text = value.into(),
             _ => bail!(
-                "unknown flag {flag}; flags: --context --steps --rounds --formats --backends --kv-dtypes --block-size --model --text"
+                "unknown flag {flag}; flags: --context --steps --rounds --formats --backends --kv-dtypes --batch --batch-context --block-size --model --text"
             ),
         }
     }
@@ -157,7 +170,8 @@ fn run() -> Result<()> {
     };
     let engine =
         Engine::load(&a.model, &cfg).with_context(|| format!("loading {}", a.model.display()))?;
-    let mut ids = engine.tokenizer.encode(&article)?;
+    let all_ids = engine.tokenizer.encode(&article)?;
+    let mut ids = all_ids.clone();
     if ids.len() < a.context {
         bail!(
             "the longest article holds {} tokens, fewer than --context {}",
@@ -237,6 +251,76 @@ fn run() -> Result<()> {
     }
     for arm in &mut arms {
         arm.cache.free(&mut arm.seq)?;
+    }
+    drop(arms);
+    if a.batch > 1 {
+        let name = backends
+            .iter()
+            .find(|b| b.starts_with("fused"))
+            .unwrap_or(&backends[0]);
+        batched(&a, &engine, &all_ids, name, kinds[0].1)?;
+    }
+    Ok(())
+}
+
+/// Batch 1 against batch `a.batch`, interleaved, on the same sequences.
+fn batched(a: &Args, engine: &Engine, ids: &[u32], backend_name: &str, kind: Kind) -> Result<()> {
+    let (b, ctx) = (a.batch, a.batch_context);
+    let stride = 512.min(ctx);
+    if ids.len() < (b - 1) * stride + ctx {
+        bail!(
+            "the longest article holds {} tokens, fewer than --batch {b} slices of --batch-context {ctx}",
+            ids.len()
+        );
+    }
+    let model = &engine.model;
+    let capacity = b * (ctx + 2 * a.steps * a.rounds + a.block_size);
+    let mut cache = PagedKvCache::new(&model.cfg, a.block_size, capacity, model.device(), kind)?;
+    cache.set_backend(backend(backend_name)?);
+    let mut seqs: Vec<Sequence> = (0..b).map(|_| Sequence::default()).collect();
+    let mut next = Vec::with_capacity(b);
+    for (i, s) in seqs.iter_mut().enumerate() {
+        let slice = &ids[i * stride..i * stride + ctx];
+        let mut last = None;
+        for chunk in slice.chunks(512) {
+            last = Some(model.forward(chunk, &mut cache.view(s), false)?);
+        }
+        next.push(greedy_token(&last.context("empty context")?)?);
+    }
+    let (mut one, mut many) = (Vec::new(), Vec::new());
+    for _ in 0..a.rounds {
+        let t = Instant::now();
+        for _ in 0..a.steps {
+            for (s, tok) in seqs.iter_mut().zip(next.iter_mut()) {
+                let logits = model.forward(&[*tok], &mut cache.view(s), false)?;
+                *tok = greedy_token(&logits)?;
+            }
+        }
+        one.push((b * a.steps) as f64 / t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        for _ in 0..a.steps {
+            let mut views: Vec<_> = seqs.iter_mut().map(|s| cache.view(s)).collect();
+            let mut stores: Vec<&mut dyn KvStore> =
+                views.iter_mut().map(|v| v as &mut dyn KvStore).collect();
+            let logits = model.forward_batch(&next, &mut stores)?;
+            for (i, tok) in next.iter_mut().enumerate() {
+                *tok = greedy_token(&logits.f_narrow(0, i as i64, 1)?)?;
+            }
+        }
+        many.push((b * a.steps) as f64 / t.elapsed().as_secs_f64());
+    }
+    let (one, many) = (median(one), median(many));
+    println!(
+        "\nBatched decode: {b} sequences of {ctx} tokens (slices of the article {stride} tokens apart), {} KV, {backend_name} backend; {} rounds × {} steps, interleaved, medians.\n\n\
+         | decode | tok/s (all sequences) | × one by one |\n|---|---:|---:|\n\
+         | one by one | {one:.2} | 1.00 |\n| batch {b} | {many:.2} | {:.2} |",
+        a.kv_dtypes[0],
+        a.rounds,
+        a.steps,
+        many / one
+    );
+    for s in &mut seqs {
+        cache.free(s)?;
     }
     Ok(())
 }

@@ -1,0 +1,153 @@
+//! Batched decode: one forward step for many sequences (each with its own
+//! block table and length) gives what running them one by one gives, and a
+//! bad batch commits nothing.
+
+use kvforge_engine::ppl::greedy_token;
+use kvforge_engine::{Axis, Device, Kind, KvQuant, KvStore, PagedKvCache, Sequence, Tensor};
+
+use super::{max_diff, tiny};
+
+fn cache() -> PagedKvCache {
+    let model = tiny();
+    let mut c = PagedKvCache::new(&model.cfg, 8, 1024, Device::Cpu, Kind::Float).unwrap();
+    c.set_cold_tier(Some(KvQuant {
+        bits: 4,
+        group_size: 8,
+        window: 16,
+        rotate: false,
+        key_axis: Axis::PerChannel,
+        sink: 8,
+    }))
+    .unwrap();
+    c
+}
+
+/// Prompts of different lengths, so the batch's positions and tables
+/// differ (some blocks cold, some not).
+fn prompts() -> Vec<Vec<u32>> {
+    [5usize, 40, 17, 64]
+        .iter()
+        .enumerate()
+        .map(|(s, &n)| {
+            (0..n as u32)
+                .map(|i| 3 + (i * 7 + s as u32 * 11) % 90)
+                .collect()
+        })
+        .collect()
+}
+
+/// Prefills every prompt, returning the sequences and their last logits.
+fn prefill(model: &kvforge_engine::Llama, c: &PagedKvCache) -> (Vec<Sequence>, Vec<Tensor>) {
+    let mut seqs = Vec::new();
+    let mut last = Vec::new();
+    for p in prompts() {
+        let mut s = Sequence::default();
+        last.push(model.forward(&p, &mut c.view(&mut s), false).unwrap());
+        seqs.push(s);
+    }
+    (seqs, last)
+}
+
+#[test]
+fn a_batch_decodes_what_the_sequences_decode_one_by_one() {
+    let model = tiny();
+    // One by one.
+    let c1 = cache();
+    let (mut seqs, mut last) = prefill(&model, &c1);
+    let mut want: Vec<Vec<u32>> = vec![Vec::new(); seqs.len()];
+    let mut want_logits = Vec::new();
+    for _ in 0..30 {
+        for (i, s) in seqs.iter_mut().enumerate() {
+            let t = greedy_token(&last[i]).unwrap();
+            want[i].push(t);
+            last[i] = model.forward(&[t], &mut c1.view(s), false).unwrap();
+            want_logits.push(last[i].shallow_clone());
+        }
+    }
+    // As one batch.
+    let c2 = cache();
+    let (mut bseqs, first) = prefill(&model, &c2);
+    let mut toks: Vec<u32> = first.iter().map(|l| greedy_token(l).unwrap()).collect();
+    let mut got: Vec<Vec<u32>> = vec![Vec::new(); bseqs.len()];
+    let mut at = 0;
+    for _ in 0..30 {
+        for (g, &t) in got.iter_mut().zip(&toks) {
+            g.push(t);
+        }
+        let mut views: Vec<_> = bseqs.iter_mut().map(|s| c2.view(s)).collect();
+        let mut stores: Vec<&mut dyn KvStore> =
+            views.iter_mut().map(|v| v as &mut dyn KvStore).collect();
+        let logits = model.forward_batch(&toks, &mut stores).unwrap();
+        assert_eq!(logits.size(), [4, 97]);
+        for (i, t) in toks.iter_mut().enumerate() {
+            let row = logits.get(i as i64).unsqueeze(0);
+            let d = max_diff(&row, &want_logits[at]);
+            assert!(d < 1e-4, "step {at}: {d}");
+            at += 1;
+            *t = greedy_token(&row).unwrap();
+        }
+    }
+    assert_eq!(got, want, "greedy tokens of the batch");
+    // The same tables, up to which block ids the pools handed out (the
+    // batch allocates in another order).
+    let layout = |c: &PagedKvCache, s: &Sequence| -> Vec<(bool, u64, u32)> {
+        let t = c.table(s).unwrap();
+        t.entries()
+            .iter()
+            .map(|e| {
+                (
+                    matches!(e.slot(), kvforge_pool::Slot::Hot(_)),
+                    e.first(),
+                    e.tokens(),
+                )
+            })
+            .collect()
+    };
+    for (a, b) in seqs.iter().zip(&bseqs) {
+        assert_eq!(layout(&c1, a), layout(&c2, b), "same tables");
+    }
+    for s in seqs.iter_mut() {
+        c1.free(s).unwrap();
+    }
+    for s in bseqs.iter_mut() {
+        c2.free(s).unwrap();
+    }
+    assert_eq!(c2.bytes_in_use(), 0);
+}
+
+#[test]
+fn a_bad_batch_commits_nothing() {
+    let model = tiny();
+    let c = cache();
+    let (mut seqs, _) = prefill(&model, &c);
+    let lens: Vec<usize> = seqs.iter().map(Sequence::len).collect();
+    let tables: Vec<_> = seqs.iter().map(|s| c.table(s).unwrap()).collect();
+    let bytes = c.bytes_in_use();
+    for (toks, what) in [
+        (vec![3u32, 4, 5], "three tokens for four sequences"),
+        (vec![3u32, 4, 500, 6], "a token outside the vocabulary"),
+    ] {
+        let mut views: Vec<_> = seqs.iter_mut().map(|s| c.view(s)).collect();
+        let mut stores: Vec<&mut dyn KvStore> =
+            views.iter_mut().map(|v| v as &mut dyn KvStore).collect();
+        let e = model.forward_batch(&toks, &mut stores).expect_err(what);
+        assert!(!e.to_string().contains('\n'), "{what}: one line: {e}");
+    }
+    let now: Vec<usize> = seqs.iter().map(Sequence::len).collect();
+    assert_eq!(now, lens);
+    for (s, t) in seqs.iter().zip(&tables) {
+        assert_eq!(&c.table(s).unwrap(), t);
+    }
+    assert_eq!(c.bytes_in_use(), bytes);
+    // The sequences go on.
+    let mut views: Vec<_> = seqs.iter_mut().map(|s| c.view(s)).collect();
+    let mut stores: Vec<&mut dyn KvStore> =
+        views.iter_mut().map(|v| v as &mut dyn KvStore).collect();
+    let logits = model.forward_batch(&[3, 4, 5, 6], &mut stores).unwrap();
+    assert_eq!(logits.size(), [4, 97]);
+    drop(stores);
+    drop(views);
+    for s in seqs.iter_mut() {
+        c.free(s).unwrap();
+    }
+}
