@@ -43,13 +43,7 @@ impl Default for FusedBackend {
 impl FusedBackend {
     /// Runs with `isa` (an error if this CPU lacks it).
     pub fn with_isa(mut self, isa: Isa) -> Result<Self> {
-        if !isa.supported() {
-            return Err(EngineError::Device(format!(
-                "this CPU does not support {}",
-                isa.name()
-            )));
-        }
-        self.isa = isa;
+        self.isa = isa.check().map_err(kernel)?;
         Ok(self)
     }
 
@@ -186,6 +180,11 @@ impl AttentionBackend for FusedBackend {
     }
 }
 
+/// A kernel's refusal as the engine's error: what the kernel cannot do
+/// here is `Unsupported`, a malformed table or page a `Request` error.
 fn kernel(e: kvforge_kernels::KernelError) -> EngineError {
-    EngineError::Request(e.to_string())
+    match e {
+        kvforge_kernels::KernelError::Unsupported(s) => EngineError::Unsupported(s),
+        other => EngineError::Request(other.to_string()),
+    }
 }

@@ -845,6 +845,10 @@ fn cli_bad_inputs_exit_non_zero_with_one_line() {
             ],
             "groups of one block (1 tokens)",
         ),
+        (
+            &["generate", "--prompt", "x", "--attention", "flash"],
+            "unknown attention backend",
+        ),
         (&["ppl", "--chunk", "0"], "--chunk > 0"),
         (&["ppl", "--window", "1"], "2 <= --window"),
         (&["ppl", "--text", "/dev/zero"], "not a regular file"),

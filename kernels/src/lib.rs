@@ -178,6 +178,18 @@ impl Isa {
         }
     }
 
+    /// `self`, or an error if this CPU lacks it.
+    pub fn check(self) -> Result<Isa> {
+        if self.supported() {
+            Ok(self)
+        } else {
+            Err(KernelError::Unsupported(format!(
+                "this CPU does not support {}",
+                self.name()
+            )))
+        }
+    }
+
     /// `scalar` or `avx2`.
     pub fn name(self) -> &'static str {
         match self {
@@ -241,13 +253,7 @@ impl PagedDecode {
 
     /// Runs with `isa`; an error if this CPU lacks it.
     pub fn with_isa(mut self, isa: Isa) -> Result<Self> {
-        if !isa.supported() {
-            return Err(KernelError::Unsupported(format!(
-                "this CPU does not support {}",
-                isa.name()
-            )));
-        }
-        self.isa = isa;
+        self.isa = isa.check()?;
         Ok(self)
     }
 

@@ -30,6 +30,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
+use kvforge_bench::median;
 use kvforge_engine::ppl::greedy_token;
 use kvforge_engine::{
     AttentionBackend, Engine, EngineConfig, FusedBackend, Isa, Kind, KvQuant, KvStore,
@@ -126,16 +127,6 @@ fn dtype(name: &str) -> Result<Kind> {
         "bf16" => Kind::BFloat16,
         _ => bail!("unknown KV dtype {name}; dtypes: f32, f16, bf16"),
     })
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
 }
 
 fn main() -> std::process::ExitCode {
