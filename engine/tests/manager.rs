@@ -406,8 +406,14 @@ fn many_threads_with_shared_prefixes_and_aborts_leak_nothing() {
 
 #[test]
 fn real_model_reuse_gives_identical_greedy_outputs_over_16_turns() {
+    // f32 KV: a prompt prefilled whole and its suffix prefilled after a
+    // reused prefix differ in the last bits of f32 (other matmul shapes),
+    // and an f16 cache rounds such a difference up to an f16 step now and
+    // then; here that flips a near-tie at turn 1 (with and without the
+    // fused kernel). Identity holds where the storage keeps f32.
     let cfg = EngineConfig {
         weight_kind: Some(kvforge_engine::Kind::Half),
+        kv_kind: Some(kvforge_engine::Kind::Float),
         ..Default::default()
     };
     let load = || Engine::load(&model_path(), &cfg).unwrap();

@@ -292,7 +292,7 @@ pub fn write(dir: &Path, exp: &Experiment, records: &[Record], info: &RunInfo) -
         );
     }
     md.push_str(
-        "\nKV MiB are bytes held by blocks in use in all tiers (hot f32 pool blocks and \
+        "\nKV MiB are bytes held by blocks in use in all tiers (hot f16 pool blocks and \
          quantized cold blocks, each shared block once), at their peak. Speed columns \
          (TTFT, decode) are single sequential runs on a shared machine: indicative only; \
          `cargo xtask decode-ab` measures decode speed interleaved.\n",

@@ -20,6 +20,9 @@
 //! (`Llama::forward_batch`), and the table gives the median tokens/s of
 //! each (`--batch 1` skips it).
 //!
+//! `--weights f16` stores the weights in f16 (f32 compute), the engine's
+//! fastest CPU setting.
+//!
 //! Backends: `reference` (gather + SDPA), `fused` (the paged kernel,
 //! fastest instruction set), `fused-scalar` (its scalar twin), and a
 //! `-tN` suffix to split long contexts over N threads (`fused-t2`).
@@ -46,6 +49,7 @@ struct Args {
     kv_dtypes: Vec<String>,
     batch: usize,
     batch_context: usize,
+    weights: Option<String>,
     block_size: usize,
     model: PathBuf,
     text: PathBuf,
@@ -61,6 +65,7 @@ fn parse_args() -> Result<Args> {
         kv_dtypes: vec!["f32".into()],
         batch: 8,
         batch_context: 1024,
+        weights: None,
         block_size: 32,
         model: PathBuf::from("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
         text: PathBuf::from("data/exllamav2/wiki.utf8"),
@@ -77,10 +82,11 @@ fn parse_args() -> Result<Args> {
             "--kv-dtypes" => a.kv_dtypes = list(&value),
             "--batch" => a.batch = num()?,
             "--batch-context" => a.batch_context = num()?,
+            "--weights" => a.weights = Some(value),
             "--model" => a.model = value.into(),
             "--text" => a.text = value.into(),
             _ => bail!(
-                "unknown flag {flag}; flags: --context --steps --rounds --formats --backends --kv-dtypes --batch --batch-context --block-size --model --text"
+                "unknown flag {flag}; flags: --context --steps --rounds --formats --backends --kv-dtypes --batch --batch-context --weights --block-size --model --text"
             ),
         }
     }
@@ -157,6 +163,7 @@ fn run() -> Result<()> {
     let article = kvforge_bench::longest_article(&a.text)?;
     let cfg = EngineConfig {
         block_size: a.block_size,
+        weight_kind: a.weights.as_deref().map(dtype).transpose()?,
         ..Default::default()
     };
     let engine =
@@ -214,13 +221,14 @@ fn run() -> Result<()> {
     }
     let base = median(arms[0].rates[0].clone());
     println!(
-        "Decode at {} tokens of context, {} rounds × {} steps per arm, interleaved, medians (block {}, weights {:?}, {} kernel).\n\n\
+        "Decode at {} tokens of context, {} rounds × {} steps per arm, interleaved, medians (block {}, compute {:?}, weights {}, {} kernel).\n\n\
          | KV cache | backend | decode tok/s | × first row | × {} on this cache | KV MiB (hot + cold) |\n|---|---|---:|---:|---:|---:|",
         a.context,
         a.rounds,
         a.steps,
         a.block_size,
         model.kind(),
+        a.weights.as_deref().unwrap_or("in the compute dtype"),
         Isa::detect().name(),
         backends[0]
     );

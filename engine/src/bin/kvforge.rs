@@ -121,9 +121,9 @@ struct Common {
     /// compute roughly doubles CPU decode speed.
     #[arg(long)]
     weights: Option<String>,
-    /// KV cache storage dtype (default: --dtype).
-    #[arg(long)]
-    kv_dtype: Option<String>,
+    /// KV cache storage dtype: f16, bf16 or f32.
+    #[arg(long, default_value = "f16")]
+    kv_dtype: String,
     /// Attention backend: fused (the paged kernel for CPU decode steps)
     /// or reference (gather + SDPA).
     #[arg(long, default_value = "fused")]
@@ -361,7 +361,7 @@ impl Common {
             device: parse_device(&self.device)?,
             kind: parse_dtype(&self.dtype)?,
             weight_kind: self.weights.as_deref().map(parse_dtype).transpose()?,
-            kv_kind: self.kv_dtype.as_deref().map(parse_dtype).transpose()?,
+            kv_kind: Some(parse_dtype(&self.kv_dtype)?),
             block_size: self.block_size,
             attention: Attention::parse(&self.attention)?,
             ..EngineConfig::default()
@@ -561,7 +561,7 @@ fn bench(text: &std::path::Path, context: usize, common: &Common) -> Result<(), 
         "{{\"engine\":\"kvforge\",\"dtype\":\"{}\",\"weights\":\"{}\",\"kv\":\"{}\",\"context\":{},\"prefill_tok_s\":{:.3},\"decode_tok_s\":{:.3},\"threads\":{},\"kv_bytes\":{},\"cold_bytes\":{},\"kv_quant\":\"{}\"}}",
         common.dtype,
         common.weights.as_deref().unwrap_or(&common.dtype),
-        common.kv_dtype.as_deref().unwrap_or(&common.dtype),
+        common.kv_dtype,
         g.prompt_tokens,
         g.prompt_tokens as f64 / g.prefill_secs.max(1e-9),
         g.decode_tokens_per_sec(),
@@ -626,7 +626,7 @@ fn ppl(
         serde_json::json!({
             "mode": mode, "tokens": tokens, "window": window, "prefix": prefix, "chunk": chunk,
             "dtype": common.dtype, "weights": common.weights.as_deref().unwrap_or(&common.dtype),
-            "kv": common.kv_dtype.as_deref().unwrap_or(&common.dtype),
+            "kv": common.kv_dtype,
             "kv_quant": quant.map_or_else(|| "none".to_string(), |q| q.name()),
             "scored": r.scored, "ppl": r.ppl, "kv_bytes": r.kv_bytes,
             "hot_bytes": r.hot_bytes, "cold_bytes": r.cold_bytes,
