@@ -8,6 +8,10 @@
 
 pub mod config;
 pub mod report;
+
+/// The dtype every configuration stores its hot KV in (the engine's
+/// default; [`run`] sets it explicitly, the report names it).
+pub const HOT_KV: &str = "f16";
 #[cfg(feature = "engine")]
 pub mod run;
 pub mod strided;

@@ -291,12 +291,13 @@ pub fn write(dir: &Path, exp: &Experiment, records: &[Record], info: &RunInfo) -
             s.failed,
         );
     }
-    md.push_str(
-        "\nKV MiB are bytes held by blocks in use in all tiers (hot f16 pool blocks and \
+    md.push_str(&format!(
+        "\nKV MiB are bytes held by blocks in use in all tiers (hot {} pool blocks and \
          quantized cold blocks, each shared block once), at their peak. Speed columns \
          (TTFT, decode) are single sequential runs on a shared machine: indicative only; \
          `cargo xtask decode-ab` measures decode speed interleaved.\n",
-    );
+        super::HOT_KV
+    ));
     workload_sections(&mut md, exp, records);
     let failures: Vec<&Record> = records.iter().filter(|r| r.error.is_some()).collect();
     if !failures.is_empty() {
@@ -365,8 +366,10 @@ fn model_words(exp: &Experiment) -> String {
         None => format!("`{}`", m.path.display()),
     };
     format!(
-        "{what}, {} weights, f32 compute and hot KV, block {}",
-        m.weights, m.block_size
+        "{what}, {} weights, f32 compute, {} hot KV, block {}",
+        m.weights,
+        super::HOT_KV,
+        m.block_size
     )
 }
 
