@@ -2,9 +2,9 @@
 
 use std::time::Instant;
 
-use tch::Kind;
+use tch::{Kind, Tensor};
 
-use crate::cache::Sequence;
+use crate::cache::{KvStore, Sequence};
 use crate::{Engine, EngineError, Result};
 
 /// How to pick the next token.
@@ -159,18 +159,39 @@ impl Generation {
     }
 }
 
+/// The text of a growing token list, emitted in whole characters: a
+/// token may end mid UTF-8 sequence.
+#[derive(Default)]
+struct TextStream {
+    printed: String,
+}
+
+impl TextStream {
+    /// The text `tokens` completes since the last call ("" while a
+    /// character is unfinished).
+    fn piece(&mut self, tok: &crate::Tokenizer, tokens: &[u32]) -> Result<String> {
+        let text = tok.decode_text(tokens)?;
+        if text.ends_with('\u{fffd}') {
+            return Ok(String::new());
+        }
+        let p = text
+            .strip_prefix(self.printed.as_str())
+            .unwrap_or_default()
+            .to_string();
+        self.printed = text;
+        Ok(p)
+    }
+}
+
+/// Row `i` of `logits` (`[rows, vocab]`) as f32.
+fn logits_row(logits: &Tensor, i: i64) -> Result<Vec<f32>> {
+    let row = logits.f_get(i)?.f_to_kind(Kind::Float)?;
+    Vec::<f32>::try_from(row).map_err(EngineError::from)
+}
+
 impl Engine {
-    /// Prefills `prompt` after what `seq` already holds, then decodes until
-    /// eos, `max_tokens`, or `on_token` returns false. `on_token` gets each
-    /// new id and the text it completes (may be empty mid-character).
-    pub fn generate(
-        &self,
-        seq: &mut Sequence,
-        prompt: &[u32],
-        params: &SamplingParams,
-        on_token: &mut dyn FnMut(u32, &str) -> bool,
-    ) -> Result<Generation> {
-        let mut sampler = Sampler::new(params.clone())?;
+    /// Checks that `prompt` fits after what `seq` holds.
+    fn check_prompt(&self, seq: &Sequence, prompt: &[u32]) -> Result<()> {
         if prompt.is_empty() {
             return Err(EngineError::Request("empty prompt".into()));
         }
@@ -182,6 +203,22 @@ impl Engine {
                 seq.len()
             )));
         }
+        Ok(())
+    }
+
+    /// Prefills `prompt` after what `seq` already holds, then decodes until
+    /// eos, `max_tokens`, or `on_token` returns false. `on_token` gets each
+    /// new id and the text it completes (may be empty mid-character).
+    pub fn generate(
+        &self,
+        seq: &mut Sequence,
+        prompt: &[u32],
+        params: &SamplingParams,
+        on_token: &mut dyn FnMut(u32, &str) -> bool,
+    ) -> Result<Generation> {
+        let mut sampler = Sampler::new(params.clone())?;
+        self.check_prompt(seq, prompt)?;
+        let ctx = self.model.cfg.max_ctx;
         let mut out = Generation {
             prompt_tokens: prompt.len(),
             ..Generation::default()
@@ -192,25 +229,11 @@ impl Engine {
             .forward(prompt, &mut self.cache.view(seq), false)?;
         out.prefill_secs = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
-        let mut printed = String::new();
+        let mut text = TextStream::default();
         loop {
-            let row: Vec<f32> =
-                Vec::<f32>::try_from(logits.f_to_kind(Kind::Float)?.f_flatten(0, -1)?)
-                    .map_err(EngineError::from)?;
-            let next = sampler.sample(&row);
+            let next = sampler.sample(&logits_row(&logits, 0)?);
             out.tokens.push(next);
-            // Emit only whole characters: a token may end mid UTF-8 sequence.
-            let text = self.tokenizer.decode_text(&out.tokens)?;
-            let piece = if text.ends_with('\u{fffd}') {
-                String::new()
-            } else {
-                let p = text
-                    .strip_prefix(printed.as_str())
-                    .unwrap_or_default()
-                    .to_string();
-                printed = text;
-                p
-            };
+            let piece = text.piece(&self.tokenizer, &out.tokens)?;
             let go_on = on_token(next, &piece);
             if next == self.tokenizer.eos && !params.ignore_eos {
                 out.stopped_at_eos = true;
@@ -225,6 +248,120 @@ impl Engine {
         }
         out.decode_secs = t1.elapsed().as_secs_f64();
         Ok(out)
+    }
+
+    /// [`generate`](Self::generate) for several sequences at once: prompt
+    /// `i` is prefilled on `seqs[i]` (one after another), then every
+    /// decode step runs the sequences still going as one batch
+    /// ([`Llama::forward_batch`](crate::Llama::forward_batch): the weights
+    /// are read once per step for all of them). Sequence `i` samples with
+    /// `params[i]` and stops on its own (eos, `max_tokens`, the context,
+    /// or `on_token(i, id, piece)` returning false); its tokens are those
+    /// `generate` would give it alone, up to rounding in the batched
+    /// matmuls. Every prompt and parameter set is checked before any
+    /// work. On an error the step in flight is aborted: each sequence
+    /// holds what its committed steps wrote.
+    pub fn generate_batch(
+        &self,
+        seqs: &mut [Sequence],
+        prompts: &[Vec<u32>],
+        params: &[SamplingParams],
+        on_token: &mut dyn FnMut(usize, u32, &str) -> bool,
+    ) -> Result<Vec<Generation>> {
+        let n = seqs.len();
+        if n == 0 || prompts.len() != n || params.len() != n {
+            return Err(EngineError::Request(format!(
+                "a batch needs one prompt and one parameter set per sequence: {n} sequences, {} prompts, {} parameter sets",
+                prompts.len(),
+                params.len()
+            )));
+        }
+        let mut samplers = params
+            .iter()
+            .map(|p| Sampler::new(p.clone()))
+            .collect::<Result<Vec<_>>>()?;
+        for (s, p) in seqs.iter().zip(prompts) {
+            self.check_prompt(s, p)?;
+        }
+        let ctx = self.model.cfg.max_ctx;
+        let mut outs: Vec<Generation> = prompts
+            .iter()
+            .map(|p| Generation {
+                prompt_tokens: p.len(),
+                ..Generation::default()
+            })
+            .collect();
+        let mut texts: Vec<TextStream> = (0..n).map(|_| TextStream::default()).collect();
+        let mut rows = Vec::with_capacity(n);
+        for (i, (s, p)) in seqs.iter_mut().zip(prompts).enumerate() {
+            let t = Instant::now();
+            let logits = self.model.forward(p, &mut self.cache.view(s), false)?;
+            outs[i].prefill_secs = t.elapsed().as_secs_f64();
+            rows.push(logits_row(&logits, 0)?);
+        }
+        let t1 = Instant::now();
+        // The sequences still going, and the token each feeds next.
+        let mut active: Vec<(usize, u32)> = Vec::with_capacity(n);
+        for (i, row) in rows.iter().enumerate() {
+            let next = samplers[i].sample(row);
+            if self.emit(i, next, &mut outs[i], &mut texts[i], &params[i], on_token)?
+                && seqs[i].len() + 1 < ctx
+            {
+                active.push((i, next));
+            } else {
+                outs[i].decode_secs = t1.elapsed().as_secs_f64();
+            }
+        }
+        while !active.is_empty() {
+            let tokens: Vec<u32> = active.iter().map(|&(_, t)| t).collect();
+            let logits = {
+                // `active` is in sequence order, so the views line up with
+                // `tokens`.
+                let mut views: Vec<_> = seqs
+                    .iter_mut()
+                    .enumerate()
+                    .filter(|(j, _)| active.iter().any(|&(i, _)| i == *j))
+                    .map(|(_, s)| self.cache.view(s))
+                    .collect();
+                let mut stores: Vec<&mut dyn KvStore> =
+                    views.iter_mut().map(|v| v as &mut dyn KvStore).collect();
+                self.model.forward_batch(&tokens, &mut stores)?
+            };
+            let mut still = Vec::with_capacity(active.len());
+            for (r, &(i, _)) in active.iter().enumerate() {
+                let next = samplers[i].sample(&logits_row(&logits, r as i64)?);
+                if self.emit(i, next, &mut outs[i], &mut texts[i], &params[i], on_token)?
+                    && seqs[i].len() + 1 < ctx
+                {
+                    still.push((i, next));
+                } else {
+                    outs[i].decode_secs = t1.elapsed().as_secs_f64();
+                }
+            }
+            active = still;
+        }
+        Ok(outs)
+    }
+
+    /// Records token `next` of sequence `i` and tells the caller; whether
+    /// the sequence goes on.
+    fn emit(
+        &self,
+        i: usize,
+        next: u32,
+        out: &mut Generation,
+        text: &mut TextStream,
+        params: &SamplingParams,
+        on_token: &mut dyn FnMut(usize, u32, &str) -> bool,
+    ) -> Result<bool> {
+        out.tokens.push(next);
+        let piece = text.piece(&self.tokenizer, &out.tokens)?;
+        let go_on = on_token(i, next, &piece);
+        if next == self.tokenizer.eos && !params.ignore_eos {
+            out.stopped_at_eos = true;
+            return Ok(false);
+        }
+        Ok(go_on && out.tokens.len() < params.max_tokens)
     }
 }
 

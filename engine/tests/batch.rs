@@ -151,3 +151,89 @@ fn a_bad_batch_commits_nothing() {
         c.free(s).unwrap();
     }
 }
+
+/// `Engine::generate_batch` on the real model: every sequence gets the
+/// greedy tokens `generate` gives it alone, sequences stop on their own
+/// (max tokens, the caller), and bad batches are refused before any work.
+#[test]
+fn generate_batch_equals_generate_one_by_one() {
+    use kvforge_engine::{Message, SamplingParams, Tokenizer};
+    let engine = super::smollm2();
+    let prompts: Vec<Vec<u32>> = ["What is a cat?", "Name three colors.", "Hi!"]
+        .iter()
+        .map(|m| {
+            engine
+                .tokenizer
+                .encode(&Tokenizer::chat_prompt(&[Message::new("user", *m)]))
+                .unwrap()
+        })
+        .collect();
+    let params: Vec<SamplingParams> = [12usize, 5, 9]
+        .iter()
+        .map(|&max_tokens| SamplingParams {
+            max_tokens,
+            ignore_eos: true,
+            ..Default::default()
+        })
+        .collect();
+    let mut want = Vec::new();
+    for (p, sp) in prompts.iter().zip(&params) {
+        let mut s = Sequence::default();
+        let g = engine.generate(&mut s, p, sp, &mut |_, _| true).unwrap();
+        engine.cache.free(&mut s).unwrap();
+        want.push(g.tokens);
+    }
+    let mut seqs: Vec<Sequence> = (0..3).map(|_| Sequence::default()).collect();
+    let mut seen = vec![0usize; 3];
+    let got = engine
+        .generate_batch(&mut seqs, &prompts, &params, &mut |i, _, _| {
+            seen[i] += 1;
+            true
+        })
+        .unwrap();
+    let got_tokens: Vec<Vec<u32>> = got.iter().map(|g| g.tokens.clone()).collect();
+    assert_eq!(got_tokens, want);
+    assert_eq!(seen, vec![12, 5, 9]);
+    for (s, (p, g)) in seqs.iter().zip(prompts.iter().zip(&got)) {
+        // The last sampled token is not fed back.
+        assert_eq!(s.len(), p.len() + g.tokens.len() - 1);
+    }
+    for s in seqs.iter_mut() {
+        engine.cache.free(s).unwrap();
+    }
+    // The caller stops sequence 1 after its second token; the others go on.
+    let mut seqs: Vec<Sequence> = (0..3).map(|_| Sequence::default()).collect();
+    let mut ones = 0;
+    let got = engine
+        .generate_batch(&mut seqs, &prompts, &params, &mut |i, _, _| {
+            ones += usize::from(i == 1);
+            i != 1 || ones < 2
+        })
+        .unwrap();
+    assert_eq!(got[1].tokens.len(), 2);
+    assert_eq!(got[0].tokens, want[0]);
+    for s in seqs.iter_mut() {
+        engine.cache.free(s).unwrap();
+    }
+    // Bad batches: nothing runs, nothing is held.
+    let bytes = engine.cache.bytes_in_use();
+    let mut seqs: Vec<Sequence> = (0..3).map(|_| Sequence::default()).collect();
+    let mut empty = prompts.clone();
+    empty[2].clear();
+    for (ps, sp, what) in [
+        (
+            &prompts[..2],
+            &params[..],
+            "two prompts for three sequences",
+        ),
+        (&prompts[..], &params[..1], "one parameter set"),
+        (&empty[..], &params[..], "an empty prompt"),
+    ] {
+        let e = engine
+            .generate_batch(&mut seqs, ps, sp, &mut |_, _, _| true)
+            .expect_err(what);
+        assert!(!e.to_string().contains('\n'), "{what}: {e}");
+        assert!(seqs.iter().all(|s| s.is_empty()), "{what}");
+    }
+    assert_eq!(engine.cache.bytes_in_use(), bytes);
+}

@@ -798,6 +798,32 @@ fn assert_one_line_error(args: &[&str], needle: &str) {
     assert!(lines[0].contains(needle), "{args:?}: {err}");
 }
 
+/// Several `--prompt`s are decoded as one batch: one reply line each, the
+/// first the reply that prompt gets alone (greedy; f32 KV, so that the
+/// batch's other matmul shapes cannot flip a near-tie through f16
+/// rounding), and a report per sequence.
+#[test]
+fn cli_generate_decodes_several_prompts_as_one_batch() {
+    let args = [
+        "generate",
+        "--max-tokens",
+        "8",
+        "--kv-dtype",
+        "f32",
+        "--prompt",
+        "Name a fruit.",
+    ];
+    let (alone, _) = kvforge_ok(&args);
+    let mut two = args.to_vec();
+    two.extend(["--prompt", "What is 2+2?"]);
+    let (out, err) = kvforge_ok(&two);
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 2, "{out}");
+    assert_eq!(lines[0], format!("[0] {}", alone.trim_end()));
+    assert!(lines[1].starts_with("[1] "), "{out}");
+    assert_eq!(err.matches("prompt tokens").count(), 2, "{err}");
+}
+
 #[test]
 fn cli_bad_inputs_exit_non_zero_with_one_line() {
     let cases: &[(&[&str], &str)] = &[

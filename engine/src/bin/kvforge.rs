@@ -46,11 +46,13 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Generate a reply to one prompt (chat template applied unless --raw).
+    /// Generate a reply to a prompt (chat template applied unless --raw);
+    /// several `--prompt`s are decoded together as one batch.
     Generate {
-        /// The prompt.
-        #[arg(long)]
-        prompt: String,
+        /// The prompt; repeat it to decode several as one batch (prompt
+        /// `i` samples with seed + i).
+        #[arg(long, required = true)]
+        prompt: Vec<String>,
         /// Feed the prompt as is, without the chat template.
         #[arg(long)]
         raw: bool,
@@ -413,13 +415,19 @@ fn stream(piece: &str) -> bool {
         .is_ok()
 }
 
-fn generate(prompt: &str, raw: bool, common: &Common) -> Result<(), EngineError> {
+fn generate(prompts: &[String], raw: bool, common: &Common) -> Result<(), EngineError> {
     let engine = common.engine()?;
-    let ids = if raw {
-        engine.tokenizer.encode(prompt)?
-    } else {
-        common.user_ids(&engine.tokenizer, prompt)?
+    let encode = |p: &String| {
+        if raw {
+            engine.tokenizer.encode(p)
+        } else {
+            common.user_ids(&engine.tokenizer, p)
+        }
     };
+    if prompts.len() > 1 {
+        return generate_batch(&engine, prompts, &encode, common);
+    }
+    let ids = encode(&prompts[0])?;
     let mut seq = Sequence::default();
     let g = engine.generate(&mut seq, &ids, &common.params(), &mut |_, piece| {
         stream(piece)
@@ -427,6 +435,43 @@ fn generate(prompt: &str, raw: bool, common: &Common) -> Result<(), EngineError>
     emit("");
     report(&engine, &g);
     engine.cache.free(&mut seq)
+}
+
+/// Several prompts decoded as one batch: each reply printed as `[i] text`
+/// when the batch ends, then one report line per sequence.
+fn generate_batch(
+    engine: &Engine,
+    prompts: &[String],
+    encode: &dyn Fn(&String) -> Result<Vec<u32>, EngineError>,
+    common: &Common,
+) -> Result<(), EngineError> {
+    let ids = prompts.iter().map(encode).collect::<Result<Vec<_>, _>>()?;
+    let base = common.params();
+    let params: Vec<SamplingParams> = (0..ids.len())
+        .map(|i| SamplingParams {
+            seed: base.seed.wrapping_add(i as u64),
+            ..base.clone()
+        })
+        .collect();
+    let mut seqs: Vec<Sequence> = ids.iter().map(|_| Sequence::default()).collect();
+    let mut texts = vec![String::new(); ids.len()];
+    let result = engine.generate_batch(&mut seqs, &ids, &params, &mut |i, _, piece| {
+        texts[i].push_str(piece);
+        true
+    });
+    if let Ok(gens) = &result {
+        for (i, t) in texts.iter().enumerate() {
+            if !emit(format!("[{i}] {}", t.trim_end())) {
+                break;
+            }
+        }
+        for g in gens {
+            report(engine, g);
+        }
+    }
+    let freed = seqs.iter_mut().try_for_each(|s| engine.cache.free(s));
+    result?;
+    freed
 }
 
 fn chat(common: &Common, reuse: &Reuse) -> Result<(), EngineError> {
