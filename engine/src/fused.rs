@@ -6,9 +6,10 @@
 //! layer's K/V tensors, cold blocks are dequantized one at a time inside
 //! the kernel, dropped entries are never visited, aliases read their
 //! canonical block, and the attention mass per entry comes from the same
-//! pass. Everything else — prefill chunks (several queries, a causal
-//! mask), CUDA tensors, other dtypes, and steps that ask for key novelty
-//! (KeyDiff needs the mean key first) — goes to [`ReferenceBackend`].
+//! pass, and so does KeyDiff's key novelty (per-entry sums of unit keys
+//! against the mean key). Everything else — prefill chunks (several
+//! queries, a causal mask), CUDA tensors, other dtypes, and key novelty
+//! over Hadamard-rotated cold keys — goes to [`ReferenceBackend`].
 
 use kvforge_kernels::{Dims, Isa, Page, PagedDecode, Span};
 use tch::{Device, Kind, Tensor};
@@ -60,8 +61,9 @@ impl FusedBackend {
         let Some(k) = kv.k.get(layer) else {
             return false;
         };
+        let rotated = kv.cold.is_some_and(|c| c.spec().rotate);
         q.size().first() == Some(&1)
-            && !observe.key_novelty
+            && !(observe.key_novelty && rotated)
             && q.device() == Device::Cpu
             && k.device() == Device::Cpu
             && matches!(k.kind(), Kind::Float | Kind::Half)
@@ -167,15 +169,22 @@ impl AttentionBackend for FusedBackend {
         let qv = Vec::<f32>::try_from(q.f_to_kind(Kind::Float)?.f_flatten(0, -1)?)?;
         let mut out = vec![0f32; qv.len()];
         let mut mass = observe.mass.then(|| vec![0f32; view.entries()]);
-        kern.run(&qv, &spans, &mut out, mass.as_deref_mut())
-            .map_err(kernel)?;
+        let mut key_novelty = observe.key_novelty.then(|| vec![0f32; view.entries()]);
+        kern.run_observed(
+            &qv,
+            &spans,
+            &mut out,
+            mass.as_deref_mut(),
+            key_novelty.as_deref_mut(),
+        )
+        .map_err(kernel)?;
         let out = Tensor::f_from_slice(&out)?
             .f_view([1, qs[1], qs[2]])?
             .f_to_kind(q.kind())?;
         Ok(Attended {
             out,
             mass,
-            key_novelty: None,
+            key_novelty,
         })
     }
 }

@@ -1,8 +1,9 @@
 //! The fused decode backend against the reference (gather + SDPA) on the
 //! same token stream: every tier mix the cache produces — hot f32 and f16,
 //! cold INT8 / INT4 / INT2 with and without rotation and sink, dropped
-//! entries, aliases — gives the same logits, and the attention mass it
-//! reports drives an attention-scored eviction to the same victims.
+//! entries, aliases — gives the same logits, and the attention mass and
+//! key novelty it reports drive H2O and KeyDiff eviction to the same
+//! victims.
 
 use kvforge_engine::{
     Axis, DedupConfig, Device, EvictionConfig, FusedBackend, Isa, Kind, KvQuant, PagedKvCache,
@@ -77,6 +78,12 @@ fn fused_decode_equals_the_reference_over_every_tier_mix() {
         sink: 8,
         window: 16,
     });
+    let keydiff = Some(EvictionConfig::Scored {
+        score: Score::KeyDiff,
+        trigger: Trigger::Tokens(48),
+        sink: 8,
+        window: 16,
+    });
     // A threshold low enough that blocks really are aliased.
     let loose = DedupConfig::SimHash(SimHashConfig {
         threshold: 0.05,
@@ -143,6 +150,22 @@ fn fused_decode_equals_the_reference_over_every_tier_mix() {
             Kind::Float,
             Some(quant(4, false, Axis::PerChannel, 0)),
             h2o,
+            None,
+        ),
+        ("keydiff", Kind::Float, None, keydiff, None),
+        (
+            "f16+int4+keydiff",
+            Kind::Half,
+            Some(quant(4, false, Axis::PerChannel, 8)),
+            keydiff,
+            None,
+        ),
+        // Rotated cold keys: key novelty falls back to the reference.
+        (
+            "int4+rot+keydiff",
+            Kind::Float,
+            Some(quant(4, true, Axis::PerChannel, 0)),
+            keydiff,
             None,
         ),
     ];

@@ -33,8 +33,7 @@ pub(crate) trait Ops {
         }
     }
     /// [`attend_chunk`] compiled for this instruction set.
-    fn attend(k: &PagedDecode, q: &Queries<'_>, spans: &[Span<'_>], tiles: bool)
-    -> Result<Partial>;
+    fn attend(k: &PagedDecode, q: &Queries<'_>, spans: &[Span<'_>], want: Want) -> Result<Partial>;
 }
 
 /// The scaled query, and its Hadamard-rotated twin for rotated cold keys.
@@ -43,13 +42,27 @@ pub(crate) struct Queries<'a> {
     rotated: Option<&'a [f32]>,
 }
 
-/// A chunk's softmax state per query head, and per page and head the
-/// page's own maximum and sum (for the attention mass).
+/// What a chunk keeps besides the output.
+#[derive(Clone, Copy)]
+pub(crate) struct Want {
+    /// Every page's own maximum and sum per head (the attention mass).
+    tiles: bool,
+    /// Key sums per KV head and unit-key sums per page and KV head (key
+    /// novelty).
+    novelty: bool,
+}
+
+/// A chunk's softmax state per query head; per page and head the page's
+/// own maximum and sum (for the attention mass); the sum of its keys per
+/// KV head and, per page and KV head, the sum of its unit keys (for key
+/// novelty).
 pub(crate) struct Partial {
     m: Vec<f32>,
     l: Vec<f32>,
     acc: Vec<f32>,
     tiles: Vec<(f32, f32)>,
+    keys: Vec<f32>,
+    units: Vec<f32>,
 }
 
 /// The plain-Rust twin.
@@ -81,13 +94,8 @@ impl Ops for Scalar {
         dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.to_f32());
     }
 
-    fn attend(
-        k: &PagedDecode,
-        q: &Queries<'_>,
-        spans: &[Span<'_>],
-        tiles: bool,
-    ) -> Result<Partial> {
-        attend_chunk::<Scalar>(k, q, spans, tiles)
+    fn attend(k: &PagedDecode, q: &Queries<'_>, spans: &[Span<'_>], want: Want) -> Result<Partial> {
+        attend_chunk::<Scalar>(k, q, spans, want)
     }
 }
 
@@ -106,19 +114,22 @@ fn attend_chunk<O: Ops>(
     kern: &PagedDecode,
     q: &Queries<'_>,
     spans: &[Span<'_>],
-    want_tiles: bool,
+    want: Want,
 ) -> Result<Partial> {
     let d = kern.dims;
     let (hd, kvh, group) = (d.head_dim, d.kv_heads, d.heads / d.kv_heads);
+    let row = d.row();
     let mut p = Partial {
         m: vec![f32::NEG_INFINITY; d.heads],
         l: vec![0.0; d.heads],
         acc: vec![0.0; d.heads * hd],
-        tiles: if want_tiles {
+        tiles: if want.tiles {
             vec![(f32::NEG_INFINITY, 0.0); spans.len() * d.heads]
         } else {
             Vec::new()
         },
+        keys: vec![0.0; if want.novelty { row } else { 0 }],
+        units: vec![0.0; if want.novelty { spans.len() * row } else { 0 }],
     };
     let mut sc = Scratch::default();
     for (si, span) in spans.iter().enumerate() {
@@ -152,6 +163,15 @@ fn attend_chunk<O: Ops>(
         };
         grow(&mut sc.s, t);
         let s = &mut sc.s[..t];
+        if want.novelty {
+            let units = &mut p.units[si * row..(si + 1) * row];
+            for key in keys[..n].chunks_exact(row) {
+                O::axpy(&mut p.keys, 1.0, key);
+                for (u, k) in units.chunks_exact_mut(hd).zip(key.chunks_exact(hd)) {
+                    O::axpy(u, 1.0 / O::dot(k, k).sqrt().max(1e-12), k);
+                }
+            }
+        }
         for kh in 0..kvh {
             for g in 0..group {
                 let h = kh * group + g;
@@ -170,7 +190,7 @@ fn attend_chunk<O: Ops>(
                 O::accumulate(acc, s, ft, &values[kh * hd..], stride);
                 p.l[h] = p.l[h] * fo + sum * ft;
                 p.m[h] = m_new;
-                if want_tiles {
+                if want.tiles {
                     p.tiles[si * d.heads + h] = (mloc, sum);
                 }
             }
@@ -212,6 +232,7 @@ pub(crate) fn run<O: Ops>(
     spans: &[Span<'_>],
     out: &mut [f32],
     mass: Option<&mut [f32]>,
+    key_novelty: Option<&mut [f32]>,
 ) -> Result<()> {
     let d = kern.dims;
     let scale = 1.0 / (d.head_dim as f32).sqrt();
@@ -231,18 +252,21 @@ pub(crate) fn run<O: Ops>(
     };
     let tokens: usize = spans.iter().map(|s| s.tokens).sum();
     let parts = kern.threads.min(tokens / kern.min_split).max(1);
-    let tiles = mass.is_some();
+    let want = Want {
+        tiles: mass.is_some(),
+        novelty: key_novelty.is_some(),
+    };
     let chunks = split(spans, parts);
     let partials: Vec<Partial> = if chunks.len() == 1 {
-        vec![O::attend(kern, &queries, spans, tiles)?]
+        vec![O::attend(kern, &queries, spans, want)?]
     } else {
         std::thread::scope(|s| {
             let (last, rest) = chunks.split_last().unwrap_or((&spans, &[]));
             let handles: Vec<_> = rest
                 .iter()
-                .map(|c| s.spawn(|| O::attend(kern, &queries, c, tiles)))
+                .map(|c| s.spawn(|| O::attend(kern, &queries, c, want)))
                 .collect();
-            let mine = O::attend(kern, &queries, last, tiles);
+            let mine = O::attend(kern, &queries, last, want);
             let mut all: Vec<Partial> = Vec::with_capacity(chunks.len());
             for h in handles {
                 all.push(h.join().map_err(|_| {
@@ -299,7 +323,51 @@ pub(crate) fn run<O: Ops>(
         }
         debug_assert_eq!(at, spans.len());
     }
+    if let Some(nv) = key_novelty {
+        novelty::<O>(d, spans.len(), &partials, &chunks, nv);
+    }
     Ok(())
+}
+
+/// KeyDiff's signal per entry from the chunks' key sums: with `m̂` the
+/// unit mean key per KV head, an entry's novelty is `1 − Σ_heads (Σ_keys
+/// k̂)·m̂ / (keys × kv_heads)`, the mean of `1 − cos(k, m̂)` over its keys
+/// and heads.
+fn novelty<O: Ops>(
+    d: crate::Dims,
+    n_spans: usize,
+    partials: &[Partial],
+    chunks: &[&[Span<'_>]],
+    out: &mut [f32],
+) {
+    let (row, hd) = (d.row(), d.head_dim);
+    let mut mean = vec![0f32; row];
+    for p in partials {
+        O::axpy(&mut mean, 1.0, &p.keys);
+    }
+    let total: usize = chunks.iter().flat_map(|c| c.iter()).map(|s| s.tokens).sum();
+    O::scale(&mut mean, 1.0 / total.max(1) as f32);
+    for m in mean.chunks_exact_mut(hd) {
+        let norm = O::dot(m, m).sqrt().max(1e-12);
+        O::scale(m, 1.0 / norm);
+    }
+    let mut dots = vec![0f32; out.len()];
+    let mut keys = vec![0usize; out.len()];
+    let mut seen = 0;
+    for (p, c) in partials.iter().zip(chunks) {
+        for (si, span) in c.iter().enumerate() {
+            let units = &p.units[si * row..(si + 1) * row];
+            dots[span.entry] += O::dot(units, &mean);
+            keys[span.entry] += span.tokens;
+            seen += 1;
+        }
+    }
+    debug_assert_eq!(seen, n_spans);
+    for ((o, &dot), &k) in out.iter_mut().zip(&dots).zip(&keys) {
+        if k > 0 {
+            *o += 1.0 - dot / (k * d.kv_heads) as f32;
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -311,7 +379,7 @@ mod avx2 {
 
     use half::f16;
 
-    use super::{Ops, Partial, Queries, attend_chunk};
+    use super::{Ops, Partial, Queries, Want, attend_chunk};
     use crate::{PagedDecode, Result, Span};
 
     /// AVX2 + FMA + F16C. Its methods may only run on a CPU that has them
@@ -329,8 +397,9 @@ mod avx2 {
         spans: &[Span<'_>],
         out: &mut [f32],
         mass: Option<&mut [f32]>,
+        key_novelty: Option<&mut [f32]>,
     ) -> Result<()> {
-        super::run::<Avx2>(kern, q, spans, out, mass)
+        super::run::<Avx2>(kern, q, spans, out, mass, key_novelty)
     }
 
     /// [`attend_chunk`] compiled with AVX2, so that the primitives inline.
@@ -342,9 +411,9 @@ mod avx2 {
         k: &PagedDecode,
         q: &Queries<'_>,
         spans: &[Span<'_>],
-        tiles: bool,
+        want: Want,
     ) -> Result<Partial> {
-        attend_chunk::<Avx2>(k, q, spans, tiles)
+        attend_chunk::<Avx2>(k, q, spans, want)
     }
 
     #[inline(always)]
@@ -588,10 +657,10 @@ mod avx2 {
             k: &PagedDecode,
             q: &Queries<'_>,
             spans: &[Span<'_>],
-            tiles: bool,
+            want: Want,
         ) -> Result<Partial> {
             // SAFETY: `Avx2` only runs on a CPU with AVX2, FMA and F16C.
-            unsafe { attend_avx2(k, q, spans, tiles) }
+            unsafe { attend_avx2(k, q, spans, want) }
         }
     }
 }

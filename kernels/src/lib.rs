@@ -288,17 +288,54 @@ impl PagedDecode {
         out: &mut [f32],
         mass: Option<&mut [f32]>,
     ) -> Result<()> {
+        self.run_observed(q, spans, out, mass, None)
+    }
+
+    /// [`run`](Self::run), and with `key_novelty` (one slot per table
+    /// entry) KeyDiff's signal from the same pass: adds to
+    /// `key_novelty[e]`, for every entry `e` with keys, `1 − cos(key, mean
+    /// key)` averaged over the entry's keys and the KV heads (the mean per
+    /// KV head over every key of `spans`). Cold keys stored rotated are
+    /// refused for it (they would have to be rotated back).
+    pub fn run_observed(
+        &self,
+        q: &[f32],
+        spans: &[Span<'_>],
+        out: &mut [f32],
+        mass: Option<&mut [f32]>,
+        key_novelty: Option<&mut [f32]>,
+    ) -> Result<()> {
         self.check(q, spans, out, mass.as_deref())?;
+        if let Some(nv) = key_novelty.as_deref() {
+            self.check_entries(spans, nv.len(), "key novelty")?;
+            let rotated = self.cold.is_some_and(|c| c.rotated);
+            if rotated && spans.iter().any(|s| matches!(s.page, Page::Quant { .. })) {
+                return Err(KernelError::Unsupported(
+                    "key novelty over rotated cold keys".into(),
+                ));
+            }
+        }
         match self.isa {
-            Isa::Scalar => cpu::run::<cpu::Scalar>(self, q, spans, out, mass),
+            Isa::Scalar => cpu::run::<cpu::Scalar>(self, q, spans, out, mass, key_novelty),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => {
                 // SAFETY: `with_isa` and `Isa::detect` only select AVX2 on a
                 // CPU that has AVX2, FMA and F16C.
-                unsafe { cpu::run_avx2(self, q, spans, out, mass) }
+                unsafe { cpu::run_avx2(self, q, spans, out, mass, key_novelty) }
             }
             #[cfg(not(target_arch = "x86_64"))]
             Isa::Avx2 => Err(KernelError::Unsupported("avx2 on a non-x86 CPU".into())),
+        }
+    }
+
+    /// Every span's entry indexes a buffer of `len` entries.
+    fn check_entries(&self, spans: &[Span<'_>], len: usize, what: &str) -> Result<()> {
+        match spans.iter().position(|s| s.entry >= len) {
+            Some(i) => Err(KernelError::Shape(format!(
+                "span {i} belongs to entry {}, past the {len} entries of the {what} buffer",
+                spans[i].entry
+            ))),
+            None => Ok(()),
         }
     }
 
@@ -322,19 +359,14 @@ impl PagedDecode {
         if spans.is_empty() {
             return Err(KernelError::Shape("no keys to attend over".into()));
         }
+        if let Some(m) = mass {
+            self.check_entries(spans, m.len(), "mass")?;
+        }
         for (i, s) in spans.iter().enumerate() {
             if s.tokens == 0 {
                 return Err(KernelError::Shape(format!("span {i} attends no token")));
             }
-            if let Some(m) = mass {
-                if s.entry >= m.len() {
-                    return Err(KernelError::Shape(format!(
-                        "span {i} belongs to entry {}, past the {} entries of the mass buffer",
-                        s.entry,
-                        m.len()
-                    )));
-                }
-            }
+
             let rows = s.tokens.checked_mul(d.row()).ok_or_else(|| {
                 KernelError::Shape(format!("span {i}: {} tokens overflow", s.tokens))
             })?;

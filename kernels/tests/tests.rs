@@ -222,6 +222,49 @@ impl Fixture {
     }
 }
 
+impl Fixture {
+    /// KeyDiff's signal per entry in f64: `1 − cos(key, mean key)` per key
+    /// and KV head (the mean over every key), averaged over the entry's
+    /// keys and the heads; 0 for entries without keys.
+    fn dense_novelty(&self) -> Vec<f64> {
+        let d = self.dims;
+        let hd = d.head_dim;
+        let mut out = vec![0f64; 2 * self.pages.len()];
+        let mut count = vec![0usize; out.len()];
+        for kh in 0..d.kv_heads {
+            let key = |p: usize, t: usize| -> Vec<f64> {
+                self.seen[p].0[(t * d.kv_heads + kh) * hd..][..hd]
+                    .iter()
+                    .map(|&x| f64::from(x))
+                    .collect()
+            };
+            let mut mean = vec![0f64; hd];
+            for (p, page) in self.pages.iter().enumerate() {
+                for t in 0..page.2 {
+                    mean.iter_mut().zip(key(p, t)).for_each(|(m, x)| *m += x);
+                }
+            }
+            let norm = |v: &[f64]| v.iter().map(|x| x * x).sum::<f64>().sqrt();
+            let mn = norm(&mean);
+            for (p, page) in self.pages.iter().enumerate() {
+                for t in 0..page.2 {
+                    let k = key(p, t);
+                    let cos = k.iter().zip(&mean).map(|(a, b)| a * b).sum::<f64>()
+                        / (norm(&k).max(1e-12) * mn.max(1e-12));
+                    out[self.entries[p]] += 1.0 - cos;
+                    count[self.entries[p]] += 1;
+                }
+            }
+        }
+        for (o, c) in out.iter_mut().zip(count) {
+            if c > 0 {
+                *o /= c as f64;
+            }
+        }
+        out
+    }
+}
+
 fn close(what: &str, got: &[f32], want: &[f64], tol: f64) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
@@ -385,6 +428,64 @@ fn mass_is_per_entry_and_sums_to_the_heads() {
         k.run(&q, &f.spans(), &mut plain, None).unwrap();
         assert_eq!(out, plain);
     }
+}
+
+/// Key novelty from the same pass equals the dense computation for every
+/// tier mix (rotated cold keys excepted: refused), with entries spread over
+/// several pages, split over threads or not.
+#[test]
+fn key_novelty_is_the_distance_from_the_mean_key() {
+    let dims = Dims {
+        heads: 6,
+        kv_heads: 2,
+        head_dim: 32,
+    };
+    let (fmt, kq, vq) = cold_format(4, 8, Axis::PerChannel, false, 32);
+    let mixes: [&[Kind]; 3] = [
+        &[Kind::F32],
+        &[Kind::F16, Kind::Cold],
+        &[Kind::Cold, Kind::F32, Kind::F16],
+    ];
+    for (m, mix) in mixes.iter().enumerate() {
+        let mut f = fixture(40 + m as u64, dims, 8, mix, 7, 3, Some((&*kq, &*vq)));
+        // Pages 1 and 2 are one entry; page 5 another's only page.
+        f.entries = vec![0, 2, 2, 4, 6, 8, 12];
+        let want = f.dense_novelty();
+        let q = Rng(7).vec(dims.heads * dims.head_dim, 1.0);
+        for isa in isas() {
+            for threads in [1, 3] {
+                let k = PagedDecode::new(dims)
+                    .unwrap()
+                    .with_cold(fmt)
+                    .unwrap()
+                    .with_isa(isa)
+                    .unwrap()
+                    .with_threads(threads, 8);
+                let mut out = vec![0f32; dims.heads * dims.head_dim];
+                let mut nv = vec![0f32; 14];
+                k.run_observed(&q, &f.spans(), &mut out, None, Some(&mut nv))
+                    .unwrap();
+                close(&format!("{mix:?} {isa:?} x{threads}"), &nv, &want, 1e-5);
+                assert!(nv[1] == 0.0 && nv[13] == 0.0, "entries without keys");
+                let mut plain = vec![0f32; out.len()];
+                k.run(&q, &f.spans(), &mut plain, None).unwrap();
+                assert_eq!(out, plain, "the output does not depend on it");
+            }
+        }
+    }
+    // Rotated cold keys: refused, output untouched.
+    let (rot, kq, vq) = cold_format(4, 8, Axis::PerChannel, true, 32);
+    let f = fixture(9, dims, 8, &[Kind::Cold], 2, 8, Some((&*kq, &*vq)));
+    let k = PagedDecode::new(dims).unwrap().with_cold(rot).unwrap();
+    let mut out = vec![7f32; dims.heads * dims.head_dim];
+    let mut nv = vec![0f32; 4];
+    let r = k.run_observed(&[0.1; 192], &f.spans(), &mut out, None, Some(&mut nv));
+    assert!(matches!(r, Err(KernelError::Unsupported(_))), "{r:?}");
+    assert!(out.iter().all(|&x| x == 7.0));
+    // A novelty buffer too short for the entries.
+    let mut short = vec![0f32; 2];
+    let r = k.run_observed(&[0.1; 192], &f.spans(), &mut out, None, Some(&mut short));
+    assert!(matches!(r, Err(KernelError::Shape(_))), "{r:?}");
 }
 
 /// Every malformed input is an error before anything is read, and the

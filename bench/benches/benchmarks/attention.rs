@@ -1,9 +1,10 @@
 //! One layer of paged decode attention (`kvforge-kernels`) at SmolLM2's
 //! shape (9 query heads, 3 KV heads, head dim 64), blocks of 32 tokens:
 //! f32 and f16 hot pages and INT4 cold pages (KIVI keys, values in groups
-//! of 32), with and without the attention mass, on the scalar twin and
-//! the fastest instruction set, at 1k and 8k keys. Bytes per call are the
-//! pages' K and V (codes and group parameters for INT4).
+//! of 32), on the scalar twin and the fastest instruction set, at 1k and
+//! 8k keys; alone, with the attention mass, or with the key novelty
+//! (KeyDiff) per entry from the same pass. Bytes per call are the pages'
+//! K and V (codes and group parameters for INT4).
 
 use criterion::{BenchmarkId, Criterion, Throughput};
 use kvforge_kernels::{ColdFormat, Dims, Isa, Page, PagedDecode, Span};
@@ -127,20 +128,22 @@ fn attention(c: &mut Criterion) {
                     .unwrap()
                     .with_isa(isa)
                     .unwrap();
-                for with_mass in [false, true] {
-                    if isa == Isa::Scalar && (with_mass || keys > 1024) {
+                for observe in ["", "+mass", "+novelty"] {
+                    if isa == Isa::Scalar && (!observe.is_empty() || keys > 1024) {
                         continue;
                     }
-                    let name = format!(
-                        "{tier}-{}{}",
-                        isa.name(),
-                        if with_mass { "+mass" } else { "" }
-                    );
-                    let mut mass = vec![0f32; pages];
+                    let name = format!("{tier}-{}{observe}", isa.name());
+                    let (mut mass, mut novelty) = (vec![0f32; pages], vec![0f32; pages]);
                     g.bench_function(BenchmarkId::new(name, keys), |b| {
                         b.iter(|| {
-                            kern.run(&q, spans, &mut out, with_mass.then_some(&mut mass[..]))
-                                .unwrap();
+                            kern.run_observed(
+                                &q,
+                                spans,
+                                &mut out,
+                                (observe == "+mass").then_some(&mut mass[..]),
+                                (observe == "+novelty").then_some(&mut novelty[..]),
+                            )
+                            .unwrap();
                             out[0]
                         })
                     });
