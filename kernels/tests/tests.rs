@@ -275,6 +275,18 @@ fn close(what: &str, got: &[f32], want: &[f64], tol: f64) {
     }
 }
 
+/// A kernel for `dims` reading `fmt`, on `isa`, split over `threads`
+/// threads from `split` keys each.
+fn kernel(dims: Dims, fmt: ColdFormat, isa: Isa, threads: usize, split: usize) -> PagedDecode {
+    PagedDecode::new(dims)
+        .unwrap()
+        .with_cold(fmt)
+        .unwrap()
+        .with_isa(isa)
+        .unwrap()
+        .with_threads(threads, split)
+}
+
 fn isas() -> Vec<Isa> {
     [Isa::Scalar, Isa::Avx2]
         .into_iter()
@@ -345,16 +357,10 @@ fn matches_a_dense_softmax_over_every_tier_mix() {
                 let (want, want_mass) = f.dense(&q);
                 for isa in isas() {
                     for threads in [1, 3] {
-                        let kern = PagedDecode::new(dims)
-                            .unwrap()
-                            .with_cold(fmt)
-                            .unwrap()
-                            .with_isa(isa)
-                            .unwrap()
-                            .with_threads(threads, 16);
+                        let kern = kernel(dims, fmt, isa, threads, 16);
                         let (out, mass) = run(&kern, &f, &q);
                         let what = format!(
-                            "{dims:?} int{bits} {axis:?} rot={rotated} {mix:?} {isa:?} x{threads}"
+                            "{dims:?} int{bits} {axis:?} rot={rotated} vg={vg} {mix:?} {isa:?} x{threads}"
                         );
                         close(&what, &out, &want, 2e-5);
                         close(&format!("{what} mass"), &mass, &want_mass, 2e-5);
@@ -454,13 +460,7 @@ fn key_novelty_is_the_distance_from_the_mean_key() {
         let q = Rng(7).vec(dims.heads * dims.head_dim, 1.0);
         for isa in isas() {
             for threads in [1, 3] {
-                let k = PagedDecode::new(dims)
-                    .unwrap()
-                    .with_cold(fmt)
-                    .unwrap()
-                    .with_isa(isa)
-                    .unwrap()
-                    .with_threads(threads, 8);
+                let k = kernel(dims, fmt, isa, threads, 8);
                 let mut out = vec![0f32; dims.heads * dims.head_dim];
                 let mut nv = vec![0f32; 14];
                 k.run_observed(&q, &f.spans(), &mut out, None, Some(&mut nv))
@@ -657,13 +657,7 @@ fn random_tables() {
         let (want, want_mass) = f.dense(&q);
         for isa in isas() {
             for threads in [1, 2] {
-                let k = PagedDecode::new(dims)
-                    .unwrap()
-                    .with_cold(fmt)
-                    .unwrap()
-                    .with_isa(isa)
-                    .unwrap()
-                    .with_threads(threads, 8);
+                let k = kernel(dims, fmt, isa, threads, 8);
                 let (out, mass) = run(&k, &f, &q);
                 close(&format!("seed {seed} {isa:?}"), &out, &want, 2e-5);
                 close(
