@@ -232,14 +232,10 @@ impl Engine {
         let mut text = TextStream::default();
         loop {
             let next = sampler.sample(&logits_row(&logits, 0)?);
-            out.tokens.push(next);
-            let piece = text.piece(&self.tokenizer, &out.tokens)?;
-            let go_on = on_token(next, &piece);
-            if next == self.tokenizer.eos && !params.ignore_eos {
-                out.stopped_at_eos = true;
-                break;
-            }
-            if !go_on || out.tokens.len() >= params.max_tokens || seq.len() + 1 >= ctx {
+            let go_on = self.emit(0, next, &mut out, &mut text, params, &mut |_, id, piece| {
+                on_token(id, piece)
+            })?;
+            if !go_on || seq.len() + 1 >= ctx {
                 break;
             }
             logits = self

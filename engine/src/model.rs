@@ -659,23 +659,19 @@ impl Llama {
         Ok((t.0.shallow_clone(), t.1.shallow_clone()))
     }
 
-    fn rope(&self, x: &Tensor, start: i64, n: i64) -> Result<Tensor> {
-        // x: [n, heads, hd]; cos/sin rows start..start+n.
+    /// The cos/sin rows of positions `start..start + n`.
+    fn rope_range(&self, start: i64, n: i64) -> Result<(Tensor, Tensor)> {
         let (cos, sin) = self.rope_tables((start + n) as usize)?;
-        self.rotate(x, &cos.f_narrow(0, start, n)?, &sin.f_narrow(0, start, n)?)
+        Ok((cos.f_narrow(0, start, n)?, sin.f_narrow(0, start, n)?))
     }
 
-    /// RoPE of `x` (`[n, heads, hd]`) with row `i` at `positions[i]`.
-    fn rope_at(&self, x: &Tensor, positions: &[usize]) -> Result<Tensor> {
+    /// The cos/sin rows of `positions`, row `i` at `positions[i]`.
+    fn rope_at(&self, positions: &[usize]) -> Result<(Tensor, Tensor)> {
         let need = positions.iter().max().map_or(0, |&p| p + 1);
         let (cos, sin) = self.rope_tables(need)?;
         let pos: Vec<i64> = positions.iter().map(|&p| p as i64).collect();
         let pos = Tensor::f_from_slice(&pos)?.f_to_device(self.device)?;
-        self.rotate(
-            x,
-            &cos.f_index_select(0, &pos)?,
-            &sin.f_index_select(0, &pos)?,
-        )
+        Ok((cos.f_index_select(0, &pos)?, sin.f_index_select(0, &pos)?))
     }
 
     /// `x · cos + rotate_half(x) · sin`, the tables broadcast over heads.
@@ -738,33 +734,16 @@ impl Llama {
         for s in stores.iter_mut() {
             s.prepare(1)?;
         }
-        let c = &self.cfg;
-        let b = tokens.len() as i64;
-        let ids: Vec<i64> = tokens.iter().map(|&t| i64::from(t)).collect();
-        let ids = Tensor::f_from_slice(&ids)?.f_to_device(self.device)?;
-        let mut x = self.embed.f_index_select(0, &ids)?.f_to_kind(self.kind)?; // [b, d]
-        let (nh, nkv, hd) = (c.n_heads as i64, c.n_kv_heads as i64, c.head_dim as i64);
-        for (l, layer) in self.layers.iter().enumerate() {
-            let h = self.rms_norm(&x, &layer.attn_norm)?;
-            let q = self.linear(&h, &layer.wq)?.f_reshape([b, nh, hd])?;
-            let k = self.linear(&h, &layer.wk)?.f_reshape([b, nkv, hd])?;
-            let v = self.linear(&h, &layer.wv)?.f_reshape([b, nkv, hd])?;
-            let q = self.rope_at(&q, &starts)?;
-            let k = self.rope_at(&k, &starts)?;
+        let (cos, sin) = self.rope_at(&starts)?;
+        let x = self.decoder(tokens, &cos, &sin, &mut |l, q, k, v| {
             let mut att = Vec::with_capacity(stores.len());
             for (i, s) in stores.iter_mut().enumerate() {
                 let row = |t: &Tensor| t.f_narrow(0, i as i64, 1);
-                att.push(s.attend(l, &row(&q)?, &row(&k)?, &row(&v)?)?);
+                att.push(s.attend(l, &row(q)?, &row(k)?, &row(v)?)?);
             }
-            let att = Tensor::f_cat(&att, 0)?.f_reshape([b, nh * hd])?;
-            x += self.linear(&att, &layer.wo)?;
-            let h = self.rms_norm(&x, &layer.ffn_norm)?;
-            let gate = self.linear(&h, &layer.w_gate)?.f_silu()?;
-            let up = self.linear(&h, &layer.w_up)?;
-            x += self.linear(&(gate * up), &layer.w_down)?;
-        }
-        let x = self.rms_norm(&x, &self.norm)?;
-        let logits = self.linear(&x, &self.lm_head)?.f_to_kind(Kind::Float)?;
+            Ok(Tensor::f_cat(&att, 0)?)
+        })?;
+        let logits = self.logits(&x)?;
         for s in stores.iter_mut() {
             s.commit(1)?;
         }
@@ -797,8 +776,35 @@ impl Llama {
         store: &mut dyn KvStore,
         all_logits: bool,
     ) -> Result<Tensor> {
+        let n = tokens.len() as i64;
+        let (cos, sin) = self.rope_range(start as i64, n)?;
+        // The store writes this step's K/V and attends over every position
+        // it holds (which ones, and how, is its business).
+        let x = self.decoder(tokens, &cos, &sin, &mut |l, q, k, v| {
+            store.attend(l, q, k, v)
+        })?;
+        let x = if all_logits {
+            x
+        } else {
+            x.f_narrow(0, n - 1, 1)?
+        };
+        self.logits(&x)
+    }
+
+    /// The decoder stack over `tokens` (one row each), row `i` rotated by
+    /// RoPE rows `cos[i]`, `sin[i]`: per layer, `attend(layer, q, k, v)`
+    /// (`[rows, heads or kv_heads, head_dim]`) stores K/V and returns the
+    /// attention output `[rows, heads, head_dim]`. Returns the hidden states
+    /// `[rows, d_model]` before the final norm.
+    fn decoder(
+        &self,
+        tokens: &[u32],
+        cos: &Tensor,
+        sin: &Tensor,
+        attend: &mut dyn FnMut(usize, &Tensor, &Tensor, &Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
         let c = &self.cfg;
-        let (n, s0) = (tokens.len() as i64, start as i64);
+        let n = tokens.len() as i64;
         let ids: Vec<i64> = tokens.iter().map(|&t| i64::from(t)).collect();
         let ids = Tensor::f_from_slice(&ids)?.f_to_device(self.device)?;
         let mut x = self.embed.f_index_select(0, &ids)?.f_to_kind(self.kind)?; // [n, d]
@@ -808,23 +814,21 @@ impl Llama {
             let q = self.linear(&h, &layer.wq)?.f_reshape([n, nh, hd])?;
             let k = self.linear(&h, &layer.wk)?.f_reshape([n, nkv, hd])?;
             let v = self.linear(&h, &layer.wv)?.f_reshape([n, nkv, hd])?;
-            let q = self.rope(&q, s0, n)?;
-            let k = self.rope(&k, s0, n)?;
-            // The store writes this step's K/V and attends over every
-            // position it holds (which ones, and how, is its business).
-            let att = store.attend(l, &q, &k, &v)?.f_reshape([n, nh * hd])?;
+            let q = self.rotate(&q, cos, sin)?;
+            let k = self.rotate(&k, cos, sin)?;
+            let att = attend(l, &q, &k, &v)?.f_reshape([n, nh * hd])?;
             x += self.linear(&att, &layer.wo)?;
             let h = self.rms_norm(&x, &layer.ffn_norm)?;
             let gate = self.linear(&h, &layer.w_gate)?.f_silu()?;
             let up = self.linear(&h, &layer.w_up)?;
             x += self.linear(&(gate * up), &layer.w_down)?;
         }
-        let x = if all_logits {
-            x
-        } else {
-            x.f_narrow(0, n - 1, 1)?
-        };
-        let x = self.rms_norm(&x, &self.norm)?;
+        Ok(x)
+    }
+
+    /// Final norm and output head: logits `[rows, vocab]` in f32.
+    fn logits(&self, x: &Tensor) -> Result<Tensor> {
+        let x = self.rms_norm(x, &self.norm)?;
         Ok(self.linear(&x, &self.lm_head)?.f_to_kind(Kind::Float)?)
     }
 }

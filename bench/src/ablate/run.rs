@@ -616,7 +616,7 @@ fn configure(exp: &Experiment, m: &Mechanisms) -> Result<Configured> {
     };
     let cfg = EngineConfig {
         weight_kind: None,
-        kv_kind: Some(kvforge_engine::Kind::Half), // super::HOT_KV
+        kv_kind: Some(kvforge_engine::parse_dtype(super::HOT_KV)?),
         block_size: bs,
         kv_quant,
         eviction,

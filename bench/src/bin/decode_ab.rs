@@ -37,7 +37,7 @@ use kvforge_bench::median;
 use kvforge_engine::ppl::greedy_token;
 use kvforge_engine::{
     AttentionBackend, Engine, EngineConfig, FusedBackend, Isa, Kind, KvQuant, KvStore,
-    PagedKvCache, ReferenceBackend, Sequence, Tensor,
+    PagedKvCache, ReferenceBackend, Sequence, Tensor, parse_dtype,
 };
 
 struct Args {
@@ -126,15 +126,6 @@ fn backend(name: &str) -> Result<Box<dyn AttentionBackend>> {
     }))
 }
 
-fn dtype(name: &str) -> Result<Kind> {
-    Ok(match name {
-        "f32" => Kind::Float,
-        "f16" => Kind::Half,
-        "bf16" => Kind::BFloat16,
-        _ => bail!("unknown KV dtype {name}; dtypes: f32, f16, bf16"),
-    })
-}
-
 fn main() -> std::process::ExitCode {
     kvforge_bench::main_with("decode-ab", run)
 }
@@ -158,12 +149,12 @@ fn run() -> Result<()> {
     let kinds: Vec<(String, Kind)> = a
         .kv_dtypes
         .iter()
-        .map(|d| Ok((d.clone(), dtype(d)?)))
+        .map(|d| Ok((d.clone(), parse_dtype(d)?)))
         .collect::<Result<_>>()?;
     let article = kvforge_bench::longest_article(&a.text)?;
     let cfg = EngineConfig {
         block_size: a.block_size,
-        weight_kind: a.weights.as_deref().map(dtype).transpose()?,
+        weight_kind: a.weights.as_deref().map(parse_dtype).transpose()?,
         ..Default::default()
     };
     let engine =
