@@ -2,8 +2,6 @@
 //! each, as a user's download might be. Every one is a one-line error, never
 //! an abort, a panic or garbage weights.
 
-use std::path::Path;
-
 use kvforge_engine::{Engine, EngineConfig};
 
 use super::{model_path, one_line, temp};
@@ -87,7 +85,7 @@ fn tensor_at(m: &Map, name: &str) -> (usize, usize) {
 /// Loads `bytes` as a model; returns the one-line error.
 fn refused(bytes: &[u8], name: &str) -> String {
     let p = temp(name, bytes);
-    match Engine::load(Path::new(&p), &EngineConfig::default()) {
+    match Engine::load(&p, &EngineConfig::default()) {
         Ok(_) => panic!("{name} loaded"),
         Err(e) => one_line(&e),
     }

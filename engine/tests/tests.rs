@@ -329,12 +329,36 @@ fn load_err(path: &Path) -> String {
     }
 }
 
-fn temp(name: &str, bytes: &[u8]) -> PathBuf {
+/// A file in this process's temporary directory, removed when dropped (the
+/// hardening tests write whole model copies: ~850 MB per run otherwise
+/// left behind).
+struct TempFile(PathBuf);
+
+impl std::ops::Deref for TempFile {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for TempFile {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+fn temp(name: &str, bytes: &[u8]) -> TempFile {
     let dir = std::env::temp_dir().join(format!("kvforge-tests-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let p = dir.join(name);
     std::fs::write(&p, bytes).unwrap();
-    p
+    TempFile(p)
 }
 
 /// A minimal GGUF v3 file: string metadata and tensors of any type id.
