@@ -137,6 +137,7 @@ fn quick_runs_every_configuration_and_repeats_its_quality_columns() {
     };
     assert!(col("int4", "ctx384", "cold_bytes") > 0.0);
     assert!(col("evict", "ctx384", "kv_bytes") < col("baseline", "ctx384", "kv_bytes"));
+    assert!(col("keydiff-per-head", "ctx384", "kv_bytes") < col("baseline", "ctx384", "kv_bytes"));
 
     // --resume skips everything measured; a changed file is refused.
     let before = std::fs::read_to_string(a.join("items.jsonl")).unwrap();

@@ -247,6 +247,9 @@ pub struct Observe {
     pub mass: bool,
     /// How far each entry's keys stand from the mean key (KeyDiff).
     pub key_novelty: bool,
+    /// Key novelty per entry and KV head (`entries × kv_heads`, at `entry ×
+    /// kv_heads + head`) instead of averaged over the heads.
+    pub per_head: bool,
 }
 
 /// One layer's attention output, and what was asked of it per entry.
@@ -257,7 +260,8 @@ pub struct Attended {
     /// and queries (0 for dropped entries). Present when asked for.
     pub mass: Option<Vec<f32>>,
     /// Per entry: `1 − cos(key, mean live key)` averaged over its keys and
-    /// KV heads (0 for dropped entries). Present when asked for.
+    /// KV heads (0 for dropped entries); with [`Observe::per_head`] per
+    /// entry and KV head. Present when asked for.
     pub key_novelty: Option<Vec<f32>>,
 }
 
@@ -310,7 +314,7 @@ impl AttentionBackend for ReferenceBackend {
         };
         let keys = view.gather(kv, layer, false, kind)?;
         let key_novelty = if observe.key_novelty {
-            Some(entry_key_novelty(view, &keys)?)
+            Some(entry_key_novelty(view, &keys, observe.per_head)?)
         } else {
             None
         };
@@ -343,9 +347,9 @@ impl AttentionBackend for ReferenceBackend {
 
 /// KeyDiff's signal for one layer, per table entry, from the view's live
 /// keys `[keys, kv_heads, head_dim]`: `1 − cos(key, mean key)` per key and
-/// head, averaged over heads and over the entry's keys (0 for dropped
-/// entries).
-fn entry_key_novelty(view: &StepView, keys: &Tensor) -> Result<Vec<f32>> {
+/// head, averaged over heads (unless `per_head`: then one value per entry
+/// and head) and over the entry's keys (0 for dropped entries).
+fn entry_key_novelty(view: &StepView, keys: &Tensor, per_head: bool) -> Result<Vec<f32>> {
     let k = keys.f_to_kind(Kind::Float)?;
     let unit = |t: &Tensor| -> Result<Tensor> {
         let n = t.f_norm_scalaropt_dim(2, [-1i64].as_slice(), true)?;
@@ -354,7 +358,31 @@ fn entry_key_novelty(view: &StepView, keys: &Tensor) -> Result<Vec<f32>> {
     let mean = k.f_mean_dim([0i64].as_slice(), true, Kind::Float)?; // [1, h, d]
     let cos =
         (unit(&k)? * unit(&mean)?).f_sum_dim_intlist([-1i64].as_slice(), false, Kind::Float)?;
-    let novelty = (cos.f_neg()? + 1.0)
+    let novelty = cos.f_neg()? + 1.0; // [keys, h]
+    if per_head {
+        let h = novelty.size()[1] as usize;
+        let v = Vec::<f32>::try_from(
+            novelty
+                .f_transpose(0, 1)?
+                .f_contiguous()?
+                .f_flatten(0, -1)?
+                .f_to_device(Device::Cpu)?,
+        )?;
+        // Head-major per key: fold each head's keys into entries, then
+        // interleave to entry-major.
+        let per: Vec<Vec<f32>> = v
+            .chunks_exact(view.keys.max(1) as usize)
+            .map(|head| view.per_entry(head, true))
+            .collect();
+        let mut out = vec![0f32; view.entries() * h];
+        for (j, head) in per.iter().enumerate() {
+            for (e, x) in head.iter().enumerate() {
+                out[e * h + j] = *x;
+            }
+        }
+        return Ok(out);
+    }
+    let novelty = novelty
         .f_mean_dim([1i64].as_slice(), false, Kind::Float)?
         .f_to_device(Device::Cpu)?;
     Ok(view.per_entry(&Vec::<f32>::try_from(novelty)?, true))
@@ -451,6 +479,7 @@ mod tests {
         let observe = Observe {
             mass: true,
             key_novelty: false,
+            per_head: false,
         };
         let a = ReferenceBackend.attend(0, &q, &view, &kv, observe).unwrap();
         assert!(a.key_novelty.is_none(), "not asked for");
@@ -507,10 +536,19 @@ mod tests {
         let observe = Observe {
             mass: false,
             key_novelty: true,
+            per_head: false,
         };
         let a = ReferenceBackend.attend(0, &q, &view, &kv, observe).unwrap();
         assert!(a.mass.is_none(), "not asked for");
         let got = a.key_novelty.unwrap();
+        let per_head = Observe {
+            per_head: true,
+            ..observe
+        };
+        let heads = ReferenceBackend
+            .attend(0, &q, &view, &kv, per_head)
+            .unwrap();
+        let got_heads = heads.key_novelty.unwrap();
         let slots: Vec<i64> = (8..12).chain(0..3).collect();
         let key = |s: i64, head: i64| -> Vec<f64> {
             Vec::<f64>::try_from(k.get(s).get(head).to_kind(Kind::Double)).unwrap()
@@ -521,6 +559,7 @@ mod tests {
             dot / (n(a) * n(b))
         };
         let mut want = [0f64; 3];
+        let mut want_heads = [0f64; 6];
         for head in 0..h {
             let mean: Vec<f64> = (0..d as usize)
                 .map(|c| slots.iter().map(|&s| key(s, head)[c]).sum::<f64>() / slots.len() as f64)
@@ -528,8 +567,17 @@ mod tests {
             for (j, &s) in slots.iter().enumerate() {
                 let entry = if j < 4 { 0 } else { 2 };
                 let len = if j < 4 { 4.0 } else { 3.0 };
-                want[entry] += (1.0 - cos(&key(s, head), &mean)) / (len * h as f64);
+                let x = (1.0 - cos(&key(s, head), &mean)) / len;
+                want[entry] += x / h as f64;
+                want_heads[entry * h as usize + head as usize] += x;
             }
+        }
+        assert_eq!(got_heads.len(), 6, "per entry and head");
+        for (g, w) in got_heads.iter().zip(want_heads) {
+            assert!(
+                (f64::from(*g) - w).abs() < 1e-4,
+                "{got_heads:?} vs {want_heads:?}"
+            );
         }
         assert_eq!(got.len(), 3);
         assert_eq!(got[1], 0.0, "dropped");

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use kvforge_coordinator::{
     ColdConfig, Coordinator, CoordinatorConfig, SeqId, TierStats, TieredPool,
 };
-use kvforge_pool::{BlockTable, KvLayout, StorageFormat};
+use kvforge_pool::{BlockId, BlockTable, KvLayout, StorageFormat};
 use kvforge_prefix::ExtraKeys;
 use kvforge_quant::BlockShape;
 use tch::{Device, Kind, Tensor};
@@ -159,6 +159,45 @@ impl PagedKvCache {
             cold: None,
             backend: Box::new(FusedBackend::default()),
         })
+    }
+
+    /// Head-wise eviction's copies: lane `layer × kv_heads + head` of each
+    /// packed block takes the same lane's page of its source block — one
+    /// gather and one scatter per layer and K/V over the rows seen as
+    /// `[slots × kv_heads, head_dim]`.
+    fn pack(&self, pack: &kvforge_coordinator::Pack) -> Result<()> {
+        let (bs, h) = (self.block_size as i64, self.shape.heads as i64);
+        let layers = self.k.len();
+        if pack.lanes != layers * self.shape.heads || pack.src.len() != pack.dst.len() * pack.lanes
+        {
+            return Err(EngineError::Request(format!(
+                "a pack of {} lanes for {} blocks does not fit {layers} layers of {h} KV heads",
+                pack.lanes,
+                pack.dst.len()
+            )));
+        }
+        let device = self.k[0].device();
+        let base = |b: BlockId| i64::from(TieredPool::slot_of(b)) * bs;
+        for layer in 0..layers {
+            let (mut src, mut dst) = (Vec::new(), Vec::new());
+            for (k, &to) in pack.dst.iter().enumerate() {
+                for head in 0..h {
+                    let from = pack.src[k * pack.lanes + layer * h as usize + head as usize];
+                    for r in 0..bs {
+                        src.push((base(from) + r) * h + head);
+                        dst.push((base(to) + r) * h + head);
+                    }
+                }
+            }
+            let src = Tensor::f_from_slice(&src)?.f_to_device(device)?;
+            let dst = Tensor::f_from_slice(&dst)?.f_to_device(device)?;
+            for t in [&self.k[layer], &self.v[layer]] {
+                let rows = t.f_view([-1, self.shape.head_dim as i64])?;
+                let pages = rows.f_index_select(0, &src)?;
+                let _ = rows.shallow_clone().f_index_copy_(0, &dst, &pages)?;
+            }
+        }
+        Ok(())
     }
 
     /// A configuration for this cache's hot tier with every mechanism off,
@@ -373,8 +412,11 @@ struct Step {
     view: StepView,
     mass: Option<Vec<f32>>,
     /// KeyDiff's signal summed over the layers so far, when the eviction
-    /// policy wants it.
+    /// policy wants it; for a per-lane policy one slot per entry and lane
+    /// (`layer × kv_heads + head`), each layer filling its own.
     novelty: Option<Vec<f32>>,
+    /// KV heads per layer when the policy ranks per lane.
+    lane_heads: Option<usize>,
 }
 
 /// One sequence of a [`PagedKvCache`] seen as a [`KvStore`].
@@ -403,6 +445,9 @@ impl PagedSeq<'_> {
                 let _ = t.shallow_clone().f_index_copy_(0, &dst, &rows)?;
             }
         }
+        if let Some(pack) = &plan.pack {
+            c.pack(pack)?;
+        }
         for d in plan.demotions.iter().filter(|d| d.quantize) {
             let tier = c
                 .cold
@@ -427,17 +472,19 @@ impl PagedSeq<'_> {
             let base = TieredPool::slot_of(w.block) as i64 * bs as i64 + i64::from(w.offset);
             new.extend(base..base + i64::from(w.tokens));
         }
-        let (view, mass, novelty) = {
+        let (view, mass, novelty, lane_heads) = {
             let coord = c.coordinator();
             let table = coord.view(id)?;
             let view = StepView::new(table, n, bs, c.cold.as_ref(), device)?;
             let mass = coord
                 .wants_attention()
                 .then(|| vec![0f32; table.entries().len()]);
+            let (layers, heads) = (c.k.len(), c.shape.heads);
+            let lanes = if coord.per_lane() { layers * heads } else { 1 };
             let novelty = coord
                 .wants_keys()
-                .then(|| vec![0f32; table.entries().len()]);
-            (view, mass, novelty)
+                .then(|| vec![0f32; table.entries().len() * lanes]);
+            (view, mass, novelty, coord.per_lane().then_some(heads))
         };
         Ok(Step {
             id,
@@ -445,6 +492,7 @@ impl PagedSeq<'_> {
             view,
             mass,
             novelty,
+            lane_heads,
         })
     }
 }
@@ -488,14 +536,24 @@ impl KvStore for PagedSeq<'_> {
         let observe = Observe {
             mass: step.mass.is_some(),
             key_novelty: step.novelty.is_some(),
+            per_head: step.lane_heads.is_some(),
         };
         let a = c
             .backend
             .attend(layer, q, &step.view, &c.tensors(), observe)?;
-        for (acc, got) in [(&mut step.mass, a.mass), (&mut step.novelty, a.key_novelty)] {
-            if let (Some(acc), Some(got)) = (acc.as_mut(), got) {
-                acc.iter_mut().zip(got).for_each(|(x, y)| *x += y);
+        if let (Some(acc), Some(got)) = (step.mass.as_mut(), a.mass) {
+            acc.iter_mut().zip(got).for_each(|(x, y)| *x += y);
+        }
+        match (step.novelty.as_mut(), a.key_novelty, step.lane_heads) {
+            (Some(acc), Some(got), None) => acc.iter_mut().zip(got).for_each(|(x, y)| *x += y),
+            // Per lane: this layer's heads go to their own slots.
+            (Some(acc), Some(got), Some(h)) => {
+                let lanes = acc.len() / step.view.entries().max(1);
+                for (e, heads) in got.chunks_exact(h).enumerate() {
+                    acc[e * lanes + layer * h..][..h].copy_from_slice(heads);
+                }
             }
+            _ => {}
         }
         Ok(a.out)
     }
@@ -612,4 +670,70 @@ fn available_memory() -> Option<u64> {
     let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     kib.checked_mul(1024)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use kvforge_coordinator::{Pack, TieredPool};
+    use kvforge_pool::BlockId;
+    use tch::{Device, Kind, Tensor};
+
+    use super::PagedKvCache;
+    use crate::model::LlamaConfig;
+
+    /// Lane `layer × kv_heads + head` of each packed block holds that
+    /// lane's rows of its source block, and nothing else moves.
+    #[test]
+    fn packing_copies_each_lane_from_its_own_source() {
+        let cfg = LlamaConfig::tiny();
+        let bs = 4;
+        let c = PagedKvCache::new(&cfg, bs, 8 * bs, Device::Cpu, Kind::Float).unwrap();
+        let (layers, h) = (cfg.n_layers, cfg.n_kv_heads);
+        for (i, t) in c.k.iter().chain(&c.v).enumerate() {
+            let n = t.numel() as i64;
+            let fill = Tensor::arange(n, (Kind::Float, Device::Cpu)) + (i as f64) * 1e6;
+            t.shallow_clone().copy_(&fill.view(t.size().as_slice()));
+        }
+        let before: Vec<Tensor> = c.k.iter().chain(&c.v).map(|t| t.copy()).collect();
+        // The hot tier is tier 0: a hot slot's global handle is the slot.
+        let b = |slot: u32| BlockId::new(slot, 1);
+        let lanes = layers * h;
+        // Two packed blocks (slots 6, 7) from sources 1, 2, 3 by lane.
+        let src: Vec<BlockId> = (0..2 * lanes).map(|x| b(1 + (x % 3) as u32)).collect();
+        let pack = Pack {
+            lanes,
+            dst: vec![b(6), b(7)],
+            src: src.clone(),
+        };
+        c.pack(&pack).unwrap();
+        for (i, t) in c.k.iter().chain(&c.v).enumerate() {
+            let layer = i % layers;
+            let old = &before[i];
+            for slot in 0..8i64 {
+                for head in 0..h as i64 {
+                    let rows =
+                        |x: &Tensor, s: i64| x.narrow(0, s * bs as i64, bs as i64).select(1, head);
+                    let want = if slot >= 6 {
+                        let k = (slot - 6) as usize;
+                        let from = src[k * lanes + layer * h + head as usize];
+                        rows(old, i64::from(TieredPool::slot_of(from)))
+                    } else {
+                        rows(old, slot)
+                    };
+                    assert!(
+                        rows(t, slot).equal(&want),
+                        "tensor {i} slot {slot} head {head}"
+                    );
+                }
+            }
+        }
+        // A pack for another shape is refused.
+        let bad = Pack {
+            lanes: lanes + 1,
+            dst: vec![b(6)],
+            src: vec![b(1); lanes + 1],
+        };
+        assert!(c.pack(&bad).is_err());
+    }
 }

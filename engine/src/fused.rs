@@ -130,7 +130,8 @@ impl AttentionBackend for FusedBackend {
             .map_err(kernel)?
             .with_isa(self.isa)
             .map_err(kernel)?
-            .with_threads(self.threads, self.min_split);
+            .with_threads(self.threads, self.min_split)
+            .with_novelty_per_head(observe.per_head);
         if let Some(c) = kv.cold {
             kern = kern.with_cold(c.kernel_format()).map_err(kernel)?;
         }
@@ -169,7 +170,10 @@ impl AttentionBackend for FusedBackend {
         let qv = Vec::<f32>::try_from(q.f_to_kind(Kind::Float)?.f_flatten(0, -1)?)?;
         let mut out = vec![0f32; qv.len()];
         let mut mass = observe.mass.then(|| vec![0f32; view.entries()]);
-        let mut key_novelty = observe.key_novelty.then(|| vec![0f32; view.entries()]);
+        let per = if observe.per_head { dims.kv_heads } else { 1 };
+        let mut key_novelty = observe
+            .key_novelty
+            .then(|| vec![0f32; view.entries() * per]);
         kern.run_observed(
             &qv,
             &spans,

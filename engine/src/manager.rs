@@ -378,6 +378,7 @@ impl CacheManager {
                 "steps": counters.steps,
                 "evicted_entries": counters.evicted_entries,
                 "demoted_blocks": counters.demoted_blocks,
+                "packed_blocks": counters.packed_blocks,
                 "lifecycle_dropped_entries": counters.lifecycle_dropped_entries,
             },
             "last_turn": last,

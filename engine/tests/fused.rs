@@ -77,12 +77,21 @@ fn fused_decode_equals_the_reference_over_every_tier_mix() {
         trigger: Trigger::Tokens(48),
         sink: 8,
         window: 16,
+        per_head: false,
     });
     let keydiff = Some(EvictionConfig::Scored {
         score: Score::KeyDiff,
         trigger: Trigger::Tokens(48),
         sink: 8,
         window: 16,
+        per_head: false,
+    });
+    let per_head = Some(EvictionConfig::Scored {
+        score: Score::KeyDiff,
+        trigger: Trigger::Tokens(48),
+        sink: 8,
+        window: 16,
+        per_head: true,
     });
     // A threshold low enough that blocks really are aliased.
     let loose = DedupConfig::SimHash(SimHashConfig {
@@ -160,6 +169,9 @@ fn fused_decode_equals_the_reference_over_every_tier_mix() {
             keydiff,
             None,
         ),
+        // Head-wise: novelty per KV head, packed blocks.
+        ("keydiff-per-head", Kind::Float, None, per_head, None),
+        ("f16+keydiff-per-head", Kind::Half, None, per_head, None),
         // Rotated cold keys: key novelty falls back to the reference.
         (
             "int4+rot+keydiff",
@@ -204,6 +216,9 @@ fn fused_decode_equals_the_reference_over_every_tier_mix() {
         }
         if dd.is_some() {
             assert!(has(&|s| matches!(s, Slot::Alias { .. })), "{name}: aliased");
+        }
+        if name.contains("per-head") {
+            assert!(entries.iter().any(|e| e.is_packed()), "{name}: packed");
         }
     }
 }

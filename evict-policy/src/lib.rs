@@ -24,7 +24,12 @@
 //!   budget ([`Trigger`]); the sink and the recent window are never
 //!   dropped.
 //!
-//! Each passes [`testing::check_policy`].
+//! Head-wise eviction ([`Scored::per_head`], KeyDiff): each lane — one
+//! layer's one KV head — keeps its own pages; the coordinator packs the
+//! pages the lanes keep into fewer blocks.
+//!
+//! Each passes [`testing::check_policy`]; a per-lane policy also
+//! [`testing::check_lane_policy`].
 
 #![deny(missing_docs)]
 
@@ -112,6 +117,36 @@ pub trait EvictionPolicy: Send {
     /// table.entries().len()`, 0 for dropped entries.
     fn observe_keys(&mut self, seq: SeqKey, table: &BlockTable, novelty: &[f32]) {
         let _ = (seq, table, novelty);
+    }
+
+    /// Whether the policy chooses pages per lane — one layer's one KV head
+    /// — rather than whole entries (head-wise eviction: each lane keeps
+    /// the pages that matter to it, as kvpress's presses keep tokens per
+    /// head). Then [`observe_keys`](Self::observe_keys) (and
+    /// [`observe`](Self::observe)) receive `entries × lanes` values, entry
+    /// after entry, lane `layer × kv_heads + head` within one; and the
+    /// coordinator asks [`lane_victims`](Self::lane_victims) instead of
+    /// [`victims`](Self::victims).
+    fn per_lane(&self) -> bool {
+        false
+    }
+
+    /// For a [`per_lane`](Self::per_lane) policy: appends, lane after lane,
+    /// the same number `d` of entries that each lane stops reading,
+    /// ascending within a lane (`out.len() == lanes × d`). Each named entry
+    /// is a full, closed, hot block outside what the policy protects. The
+    /// coordinator then packs each lane's surviving pages of the named
+    /// entries into `d` fewer blocks (copying them) and drops the rest, so
+    /// `d` blocks of memory come back.
+    fn lane_victims(
+        &mut self,
+        seq: SeqKey,
+        table: &BlockTable,
+        pressure: Pressure,
+        lanes: usize,
+        out: &mut Vec<usize>,
+    ) {
+        let _ = (seq, table, pressure, lanes, out);
     }
 
     /// Appends the entries of `table` to drop before the next step.

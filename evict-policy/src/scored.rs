@@ -76,7 +76,12 @@ pub struct Scored {
     sink: u64,
     window: u64,
     stats: BTreeMap<SeqKey, BTreeMap<u64, Stat>>,
+    /// Head-wise: the latest signal of every lane, per entry.
+    lanes: Option<BTreeMap<SeqKey, LaneStats>>,
 }
+
+/// Per entry (by its first position), the latest key novelty of each lane.
+type LaneStats = BTreeMap<u64, Box<[f32]>>;
 
 /// The decay of the EMA inside [`Score::Hybrid`].
 const HYBRID_DECAY: f32 = 0.9;
@@ -125,7 +130,24 @@ impl Scored {
             sink: sink as u64,
             window: window as u64,
             stats: BTreeMap::new(),
+            lanes: None,
         })
+    }
+
+    /// Head-wise eviction: every lane (one layer's one KV head) keeps its
+    /// own pages, ranked by its own key novelty (kvpress's KeyDiff keeps
+    /// tokens per head the same way); the coordinator packs what the
+    /// lanes keep into fewer blocks. KeyDiff only: the other scores
+    /// accumulate over steps, and packing moves pages between entries.
+    pub fn per_head(mut self) -> Result<Self> {
+        if self.score != Score::KeyDiff {
+            return Err(EvictError::Config(format!(
+                "per-head eviction ranks by key novelty (KeyDiff), not by {:?}",
+                self.score
+            )));
+        }
+        self.lanes = Some(BTreeMap::new());
+        Ok(self)
     }
 
     fn decay(&self) -> f32 {
@@ -164,6 +186,7 @@ impl EvictionPolicy for Scored {
             Score::AttentionEma { decay } => format!("h2o{decay}"),
             Score::Lfu => "lfu".into(),
             Score::Hybrid { alpha, beta, gamma } => format!("hybrid{alpha}/{beta}/{gamma}"),
+            Score::KeyDiff if self.lanes.is_some() => "keydiff-per-head".into(),
             Score::KeyDiff => "keydiff".into(),
         };
         let trigger = match self.trigger {
@@ -182,6 +205,22 @@ impl EvictionPolicy for Scored {
     }
 
     fn observe_keys(&mut self, seq: SeqKey, table: &BlockTable, novelty: &[f32]) {
+        if let Some(lanes) = self.lanes.as_mut() {
+            let entries = table.entries();
+            let n = novelty.len() / entries.len().max(1);
+            let stats = lanes.entry(seq).or_default();
+            stats.clear();
+            if n == 0 || n * entries.len() != novelty.len() {
+                return;
+            }
+            for (e, v) in entries.iter().zip(novelty.chunks_exact(n)) {
+                if e.slot().is_live() {
+                    let v = v.iter().map(|x| if x.is_finite() { *x } else { 0.0 });
+                    stats.insert(e.first(), v.collect());
+                }
+            }
+            return;
+        }
         let stats = self.stats.entry(seq).or_default();
         for (e, &n) in table.entries().iter().zip(novelty) {
             if e.slot().is_live() {
@@ -301,7 +340,73 @@ impl EvictionPolicy for Scored {
         out[start..].sort_unstable();
     }
 
+    fn per_lane(&self) -> bool {
+        self.lanes.is_some()
+    }
+
+    fn lane_victims(
+        &mut self,
+        seq: SeqKey,
+        table: &BlockTable,
+        p: Pressure,
+        lanes: usize,
+        out: &mut Vec<usize>,
+    ) {
+        let bs = u64::from(table.block_size());
+        let blocks = match self.need(table, p) {
+            Need::Tokens(n) => n.div_ceil(bs),
+            Need::Bytes(b) if p.hot_block_bytes > 0 => b.div_ceil(p.hot_block_bytes),
+            Need::Bytes(_) => 0,
+        };
+        if blocks == 0 || lanes == 0 {
+            return;
+        }
+        let recent = table.positions().saturating_sub(self.window);
+        let last = table.entries().len().wrapping_sub(1);
+        // Candidates: full, closed hot blocks between the sink and the
+        // window (packing copies hot pages).
+        let cands: Vec<(usize, u64)> = table
+            .entries()
+            .iter()
+            .enumerate()
+            .filter(|(i, e)| {
+                matches!(e.slot(), Slot::Hot(_))
+                    && u64::from(e.tokens()) == bs
+                    && e.first() >= self.sink
+                    && e.end() <= recent
+                    && !(table.is_open() && *i == last)
+            })
+            .map(|(i, e)| (i, e.first()))
+            .collect();
+        let d = (blocks as usize).min(cands.len());
+        if d == 0 {
+            return;
+        }
+        let empty = BTreeMap::new();
+        let stats = self
+            .lanes
+            .as_ref()
+            .and_then(|l| l.get(&seq))
+            .unwrap_or(&empty);
+        let mut order: Vec<(f32, usize)> = Vec::with_capacity(cands.len());
+        for lane in 0..lanes {
+            order.clear();
+            order.extend(cands.iter().map(|&(i, first)| {
+                let novelty = stats.get(&first).and_then(|v| v.get(lane)).copied();
+                (novelty.unwrap_or(0.0), i)
+            }));
+            // Closest to the lane's mean key first; the older on a tie.
+            order.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+            let start = out.len();
+            out.extend(order[..d].iter().map(|o| o.1));
+            out[start..].sort_unstable();
+        }
+    }
+
     fn forget(&mut self, seq: SeqKey) {
         self.stats.remove(&seq);
+        if let Some(l) = self.lanes.as_mut() {
+            l.remove(&seq);
+        }
     }
 }

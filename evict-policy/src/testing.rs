@@ -57,6 +57,67 @@ pub fn check_policy<P: EvictionPolicy + ?Sized>(p: &mut P, block_size: u32) {
     }
 }
 
+/// The per-lane contract ([`EvictionPolicy::lane_victims`]) on the same
+/// tables, with `lanes` lanes and a different key novelty per lane fed
+/// first: every lane names the same number of entries, ascending, each a
+/// full, closed, live hot block that does not hold the newest position;
+/// after the pack the coordinator would do (the first entries of the
+/// union keep packed blocks, the rest are dropped), asking again keeps the
+/// contract. Panics on the first violation.
+pub fn check_lane_policy<P: EvictionPolicy + ?Sized>(p: &mut P, block_size: u32, lanes: usize) {
+    assert!(p.per_lane(), "{}: not a per-lane policy", p.name());
+    let bs = block_size;
+    for n in 0..48u32 {
+        for used in [0.1, 0.95] {
+            let seq = u64::from(n);
+            let mut t = table(n, bs);
+            let pressure = Pressure {
+                used,
+                new_tokens: 1,
+                budget_bytes: 64 * 1024,
+                hot_block_bytes: 1024,
+                cold_block_bytes: 256,
+            };
+            for round in 0..2 {
+                let novelty: Vec<f32> = (0..t.entries().len() * lanes)
+                    .map(|x| ((x * 7919 + round) % 101) as f32 / 101.0)
+                    .collect();
+                p.observe_keys(seq, &t, &novelty);
+                let mut out = Vec::new();
+                p.lane_victims(seq, &t, pressure, lanes, &mut out);
+                assert_eq!(out.len() % lanes, 0, "{}: {out:?}", p.name());
+                let d = out.len() / lanes;
+                let mut union: Vec<usize> = Vec::new();
+                for lane in out.chunks(d.max(1)) {
+                    check_victims(&t, lane);
+                    for &i in lane {
+                        let e = t.entries()[i];
+                        assert!(
+                            matches!(e.slot(), Slot::Hot(_)) && e.tokens() == bs,
+                            "{}: entry {i} is not a full hot block: {e:?}",
+                            p.name()
+                        );
+                    }
+                    union.extend_from_slice(lane);
+                }
+                union.sort_unstable();
+                union.dedup();
+                let keep = union.len() - d;
+                for (k, &i) in union.iter().enumerate() {
+                    if k < keep {
+                        t.repack(i, BlockId::new(5000 + i as u32, 1))
+                            .expect("a lane victim can be packed");
+                    } else {
+                        t.set_slot(i, Slot::Dropped).expect("and dropped");
+                    }
+                }
+                t.check().expect("the table stays valid");
+            }
+            p.forget(seq);
+        }
+    }
+}
+
 fn check_victims(t: &BlockTable, out: &[usize]) {
     assert!(out.windows(2).all(|w| w[0] < w[1]), "ascending: {out:?}");
     let last = t.entries().len().wrapping_sub(1);

@@ -200,3 +200,51 @@ fn keydiff_passes_the_conformance_suite_and_drops_the_keys_nearest_the_mean() {
     assert_eq!(out, [1, 2, 3, 4, 6, 7]);
     assert!(p.name().starts_with("keydiff"));
 }
+
+#[test]
+fn per_head_keydiff_passes_the_lane_suite_and_each_lane_keeps_its_own_pages() {
+    for trigger in [Trigger::Tokens(13), Trigger::Tokens(40)] {
+        for bs in [1, 4, 16] {
+            for lanes in [1, 3] {
+                let mut p = scored(Score::KeyDiff, trigger).per_head().unwrap();
+                testing::check_lane_policy(&mut p, bs, lanes);
+            }
+        }
+    }
+    let mut p = scored(Score::KeyDiff, Trigger::Tokens(20))
+        .per_head()
+        .unwrap();
+    assert!(p.per_lane() && p.wants_keys());
+    assert_eq!(p.name(), "keydiff-per-head-budget20-sink4-window8");
+    let mut t = BlockTable::new(4).unwrap();
+    for i in 0..10 {
+        t.push(Slot::Hot(BlockId::new(i, 1)), 4, false).unwrap();
+    }
+    // Two lanes; candidates 1..=7; 21 tokens over: 6 pages per lane go.
+    // Lane 0 keeps entry 2, lane 1 entry 6: their farthest keys.
+    let mut novelty = Vec::new();
+    for i in 0..10 {
+        novelty.push(if i == 2 { 0.9 } else { 0.1 });
+        novelty.push(if i == 6 { 0.9 } else { 0.1 });
+    }
+    p.observe_keys(0, &t, &novelty);
+    let mut out = Vec::new();
+    p.lane_victims(0, &t, Pressure::new(0.1, 1), 2, &mut out);
+    assert_eq!(out, [1, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 7]);
+    // Nothing over the budget: nothing named.
+    let mut out = Vec::new();
+    let mut p = scored(Score::KeyDiff, Trigger::Tokens(60))
+        .per_head()
+        .unwrap();
+    p.lane_victims(0, &t, Pressure::new(0.1, 1), 2, &mut out);
+    assert!(out.is_empty());
+    // Only KeyDiff ranks per lane.
+    let e = scored(Score::Lfu, Trigger::Tokens(20))
+        .per_head()
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("per-head eviction ranks by key novelty"),
+        "{e}"
+    );
+}

@@ -324,7 +324,7 @@ pub(crate) fn run<O: Ops>(
         debug_assert_eq!(at, spans.len());
     }
     if let Some(nv) = key_novelty {
-        novelty::<O>(d, spans.len(), &partials, &chunks, nv);
+        novelty::<O>(d, kern.novelty_per_head, &partials, &chunks, nv);
     }
     Ok(())
 }
@@ -332,15 +332,16 @@ pub(crate) fn run<O: Ops>(
 /// KeyDiff's signal per entry from the chunks' key sums: with `m̂` the
 /// unit mean key per KV head, an entry's novelty is `1 − Σ_heads (Σ_keys
 /// k̂)·m̂ / (keys × kv_heads)`, the mean of `1 − cos(k, m̂)` over its keys
-/// and heads.
+/// and heads; with `per_head`, one value per entry and KV head (the mean
+/// over its keys only), at `entry × kv_heads + head`.
 fn novelty<O: Ops>(
     d: crate::Dims,
-    n_spans: usize,
+    per_head: bool,
     partials: &[Partial],
     chunks: &[&[Span<'_>]],
     out: &mut [f32],
 ) {
-    let (row, hd) = (d.row(), d.head_dim);
+    let (row, hd, h) = (d.row(), d.head_dim, d.kv_heads);
     let mut mean = vec![0f32; row];
     for p in partials {
         O::axpy(&mut mean, 1.0, &p.keys);
@@ -351,21 +352,30 @@ fn novelty<O: Ops>(
         let norm = O::dot(m, m).sqrt().max(1e-12);
         O::scale(m, 1.0 / norm);
     }
+    let per = if per_head { h } else { 1 };
     let mut dots = vec![0f32; out.len()];
-    let mut keys = vec![0usize; out.len()];
-    let mut seen = 0;
+    let mut keys = vec![0usize; out.len() / per];
     for (p, c) in partials.iter().zip(chunks) {
         for (si, span) in c.iter().enumerate() {
             let units = &p.units[si * row..(si + 1) * row];
-            dots[span.entry] += O::dot(units, &mean);
+            if per_head {
+                for (j, (u, m)) in units
+                    .chunks_exact(hd)
+                    .zip(mean.chunks_exact(hd))
+                    .enumerate()
+                {
+                    dots[span.entry * h + j] += O::dot(u, m);
+                }
+            } else {
+                dots[span.entry] += O::dot(units, &mean);
+            }
             keys[span.entry] += span.tokens;
-            seen += 1;
         }
     }
-    debug_assert_eq!(seen, n_spans);
-    for ((o, &dot), &k) in out.iter_mut().zip(&dots).zip(&keys) {
+    for (i, (o, &dot)) in out.iter_mut().zip(&dots).enumerate() {
+        let k = keys[i / per];
         if k > 0 {
-            *o += 1.0 - dot / (k * d.kv_heads) as f32;
+            *o += 1.0 - dot / (k * h / per) as f32;
         }
     }
 }

@@ -222,6 +222,7 @@ pub struct PagedDecode {
     isa: Isa,
     threads: usize,
     min_split: usize,
+    novelty_per_head: bool,
 }
 
 impl PagedDecode {
@@ -235,6 +236,7 @@ impl PagedDecode {
             isa: Isa::detect(),
             threads: 1,
             min_split: DEFAULT_MIN_SPLIT,
+            novelty_per_head: false,
         })
     }
 
@@ -262,6 +264,14 @@ impl PagedDecode {
     pub fn with_threads(mut self, threads: usize, min_split: usize) -> Self {
         self.threads = threads.max(1);
         self.min_split = min_split.max(1);
+        self
+    }
+
+    /// Key novelty per entry and KV head (`entries × kv_heads` slots, at
+    /// `entry × kv_heads + head`) instead of averaged over the heads: for
+    /// head-wise eviction.
+    pub fn with_novelty_per_head(mut self, per_head: bool) -> Self {
+        self.novelty_per_head = per_head;
         self
     }
 
@@ -307,7 +317,19 @@ impl PagedDecode {
     ) -> Result<()> {
         self.check(q, spans, out, mass.as_deref())?;
         if let Some(nv) = key_novelty.as_deref() {
-            self.check_entries(spans, nv.len(), "key novelty")?;
+            let h = self.dims.kv_heads;
+            if self.novelty_per_head && nv.len() % h != 0 {
+                return Err(KernelError::Shape(format!(
+                    "a key novelty buffer of {} slots does not hold {h} KV heads per entry",
+                    nv.len()
+                )));
+            }
+            let entries = if self.novelty_per_head {
+                nv.len() / h
+            } else {
+                nv.len()
+            };
+            self.check_entries(spans, entries, "key novelty")?;
             let rotated = self.cold.is_some_and(|c| c.rotated);
             if rotated && spans.iter().any(|s| matches!(s.page, Page::Quant { .. })) {
                 return Err(KernelError::Unsupported(

@@ -225,11 +225,14 @@ impl Fixture {
 impl Fixture {
     /// KeyDiff's signal per entry in f64: `1 − cos(key, mean key)` per key
     /// and KV head (the mean over every key), averaged over the entry's
-    /// keys and the heads; 0 for entries without keys.
-    fn dense_novelty(&self) -> Vec<f64> {
+    /// keys and the heads (with `per_head`, per entry and head, at `entry ×
+    /// kv_heads + head`); 0 for entries without keys.
+    fn dense_novelty(&self, per_head: bool) -> Vec<f64> {
         let d = self.dims;
         let hd = d.head_dim;
-        let mut out = vec![0f64; 2 * self.pages.len()];
+        let per = if per_head { d.kv_heads } else { 1 };
+        let at = |e: usize, kh: usize| e * per + if per_head { kh } else { 0 };
+        let mut out = vec![0f64; 2 * self.pages.len() * per];
         let mut count = vec![0usize; out.len()];
         for kh in 0..d.kv_heads {
             let key = |p: usize, t: usize| -> Vec<f64> {
@@ -251,8 +254,8 @@ impl Fixture {
                     let k = key(p, t);
                     let cos = k.iter().zip(&mean).map(|(a, b)| a * b).sum::<f64>()
                         / (norm(&k).max(1e-12) * mn.max(1e-12));
-                    out[self.entries[p]] += 1.0 - cos;
-                    count[self.entries[p]] += 1;
+                    out[at(self.entries[p], kh)] += 1.0 - cos;
+                    count[at(self.entries[p], kh)] += 1;
                 }
             }
         }
@@ -456,17 +459,21 @@ fn key_novelty_is_the_distance_from_the_mean_key() {
         let mut f = fixture(40 + m as u64, dims, 8, mix, 7, 3, Some((&*kq, &*vq)));
         // Pages 1 and 2 are one entry; page 5 another's only page.
         f.entries = vec![0, 2, 2, 4, 6, 8, 12];
-        let want = f.dense_novelty();
         let q = Rng(7).vec(dims.heads * dims.head_dim, 1.0);
-        for isa in isas() {
+        for (isa, per_head) in isas().into_iter().flat_map(|i| [(i, false), (i, true)]) {
+            let want = f.dense_novelty(per_head);
             for threads in [1, 3] {
-                let k = kernel(dims, fmt, isa, threads, 8);
+                let k = kernel(dims, fmt, isa, threads, 8).with_novelty_per_head(per_head);
                 let mut out = vec![0f32; dims.heads * dims.head_dim];
-                let mut nv = vec![0f32; 14];
+                let mut nv = vec![0f32; want.len()];
                 k.run_observed(&q, &f.spans(), &mut out, None, Some(&mut nv))
                     .unwrap();
-                close(&format!("{mix:?} {isa:?} x{threads}"), &nv, &want, 1e-5);
-                assert!(nv[1] == 0.0 && nv[13] == 0.0, "entries without keys");
+                let case = format!("{mix:?} {isa:?} x{threads} per head {per_head}");
+                close(&case, &nv, &want, 1e-5);
+                // Entries 1 and 13 hold no keys.
+                let per = nv.len() / 14;
+                let empty = nv[per..2 * per].iter().chain(&nv[13 * per..]);
+                assert!(empty.into_iter().all(|&x| x == 0.0), "entries without keys");
                 let mut plain = vec![0f32; out.len()];
                 k.run(&q, &f.spans(), &mut plain, None).unwrap();
                 assert_eq!(out, plain, "the output does not depend on it");
@@ -485,6 +492,12 @@ fn key_novelty_is_the_distance_from_the_mean_key() {
     // A novelty buffer too short for the entries.
     let mut short = vec![0f32; 2];
     let r = k.run_observed(&[0.1; 192], &f.spans(), &mut out, None, Some(&mut short));
+    assert!(matches!(r, Err(KernelError::Shape(_))), "{r:?}");
+    // Per head: a buffer that is not a whole number of heads per entry.
+    let k = PagedDecode::new(dims).unwrap().with_novelty_per_head(true);
+    let f = fixture(9, dims, 8, &[Kind::F32], 2, 8, None);
+    let mut odd = vec![0f32; 5];
+    let r = k.run_observed(&[0.1; 192], &f.spans(), &mut out, None, Some(&mut odd));
     assert!(matches!(r, Err(KernelError::Shape(_))), "{r:?}");
 }
 

@@ -18,6 +18,11 @@
 //! * Only the last entry can be open (receive more tokens), and only while
 //!   it is hot and not full.
 //! * A dropped entry never becomes anything else.
+//! * A packed entry (head-wise eviction, [`BlockTable::repack`]) is full;
+//!   each lane (one layer's one KV head) of its block holds a page of
+//!   some position range inside the entries the pack replaced, not
+//!   necessarily its own: its tokens are attended to, never matched
+//!   against token ids.
 
 use crate::{BlockId, PoolError, Result};
 
@@ -60,6 +65,7 @@ pub struct Entry {
     slot: Slot,
     first: u64,
     tokens: u32,
+    packed: bool,
 }
 
 impl Entry {
@@ -78,6 +84,12 @@ impl Entry {
     /// One past the entry's last position.
     pub const fn end(&self) -> u64 {
         self.first + self.tokens as u64
+    }
+    /// Whether its block was packed by head-wise eviction: each lane holds
+    /// a page of another position of the packed range, so its content is
+    /// not that of the token ids at its positions.
+    pub const fn is_packed(&self) -> bool {
+        self.packed
     }
 }
 
@@ -167,6 +179,7 @@ impl BlockTable {
             slot,
             first,
             tokens,
+            packed: false,
         });
         self.open = open;
         Ok(())
@@ -218,7 +231,32 @@ impl BlockTable {
                 e.slot
             )));
         }
+        if slot == Slot::Dropped {
+            e.packed = false;
+        }
         Ok(std::mem::replace(&mut e.slot, slot))
+    }
+
+    /// Gives the full, closed, hot entry `i` another hot block whose lanes
+    /// the caller filled with pages of this and other entries (head-wise
+    /// eviction packs the pages each lane keeps into fewer blocks); the
+    /// entry is marked packed. Returns the old slot, whose reference the
+    /// caller now owns.
+    pub fn repack(&mut self, i: usize, block: BlockId) -> Result<Slot> {
+        let last = self.entries.len().checked_sub(1);
+        let open = self.open && Some(i) == last;
+        let bs = self.block_size;
+        match self.entries.get_mut(i) {
+            Some(e) if matches!(e.slot, Slot::Hot(_)) && e.tokens == bs && !open => {
+                e.packed = true;
+                Ok(std::mem::replace(&mut e.slot, Slot::Hot(block)))
+            }
+            Some(e) => Err(invalid(format!(
+                "entry {i} ({:?}, {} tokens) is not a full, closed hot block and cannot be packed",
+                e.slot, e.tokens
+            ))),
+            None => Err(invalid(format!("entry {i} does not exist"))),
+        }
     }
 
     /// Gives the sealed, partial last entry a block of its own that takes
@@ -276,6 +314,11 @@ impl BlockTable {
             let merged_drop = e.slot == Slot::Dropped;
             if e.first != pos || e.tokens == 0 || (e.tokens > self.block_size && !merged_drop) {
                 return Err(invalid(format!("entry {i} breaks the tiling: {e:?}")));
+            }
+            if e.packed && (merged_drop || e.tokens != self.block_size) {
+                return Err(invalid(format!(
+                    "packed entry {i} is not a full block: {e:?}"
+                )));
             }
             pos = e.end();
         }
@@ -335,6 +378,31 @@ mod tests {
         assert!(t.reopen_tail(b(6)).is_err(), "already open");
         t.fill(1).unwrap();
         assert_eq!(t.held().collect::<Vec<_>>(), vec![b(0), b(5)]);
+        t.check().unwrap();
+    }
+
+    #[test]
+    fn packing_keeps_positions_and_only_takes_full_closed_hot_entries() {
+        let mut t = BlockTable::new(4).unwrap();
+        t.push(Slot::Hot(b(0)), 4, false).unwrap();
+        t.push(Slot::Cold(b(1)), 4, false).unwrap();
+        t.push(Slot::Hot(b(2)), 4, false).unwrap();
+        t.push(Slot::Hot(b(3)), 2, true).unwrap();
+        let before = t.clone();
+        assert!(t.repack(1, b(9)).is_err(), "cold");
+        assert!(t.repack(3, b(9)).is_err(), "open, partial");
+        assert!(t.repack(4, b(9)).is_err(), "absent");
+        assert_eq!(t, before);
+        assert_eq!(t.repack(0, b(8)).unwrap(), Slot::Hot(b(0)));
+        assert_eq!(t.repack(2, b(9)).unwrap(), Slot::Hot(b(2)));
+        assert!(t.entries()[0].is_packed() && !t.entries()[1].is_packed());
+        assert_eq!(t.positions(), 14);
+        t.check().unwrap();
+        // A packed entry goes cold packed; dropped, it is no longer packed.
+        t.set_slot(0, Slot::Cold(b(5))).unwrap();
+        assert!(t.entries()[0].is_packed());
+        t.set_slot(2, Slot::Dropped).unwrap();
+        assert!(!t.entries()[2].is_packed());
         t.check().unwrap();
     }
 

@@ -236,6 +236,11 @@ fn default_decay() -> f32 {
 }
 
 impl EvictionSpec {
+    /// Whether each KV head keeps its own pages (KeyDiff's `per_head`).
+    pub fn per_head(&self) -> bool {
+        matches!(self, EvictionSpec::Keydiff { per_head: true, .. })
+    }
+
     /// The scored policies' score and trigger (`None` for the others);
     /// an error names what is wrong with the trigger.
     pub fn scored(&self) -> Option<Result<(Score, Trigger, usize, usize), String>> {
@@ -268,6 +273,7 @@ impl EvictionSpec {
                 budget_tokens,
                 high,
                 low,
+                ..
             } => (Score::KeyDiff, sink, window, budget_tokens, high, low),
             EvictionSpec::Hybrid {
                 sink,
@@ -384,6 +390,10 @@ pub enum EvictionSpec {
         sink: usize,
         /// Tokens kept at the end.
         window: usize,
+        /// Head-wise: each layer's each KV head keeps its own pages, packed
+        /// into fewer blocks (hot blocks only: no cold tier).
+        #[serde(default)]
+        per_head: bool,
         /// Live tokens per sequence at most.
         budget_tokens: Option<usize>,
         /// Watermark that starts eviction.
@@ -667,6 +677,12 @@ impl Mechanisms {
             if let Err(e) = built {
                 return Some(e);
             }
+        }
+        if self.eviction.is_some_and(|e| e.per_head()) && self.cold.is_some() {
+            return Some(
+                "eviction.per_head packs hot blocks; it does not combine with a cold tier yet"
+                    .into(),
+            );
         }
         match self.eviction {
             Some(EvictionSpec::SinkWindow { window: 0, .. })

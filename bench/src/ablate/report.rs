@@ -115,6 +115,7 @@ pub fn describe(m: &Mechanisms) -> String {
         Some(spec) => {
             if let Some(Ok((score, trigger, sink, window))) = spec.scored()
                 && let Ok(p) = kvforge_evict::Scored::new(score, trigger, sink, window)
+                && let Ok(p) = if spec.per_head() { p.per_head() } else { Ok(p) }
             {
                 use kvforge_evict::EvictionPolicy as _;
                 parts.push(format!("evict {}", p.name()));

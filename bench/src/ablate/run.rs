@@ -609,6 +609,7 @@ fn configure(exp: &Experiment, m: &Mechanisms) -> Result<Configured> {
                 trigger,
                 sink,
                 window,
+                per_head: spec.per_head(),
             }),
             Some(Err(e)) => bail!("{e}"),
             None => bail!("eviction policy {spec:?} has no configuration"),

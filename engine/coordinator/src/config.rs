@@ -112,6 +112,9 @@ pub enum EvictionConfig {
         sink: usize,
         /// Tokens kept at the end.
         window: usize,
+        /// Head-wise: every lane (one layer's one KV head) keeps its own
+        /// pages, packed into fewer blocks (KeyDiff only; hot blocks only).
+        per_head: bool,
     },
 }
 

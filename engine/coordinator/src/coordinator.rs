@@ -17,7 +17,7 @@ use kvforge_prefix::{
 };
 use kvforge_quant::{TierPlan, TierPolicy};
 
-use crate::plan::{CopyOp, Demotion, Plan, Write};
+use crate::plan::{CopyOp, Demotion, Pack, Plan, Write};
 use crate::{
     CoordError, CoordinatorConfig, DedupConfig, EvictionConfig, IndexKind, LifecycleConfig, Result,
     TurnTail,
@@ -51,6 +51,8 @@ pub struct Counters {
     pub demoted_blocks: u64,
     /// Entries dropped by the lifecycle policy at turn ends.
     pub lifecycle_dropped_entries: u64,
+    /// Blocks written by head-wise eviction's packing (pages copied in).
+    pub packed_blocks: u64,
     /// Steps committed.
     pub steps: u64,
 }
@@ -78,9 +80,24 @@ struct Pending {
     fresh_cold: Vec<BlockId>,
     /// The step copies the shared partial tail.
     copies_tail: bool,
-    /// Entries the step evicts and blocks it demotes (for [`Counters`]).
+    /// Entries the step evicts, blocks it demotes and packs (for
+    /// [`Counters`]).
     evicted: usize,
     demotions: usize,
+    packed: usize,
+}
+
+/// A head-wise eviction worked out by `lane_packing`.
+struct Packing {
+    /// The entries any lane stops reading, ascending.
+    entries: Vec<usize>,
+    /// Their blocks.
+    blocks: Vec<BlockId>,
+    /// How many of them keep a (packed) block.
+    keep: usize,
+    /// For packed block `k` and lane `l`, at `k × lanes + l`: the block
+    /// whose page of lane `l` it takes.
+    src: Vec<BlockId>,
 }
 
 struct SeqState {
@@ -134,6 +151,8 @@ pub struct Coordinator {
     cached_cold: HashSet<BlockId>,
     freed_cold: Vec<BlockId>,
     scratch: Vec<usize>,
+    /// Lanes of a block: layers × KV heads (head-wise eviction).
+    lanes: usize,
     counters: Counters,
 }
 
@@ -198,7 +217,17 @@ impl Coordinator {
                 trigger,
                 sink,
                 window,
-            }) => Some(Box::new(Scored::new(score, trigger, sink, window)?)),
+                per_head,
+            }) => {
+                let p = Scored::new(score, trigger, sink, window)?;
+                if per_head && cfg.cold.is_some() {
+                    return Err(CoordError::Config(
+                        "per-head eviction packs hot blocks; it does not combine with a cold tier yet"
+                            .into(),
+                    ));
+                }
+                Some(Box::new(if per_head { p.per_head()? } else { p }))
+            }
         };
         let dedup: Option<Box<dyn Deduplicator>> = match cfg.dedup {
             None => None,
@@ -237,6 +266,7 @@ impl Coordinator {
             cached_cold: HashSet::new(),
             freed_cold: Vec::new(),
             scratch: Vec::new(),
+            lanes: (hot.layers() * hot.kv_heads()) as usize,
             counters: Counters::default(),
             cfg,
         })
@@ -457,6 +487,7 @@ impl Coordinator {
             ..Plan::default()
         };
         let mut release = Vec::new();
+        let mut lane_drops = Vec::new();
         // 1. Eviction.
         let cold_block_bytes = self.cold_layout().map_or(0, |l| l.block_bytes());
         if let Some(ev) = self.evict.as_mut() {
@@ -468,7 +499,12 @@ impl Coordinator {
                 hot_block_bytes: self.cfg.layout.block_bytes(),
                 cold_block_bytes,
             };
-            ev.victims(seq, &next, pressure, &mut self.scratch);
+            if ev.per_lane() {
+                ev.lane_victims(seq, &next, pressure, self.lanes, &mut self.scratch);
+                lane_drops = std::mem::take(&mut self.scratch);
+            } else {
+                ev.victims(seq, &next, pressure, &mut self.scratch);
+            }
             for &i in &self.scratch {
                 let old = next.set_slot(i, Slot::Dropped).map_err(|e| {
                     CoordError::Policy(format!("the eviction policy named entry {i}: {e}"))
@@ -477,6 +513,7 @@ impl Coordinator {
                 plan.drops.push(i);
             }
         }
+        let packing = self.lane_packing(&next, &lane_drops)?;
         // 2. Demotions: reuse another holder's cold copy, or quantize anew.
         let mut demote = Vec::new();
         if let Some(tp) = self.tier_policy.as_ref() {
@@ -543,7 +580,9 @@ impl Coordinator {
             None => next.room() as usize,
         };
         let in_open = n.min(room);
-        let need_hot = (n - in_open).div_ceil(bs) + usize::from(copy_src.is_some());
+        let need_hot = (n - in_open).div_ceil(bs)
+            + usize::from(copy_src.is_some())
+            + packing.as_ref().map_or(0, |p| p.keep);
         let cold_bytes = self.cold_layout().map_or(0, |l| l.block_bytes());
         // The budget holds between steps: blocks this step lets go of for
         // good (dropped or demoted, no other holder) make room. Until the
@@ -557,8 +596,10 @@ impl Coordinator {
                 cold_bytes
             }
         };
+        let packed_away = packing.as_ref().map_or(&[][..], |p| &p.blocks[..]);
         let freed: u64 = release
             .iter()
+            .chain(packed_away)
             .chain(copy_src.iter().map(|(b, _)| b))
             .chain(fresh.iter().map(|(_, h)| h))
             .chain(plan.demotions.iter().map(|d| &d.hot))
@@ -619,9 +660,33 @@ impl Coordinator {
             release.push(d.hot);
             demoted.push((d.hot, d.cold, d.quantize));
         }
+        let mut hot_new = &got.blocks[cold_new.len()..];
+        // Head-wise eviction: the first `keep` entries of the union take
+        // the packed blocks, the others are dropped.
+        if let Some(p) = packing {
+            let (dst, rest) = hot_new.split_at(p.keep);
+            hot_new = rest;
+            for (k, &i) in p.entries.iter().enumerate() {
+                let old = match dst.get(k) {
+                    Some(&b) => next.repack(i, b)?,
+                    None => {
+                        plan.drops.push(i);
+                        next.set_slot(i, Slot::Dropped)?
+                    }
+                };
+                release.extend(old.block());
+            }
+            plan.drops.sort_unstable();
+            if p.keep > 0 {
+                plan.pack = Some(Pack {
+                    lanes: self.lanes,
+                    dst: dst.to_vec(),
+                    src: p.src,
+                });
+            }
+        }
         // 4. The copy, then writes: the rest of the open block, then the
         // new blocks.
-        let mut hot_new = &got.blocks[cold_new.len()..];
         if let Some((src, tokens)) = copy_src {
             let dst = hot_new[0];
             hot_new = &hot_new[1..];
@@ -661,8 +726,75 @@ impl Coordinator {
             copies_tail: copy_src.is_some(),
             evicted: plan.drops.len(),
             demotions: plan.demotions.len(),
+            packed: plan.pack.as_ref().map_or(0, |p| p.dst.len()),
         });
         Ok(plan)
+    }
+
+    /// Checks a per-lane policy's answer (`lanes × d` entries, each lane's
+    /// ascending, each a full, closed hot block) and works out the pack:
+    /// the union of the named entries, and for each of its first
+    /// `union − d` entries the block each lane's page comes from (the
+    /// lane's k-th surviving page).
+    fn lane_packing(&self, table: &BlockTable, drops: &[usize]) -> Result<Option<Packing>> {
+        let lanes = self.lanes;
+        if drops.is_empty() {
+            return Ok(None);
+        }
+        let bad = |m: String| Err(CoordError::Policy(format!("the eviction policy {m}")));
+        if drops.len() % lanes != 0 {
+            return bad(format!(
+                "named {} lane pages, not a multiple of {lanes} lanes",
+                drops.len()
+            ));
+        }
+        let d = drops.len() / lanes;
+        let last = table.entries().len().wrapping_sub(1);
+        let mut union: Vec<usize> = drops.to_vec();
+        union.sort_unstable();
+        union.dedup();
+        let mut blocks = Vec::with_capacity(union.len());
+        for &i in &union {
+            match table.entries().get(i) {
+                Some(e)
+                    if e.tokens() == table.block_size()
+                        && !(table.is_open() && i == last)
+                        && matches!(e.slot(), Slot::Hot(_)) =>
+                {
+                    blocks.extend(e.slot().block());
+                }
+                _ => {
+                    return bad(format!(
+                        "named entry {i}, which is not a full, closed hot block"
+                    ));
+                }
+            }
+        }
+        let keep = union.len() - d;
+        let mut src = vec![BlockId::new(0, 0); keep * lanes];
+        for (lane, victims) in drops.chunks_exact(d).enumerate() {
+            if !victims.windows(2).all(|w| w[0] < w[1]) {
+                return bad(format!(
+                    "named lane {lane}'s entries out of order: {victims:?}"
+                ));
+            }
+            let mut v = victims.iter().peekable();
+            let mut k = 0;
+            for (u, &i) in union.iter().enumerate() {
+                if v.peek() == Some(&&i) {
+                    v.next();
+                } else {
+                    src[k * lanes + lane] = blocks[u];
+                    k += 1;
+                }
+            }
+        }
+        Ok(Some(Packing {
+            entries: union,
+            blocks,
+            keep,
+            src,
+        }))
     }
 
     /// Drops one reference; notes a cold block whose storage can go.
@@ -787,7 +919,9 @@ impl Coordinator {
 
     /// Feeds each entry's key novelty (`1 − cos(key, mean key)`, averaged
     /// over its keys, heads and layers) in the step to the eviction policy
-    /// (if it wants it).
+    /// (if it wants it). For a per-lane policy ([`per_lane`](Self::per_lane)):
+    /// one value per entry and lane, entry after entry, lane `layer ×
+    /// kv_heads + head`, averaged over the entry's keys only.
     pub fn observe_keys(&mut self, seq: SeqId, novelty: &[f32]) -> Result<()> {
         self.feed_policy(seq, novelty, true)
     }
@@ -801,7 +935,8 @@ impl Coordinator {
         };
         let s = self.seqs.get(&seq).ok_or(CoordError::UnknownSeq(seq))?;
         let t = s.pending.as_ref().map_or(&s.table, |p| &p.next);
-        if values.len() != t.entries().len() {
+        let per_entry = if ev.per_lane() { self.lanes } else { 1 };
+        if values.len() != t.entries().len() * per_entry {
             let what = if keys {
                 "key novelty for another number of entries"
             } else {
@@ -822,6 +957,12 @@ impl Coordinator {
         self.evict.as_ref().is_some_and(|e| e.wants_keys())
     }
 
+    /// Whether the eviction policy ranks pages per lane (one layer's one
+    /// KV head): it then wants key novelty per entry and lane.
+    pub fn per_lane(&self) -> bool {
+        self.evict.as_ref().is_some_and(|e| e.per_lane())
+    }
+
     /// Whether the eviction policy wants attention mass.
     pub fn wants_attention(&self) -> bool {
         self.evict.as_ref().is_some_and(|e| e.wants_attention())
@@ -835,6 +976,7 @@ impl Coordinator {
         self.counters.steps += 1;
         self.counters.evicted_entries += p.evicted as u64;
         self.counters.demoted_blocks += p.demotions as u64;
+        self.counters.packed_blocks += p.packed as u64;
         let s = self.seqs.get_mut(&seq).ok_or(CoordError::UnknownSeq(seq))?;
         s.table = p.next;
         s.table.compact();
@@ -942,6 +1084,8 @@ impl Coordinator {
         let mut covered = 0usize;
         for e in &t.entries()[..done] {
             match e.slot() {
+                // A packed block holds pages of other positions.
+                Slot::Hot(_) | Slot::Cold(_) if e.is_packed() => break,
                 Slot::Hot(b) | Slot::Cold(b) => refs.push(BlockRef::new(b, e.tokens())),
                 Slot::Alias { .. } | Slot::Dropped => break,
             }
@@ -1056,7 +1200,9 @@ impl Coordinator {
             let inside = ranges
                 .iter()
                 .any(|r| r.start <= e.first() && e.end() <= r.end);
-            if inside && e.slot().is_live() && !(open && i == last) {
+            // A packed entry holds pages of other positions too: it is
+            // eviction's to drop, not a segment's.
+            if inside && e.slot().is_live() && !e.is_packed() && !(open && i == last) {
                 release.extend(s.table.set_slot(i, Slot::Dropped)?.block());
             }
         }

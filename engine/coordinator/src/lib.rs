@@ -67,7 +67,7 @@ pub use error::{CoordError, Result};
 pub use kvforge_evict::{Score, Trigger};
 pub use kvforge_lsh::{Content, SimHashConfig};
 pub use kvforge_pool::{BlockId, BlockTable, Entry, Slot, TieredPool};
-pub use plan::{CopyOp, Demotion, Plan, Write};
+pub use plan::{CopyOp, Demotion, Pack, Plan, Write};
 
 /// The README's example, compiled and run as a doctest.
 #[doc = include_str!("../README.md")]

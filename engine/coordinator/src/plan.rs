@@ -41,7 +41,20 @@ pub struct CopyOp {
     pub tokens: u32,
 }
 
-/// One step of one sequence: carry out `copies`, then `demotions`, then
+/// Head-wise eviction: each lane (one layer's one KV head) of block
+/// `dst[k]` takes the page of the same lane of block `src[k × lanes +
+/// lane]` — the lane's k-th surviving page among the entries packed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Pack {
+    /// Lanes per block: layers × KV heads, lane `layer × kv_heads + head`.
+    pub lanes: usize,
+    /// The fresh hot blocks written.
+    pub dst: Vec<BlockId>,
+    /// Where each of their lanes is read from (still held during the step).
+    pub src: Vec<BlockId>,
+}
+
+/// One step of one sequence: carry out `copies`, `pack`, then `demotions`, then
 /// write the new tokens' K/V at `writes` while attending over
 /// [`Coordinator::view`](crate::Coordinator::view); then
 /// [`commit`](crate::Coordinator::commit), or
@@ -58,6 +71,8 @@ pub struct Plan {
     pub demotions: Vec<Demotion>,
     /// Entries dropped by this step (eviction): attention skips them.
     pub drops: Vec<usize>,
+    /// Pages packed by head-wise eviction, before the step.
+    pub pack: Option<Pack>,
 }
 
 impl Plan {

@@ -295,6 +295,7 @@ fn scored_eviction_keeps_the_entry_attention_favours() {
         trigger: Trigger::Tokens(16),
         sink: 4,
         window: 4,
+        per_head: false,
     });
     let mut c = Coordinator::new(cfg).unwrap();
     assert!(c.wants_attention());
@@ -328,6 +329,7 @@ fn keydiff_eviction_keeps_the_entry_whose_keys_stand_out() {
         trigger: Trigger::Tokens(16),
         sink: 4,
         window: 4,
+        per_head: false,
     });
     let mut c = Coordinator::new(cfg).unwrap();
     assert!(c.wants_keys() && !c.wants_attention());
@@ -347,6 +349,151 @@ fn keydiff_eviction_keeps_the_entry_whose_keys_stand_out() {
     assert_eq!(p.drops, [2, 4]);
     c.close(s).unwrap();
     assert_eq!(c.pools().stats().in_use, 0);
+}
+
+/// Per-head KeyDiff over `layout()`'s 4 lanes (2 layers × 2 KV heads),
+/// after a first step of `first` tokens whose novelty makes lane `l` keep
+/// entry `keeps[l]`.
+fn per_head(sink: usize, budget: usize, first: usize, keeps: [usize; 4]) -> (Coordinator, SeqId) {
+    let mut cfg = config(64);
+    cfg.eviction = Some(EvictionConfig::Scored {
+        score: Score::KeyDiff,
+        trigger: Trigger::Tokens(budget),
+        sink,
+        window: 4,
+        per_head: true,
+    });
+    let mut c = Coordinator::new(cfg).unwrap();
+    assert!(c.per_lane() && c.wants_keys());
+    let s = c.open_empty();
+    c.plan(s, first).unwrap();
+    lane_novelty(&mut c, s, keeps);
+    c.commit(s).unwrap();
+    (c, s)
+}
+
+/// Feeds novelty per entry and lane: lane `l` finds entry `keeps[l]` the
+/// most distinctive.
+fn lane_novelty(c: &mut Coordinator, s: SeqId, keeps: [usize; 4]) {
+    let k = c.view(s).unwrap().entries().len();
+    let nv: Vec<f32> = (0..k * 4)
+        .map(|x| if keeps[x % 4] == x / 4 { 0.9 } else { 0.1 })
+        .collect();
+    // One value per entry is not enough for a per-lane policy.
+    assert!(c.observe_keys(s, &nv[..k]).is_err());
+    c.observe_keys(s, &nv).unwrap();
+}
+
+#[test]
+fn per_head_eviction_packs_the_pages_each_lane_keeps_into_fewer_blocks() {
+    let (mut c, s) = per_head(4, 16, 12, [0; 4]);
+    c.plan(s, 12).unwrap();
+    lane_novelty(&mut c, s, [2, 3, 4, 2]);
+    c.commit(s).unwrap();
+    // 24 positions, entry 1 (4..8) evicted by every lane: 20 live. The
+    // next token needs 5 more out: 2 pages per lane among entries 2, 3, 4.
+    let blocks: Vec<BlockId> = (2..5)
+        .map(|i| c.table(s).unwrap().entries()[i].slot().block().unwrap())
+        .collect();
+    let in_use = c.pools().stats().in_use;
+    let before = state(&c, &[s]);
+    c.plan(s, 1).unwrap();
+    c.abort(s).unwrap();
+    assert_eq!(state(&c, &[s]), before, "an aborted pack changes nothing");
+    let p = c.plan(s, 1).unwrap();
+    let pack = p.pack.clone().unwrap();
+    // One packed block: lane l reads the page of the entry it kept.
+    assert_eq!(pack.lanes, 4);
+    assert_eq!(pack.dst.len(), 1);
+    assert_eq!(pack.src, [blocks[0], blocks[1], blocks[2], blocks[0]]);
+    assert_eq!(p.drops, [3, 4]);
+    c.commit(s).unwrap();
+    let t = c.table(s).unwrap();
+    t.check().unwrap();
+    let e = t.entries()[2];
+    assert!(e.is_packed() && e.slot() == Slot::Hot(pack.dst[0]));
+    assert_eq!((e.first(), t.positions()), (8, 25));
+    assert_eq!(t.live_tokens(), 13);
+    // Three blocks went, one came, one opened for the new token.
+    assert_eq!(c.pools().stats().in_use, in_use - 3 + 1 + 1);
+    assert_eq!(c.counters().packed_blocks, 1);
+    for b in blocks {
+        assert!(c.pools().ref_count(b).unwrap_or(0) == 0, "released");
+    }
+    c.close(s).unwrap();
+    assert_eq!(c.pools().stats().in_use, 0);
+}
+
+#[test]
+fn a_packed_block_is_never_registered_as_a_prefix() {
+    // No sink: entry 0 is packed (lane 0 keeps it, the others entry 1).
+    let (mut c, s) = per_head(0, 9, 12, [0, 1, 1, 1]);
+    let p = c.plan(s, 1).unwrap();
+    assert_eq!(p.drops, [1]);
+    assert_eq!(p.pack.unwrap().dst.len(), 1);
+    c.commit(s).unwrap();
+    assert!(c.table(s).unwrap().entries()[0].is_packed());
+    let tokens: Vec<u32> = (0..13).collect();
+    assert_eq!(c.register(s, &tokens, &ExtraKeys::default()).unwrap(), 0);
+    c.close(s).unwrap();
+    assert_eq!(c.pools().stats().in_use, 0);
+}
+
+#[test]
+fn a_per_lane_answer_that_breaks_the_contract_is_refused_and_changes_nothing() {
+    struct Bad(Vec<usize>);
+    impl kvforge_evict::EvictionPolicy for Bad {
+        fn name(&self) -> String {
+            "bad".into()
+        }
+        fn per_lane(&self) -> bool {
+            true
+        }
+        fn lane_victims(
+            &mut self,
+            _: u64,
+            _: &kvforge_pool::BlockTable,
+            _: kvforge_evict::Pressure,
+            _: usize,
+            out: &mut Vec<usize>,
+        ) {
+            out.extend_from_slice(&self.0);
+        }
+        fn victims(
+            &mut self,
+            _: u64,
+            _: &kvforge_pool::BlockTable,
+            _: kvforge_evict::Pressure,
+            _: &mut Vec<usize>,
+        ) {
+        }
+    }
+    for (answer, msg) in [
+        (vec![1, 2, 3], "not a multiple of 4 lanes"),
+        (vec![1, 2, 2, 1, 1, 2, 1, 2], "out of order"),
+        (vec![3, 3, 3, 3], "not a full, closed hot block"),
+        (vec![9, 9, 9, 9], "not a full, closed hot block"),
+    ] {
+        let mut c = Coordinator::new(config(64)).unwrap();
+        let s = c.open_empty();
+        step(&mut c, s, 14);
+        c.set_eviction_policy(Some(Box::new(Bad(answer))));
+        let before = state(&c, &[s]);
+        let e = c.plan(s, 1).unwrap_err().to_string();
+        assert!(e.contains(msg), "{e}");
+        assert_eq!(state(&c, &[s]), before);
+        c.close(s).unwrap();
+    }
+    let mut cfg = all_on(64);
+    cfg.eviction = Some(EvictionConfig::Scored {
+        score: Score::KeyDiff,
+        trigger: Trigger::Tokens(64),
+        sink: 4,
+        window: 16,
+        per_head: true,
+    });
+    let e = Coordinator::new(cfg).unwrap_err().to_string();
+    assert!(e.contains("does not combine with a cold tier"), "{e}");
 }
 
 #[test]
