@@ -289,6 +289,16 @@ impl PagedKvCache {
         self.coordinator().bytes_in_use()
     }
 
+    /// The most KV bytes in use inside any step since the last call (the
+    /// blocks a step releases at its commit included), and a new
+    /// measurement started.
+    pub fn take_step_peak_bytes(&self) -> u64 {
+        let mut c = self.coordinator();
+        let peak = c.step_peak_bytes();
+        c.reset_step_peak();
+        peak
+    }
+
     /// `(hot, cold)` bytes in use.
     pub fn tier_bytes(&self) -> (u64, u64) {
         let s = self.tier_stats();

@@ -4,7 +4,7 @@
 //! The table does not change between calls, so every call ranks all
 //! entries and names about 128 victims: an upper bound on a steady decode
 //! step, which names one. Compare with a decode step of the engine at that
-//! context.
+//! context. Head-wise KeyDiff ranks each of 90 lanes on its own.
 
 use criterion::{BenchmarkId, Criterion};
 use kvforge_evict::{EvictionPolicy, Pressure, Score, Scored, Trigger};
@@ -36,6 +36,32 @@ fn evict(c: &mut Criterion) {
                 p.observe(0, &t, &mass);
                 out.clear();
                 p.victims(0, &t, Pressure::new(0.5, 1), &mut out);
+                out.len()
+            })
+        });
+    }
+    // Head-wise KeyDiff at SmolLM2-135M's 90 lanes (30 layers × 3 KV
+    // heads): per-lane key novelty in, the same number of pages per lane
+    // out — 128 per lane under the 2048-token budget (the upper bound), or
+    // one per lane in a steady step (a budget one token short).
+    let lanes = 90;
+    let novelty: Vec<f32> = (0..256 * lanes)
+        .map(|i| ((i * 7919) % 1009) as f32 / 1009.0)
+        .collect();
+    for (name, budget) in [
+        ("keydiff-per-head", 2048),
+        ("keydiff-per-head-steady", 4096),
+    ] {
+        let mut p = Scored::new(Score::KeyDiff, Trigger::Tokens(budget), 32, 256)
+            .unwrap()
+            .per_head()
+            .unwrap();
+        let mut out = Vec::new();
+        g.bench_function(BenchmarkId::new("observe+victims/4096", name), |b| {
+            b.iter(|| {
+                p.observe_keys(0, &t, &novelty);
+                out.clear();
+                p.lane_victims(0, &t, Pressure::new(0.5, 1), lanes, &mut out);
                 out.len()
             })
         });

@@ -816,6 +816,7 @@ impl<'a> Runner<'a> {
         } = passkey_prompt(tok, hay, length, depth, seed)?;
         let engine = self.engine();
         let mut seq = Sequence::default();
+        engine.cache.take_step_peak_bytes();
         let out = (|| -> Result<(String, u64)> {
             let mut peak = 0;
             for piece in context.chunks(w.chunk) {
@@ -832,6 +833,7 @@ impl<'a> Runner<'a> {
             peak = peak.max(engine.cache.bytes_in_use());
             Ok((tok.decode_text(&g.tokens)?, peak))
         })();
+        let step_peak = engine.cache.take_step_peak_bytes();
         let freed = engine.cache.free(&mut seq);
         let (answer, peak) = out?;
         freed?;
@@ -844,6 +846,8 @@ impl<'a> Runner<'a> {
                     f64::from(u8::from(first_number(&answer) == key.to_string())),
                 ),
                 ("kv_bytes".into(), peak as f64),
+                // Inside a step: what it releases at commit still held.
+                ("step_peak_kv_bytes".into(), step_peak as f64),
             ]),
             answer: Some(answer),
             ..Record::default()

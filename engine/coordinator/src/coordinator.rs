@@ -153,6 +153,9 @@ pub struct Coordinator {
     scratch: Vec<usize>,
     /// Lanes of a block: layers × KV heads (head-wise eviction).
     lanes: usize,
+    /// The most bytes in use right after a plan (blocks a step holds
+    /// until its commit included), since the last reset.
+    step_peak: u64,
     counters: Counters,
 }
 
@@ -267,6 +270,7 @@ impl Coordinator {
             freed_cold: Vec::new(),
             scratch: Vec::new(),
             lanes: (hot.layers() * hot.kv_heads()) as usize,
+            step_peak: 0,
             counters: Counters::default(),
             cfg,
         })
@@ -342,6 +346,20 @@ impl Coordinator {
                 Some(TierStats { name, pool })
             })
             .collect()
+    }
+
+    /// The most bytes in use at any moment since the last
+    /// [`reset_step_peak`](Self::reset_step_peak): right after each plan,
+    /// while the step holds both the blocks it will release at its commit
+    /// (dropped, demoted, packed away) and the ones it took. Between steps
+    /// [`bytes_in_use`](Self::bytes_in_use) is lower.
+    pub fn step_peak_bytes(&self) -> u64 {
+        self.step_peak.max(self.tiers.in_use_bytes())
+    }
+
+    /// Starts a new [`step_peak_bytes`](Self::step_peak_bytes) measurement.
+    pub fn reset_step_peak(&mut self) {
+        self.step_peak = 0;
     }
 
     /// What the policies did so far (evictions, demotions, lifecycle
@@ -716,6 +734,7 @@ impl Coordinator {
             });
             left -= take;
         }
+        self.step_peak = self.step_peak.max(self.tiers.in_use_bytes());
         let s = self.seq_mut(seq)?;
         s.pending = Some(Pending {
             next,

@@ -400,7 +400,12 @@ fn per_head_eviction_packs_the_pages_each_lane_keeps_into_fewer_blocks() {
     c.plan(s, 1).unwrap();
     c.abort(s).unwrap();
     assert_eq!(state(&c, &[s]), before, "an aborted pack changes nothing");
+    c.reset_step_peak();
     let p = c.plan(s, 1).unwrap();
+    // Inside the step the old blocks are still held beside the packed one
+    // and the new token's.
+    let bb = layout().block_bytes();
+    assert_eq!(c.step_peak_bytes(), (in_use as u64 + 2) * bb);
     let pack = p.pack.clone().unwrap();
     // One packed block: lane l reads the page of the entry it kept.
     assert_eq!(pack.lanes, 4);
@@ -416,6 +421,8 @@ fn per_head_eviction_packs_the_pages_each_lane_keeps_into_fewer_blocks() {
     assert_eq!(t.live_tokens(), 13);
     // Three blocks went, one came, one opened for the new token.
     assert_eq!(c.pools().stats().in_use, in_use - 3 + 1 + 1);
+    assert_eq!(c.bytes_in_use(), (in_use as u64 - 1) * bb);
+    assert_eq!(c.step_peak_bytes(), (in_use as u64 + 2) * bb, "kept until reset");
     assert_eq!(c.counters().packed_blocks, 1);
     for b in blocks {
         assert!(c.pools().ref_count(b).unwrap_or(0) == 0, "released");
