@@ -422,7 +422,11 @@ fn per_head_eviction_packs_the_pages_each_lane_keeps_into_fewer_blocks() {
     // Three blocks went, one came, one opened for the new token.
     assert_eq!(c.pools().stats().in_use, in_use - 3 + 1 + 1);
     assert_eq!(c.bytes_in_use(), (in_use as u64 - 1) * bb);
-    assert_eq!(c.step_peak_bytes(), (in_use as u64 + 2) * bb, "kept until reset");
+    assert_eq!(
+        c.step_peak_bytes(),
+        (in_use as u64 + 2) * bb,
+        "kept until reset"
+    );
     assert_eq!(c.counters().packed_blocks, 1);
     for b in blocks {
         assert!(c.pools().ref_count(b).unwrap_or(0) == 0, "released");
