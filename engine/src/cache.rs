@@ -165,7 +165,11 @@ impl PagedKvCache {
     /// packed block takes the same lane's page of its source block — one
     /// gather and one scatter per layer and K/V over the rows seen as
     /// `[slots × kv_heads, head_dim]`.
-    fn pack(&self, pack: &kvforge_coordinator::Pack) -> Result<()> {
+    ///
+    /// With `undo`, every page goes back where it came from (an in-place
+    /// pack of a step that is aborted). A failure part-way undoes the
+    /// layers an in-place pack had moved.
+    fn pack(&self, pack: &kvforge_coordinator::Pack, undo: bool) -> Result<()> {
         let (bs, h) = (self.block_size as i64, self.shape.heads as i64);
         let layers = self.k.len();
         if pack.lanes != layers * self.shape.heads || pack.src.len() != pack.dst.len() * pack.lanes
@@ -178,7 +182,7 @@ impl PagedKvCache {
         }
         let device = self.k[0].device();
         let base = |b: BlockId| i64::from(TieredPool::slot_of(b)) * bs;
-        for layer in 0..layers {
+        let move_layer = |layer: usize, undo: bool| -> Result<()> {
             let (mut src, mut dst) = (Vec::new(), Vec::new());
             for (k, &to) in pack.dst.iter().enumerate() {
                 for head in 0..h {
@@ -189,12 +193,34 @@ impl PagedKvCache {
                     }
                 }
             }
+            if undo {
+                std::mem::swap(&mut src, &mut dst);
+            }
             let src = Tensor::f_from_slice(&src)?.f_to_device(device)?;
             let dst = Tensor::f_from_slice(&dst)?.f_to_device(device)?;
-            for t in [&self.k[layer], &self.v[layer]] {
-                let rows = t.f_view([-1, self.shape.head_dim as i64])?;
-                let pages = rows.f_index_select(0, &src)?;
-                let _ = rows.shallow_clone().f_index_copy_(0, &dst, &pages)?;
+            // Every source page is read before any is written.
+            let hd = self.shape.head_dim as i64;
+            let rows = [
+                self.k[layer].f_view([-1, hd])?,
+                self.v[layer].f_view([-1, hd])?,
+            ];
+            let pages = [
+                rows[0].f_index_select(0, &src)?,
+                rows[1].f_index_select(0, &src)?,
+            ];
+            for (r, p) in rows.iter().zip(&pages) {
+                let _ = r.shallow_clone().f_index_copy_(0, &dst, p)?;
+            }
+            Ok(())
+        };
+        for layer in 0..layers {
+            if let Err(e) = move_layer(layer, undo) {
+                if pack.in_place && !undo {
+                    for done in 0..layer {
+                        let _ = move_layer(done, true);
+                    }
+                }
+                return Err(e);
             }
         }
         Ok(())
@@ -427,6 +453,8 @@ struct Step {
     novelty: Option<Vec<f32>>,
     /// KV heads per layer when the policy ranks per lane.
     lane_heads: Option<usize>,
+    /// An in-place pack this step carried out: undone if it is aborted.
+    undo: Option<kvforge_coordinator::Pack>,
 }
 
 /// One sequence of a [`PagedKvCache`] seen as a [`KvStore`].
@@ -456,8 +484,33 @@ impl PagedSeq<'_> {
             }
         }
         if let Some(pack) = &plan.pack {
-            c.pack(pack)?;
+            c.pack(pack, false)?;
         }
+        let undo = plan.pack.clone().filter(|p| p.in_place);
+        match self.demote_and_view(id, plan, n) {
+            Ok(mut step) => {
+                step.undo = undo;
+                Ok(step)
+            }
+            Err(e) => {
+                if let Some(p) = &undo {
+                    let _ = c.pack(p, true);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// The rest of [`execute`](Self::execute): demotions, then the view.
+    fn demote_and_view(
+        &self,
+        id: SeqId,
+        plan: &kvforge_coordinator::Plan,
+        n: usize,
+    ) -> Result<Step> {
+        let c = self.cache;
+        let bs = c.block_size;
+        let device = c.k[0].device();
         for d in plan.demotions.iter().filter(|d| d.quantize) {
             let tier = c
                 .cold
@@ -503,6 +556,7 @@ impl PagedSeq<'_> {
             mass,
             novelty,
             lane_heads,
+            undo: None,
         })
     }
 }
@@ -575,14 +629,24 @@ impl KvStore for PagedSeq<'_> {
             ));
         };
         let mut c = self.cache.coordinator();
-        if let Some(m) = &step.mass {
-            c.observe(step.id, m)?;
+        let done = (|| {
+            if let Some(m) = &step.mass {
+                c.observe(step.id, m)?;
+            }
+            if let Some(n) = &step.novelty {
+                // Summed over layers: the ranking is the layers' mean's.
+                c.observe_keys(step.id, n)?;
+            }
+            c.commit(step.id)
+        })();
+        if let Err(e) = done {
+            if let Some(p) = &step.undo {
+                let _ = self.cache.pack(p, true);
+            }
+            let _ = c.abort(step.id);
+            self.cache.free_cold(&mut c);
+            return Err(e.into());
         }
-        if let Some(n) = &step.novelty {
-            // Summed over layers: the ranking is the layers' mean's.
-            c.observe_keys(step.id, n)?;
-        }
-        c.commit(step.id)?;
         self.cache.free_cold(&mut c);
         self.seq.len = step.view.start() + n;
         Ok(())
@@ -594,6 +658,9 @@ impl Drop for PagedSeq<'_> {
     /// the sequence, the pools and the index are as they were.
     fn drop(&mut self) {
         if let Some(step) = self.step.take() {
+            if let Some(p) = &step.undo {
+                let _ = self.cache.pack(p, true);
+            }
             let mut c = self.cache.coordinator();
             let _ = c.abort(step.id);
             self.cache.free_cold(&mut c);
@@ -715,8 +782,9 @@ mod tests {
             lanes,
             dst: vec![b(6), b(7)],
             src: src.clone(),
+            in_place: false,
         };
-        c.pack(&pack).unwrap();
+        c.pack(&pack, false).unwrap();
         for (i, t) in c.k.iter().chain(&c.v).enumerate() {
             let layer = i % layers;
             let old = &before[i];
@@ -743,7 +811,130 @@ mod tests {
             lanes: lanes + 1,
             dst: vec![b(6)],
             src: vec![b(1); lanes + 1],
+            in_place: false,
         };
-        assert!(c.pack(&bad).is_err());
+        assert!(c.pack(&bad, false).is_err());
+    }
+
+    /// A step whose in-place pack is prepared and then dropped (the forward
+    /// failed) leaves every K/V element and the table as they were.
+    #[test]
+    fn an_aborted_step_undoes_its_in_place_pack() {
+        use kvforge_coordinator::{EvictionConfig, Score, Trigger};
+
+        use super::KvStore;
+        let cfg = LlamaConfig::tiny();
+        let mut c = PagedKvCache::new(&cfg, 4, 256, Device::Cpu, Kind::Float).unwrap();
+        let mut coord = c.base_config();
+        coord.eviction = Some(EvictionConfig::Scored {
+            score: Score::KeyDiff,
+            trigger: Trigger::Tokens(24),
+            sink: 4,
+            window: 8,
+            per_head: true,
+        });
+        c.configure(coord, None).unwrap();
+        let mut seq = super::Sequence::default();
+        let rand = |n: i64, h: usize| {
+            Tensor::randn(
+                [n, h as i64, cfg.head_dim as i64],
+                (Kind::Float, Device::Cpu),
+            )
+        };
+        let snapshot = |c: &PagedKvCache| -> Vec<Tensor> {
+            c.k.iter().chain(&c.v).map(|t| t.copy()).collect()
+        };
+        let mut found = false;
+        for step in 0..120 {
+            let n = if step == 0 { 12 } else { 1 };
+            let before = snapshot(&c);
+            let table = c.table(&seq).ok();
+            let mut view = c.view(&mut seq);
+            view.prepare(n).unwrap();
+            let moved =
+                c.k.iter()
+                    .chain(&c.v)
+                    .zip(&before)
+                    .any(|(t, b)| !t.equal(b));
+            if moved {
+                drop(view);
+                assert!(
+                    c.k.iter().chain(&c.v).zip(&before).all(|(t, b)| t.equal(b)),
+                    "step {step}: the pack is undone"
+                );
+                assert_eq!(
+                    c.table(&seq).ok(),
+                    table,
+                    "step {step}: the table is unchanged"
+                );
+                found = true;
+                // The same step again, carried through this time.
+                view = c.view(&mut seq);
+                view.prepare(n).unwrap();
+            }
+            for layer in 0..cfg.n_layers {
+                let q = rand(n as i64, cfg.n_heads);
+                let (k, v) = (
+                    rand(n as i64, cfg.n_kv_heads),
+                    rand(n as i64, cfg.n_kv_heads),
+                );
+                let _ = view.attend(layer, &q, &k, &v).unwrap();
+            }
+            view.commit(n).unwrap();
+            if found {
+                break;
+            }
+        }
+        assert!(found, "no step packed in place");
+        assert!(c.coordinator().counters().packed_blocks > 0);
+        c.free(&mut seq).unwrap();
+    }
+
+    /// In place, each lane's pages of blocks 1, 2, 3 are permuted among
+    /// them (lane-dependent rotations); undoing restores every element.
+    #[test]
+    fn an_in_place_pack_permutes_lanes_and_undoes_exactly() {
+        let cfg = LlamaConfig::tiny();
+        let bs = 4;
+        let c = PagedKvCache::new(&cfg, bs, 8 * bs, Device::Cpu, Kind::Float).unwrap();
+        for t in c.k.iter().chain(&c.v) {
+            t.shallow_clone().copy_(&Tensor::randn(
+                t.size().as_slice(),
+                (Kind::Float, Device::Cpu),
+            ));
+        }
+        let before: Vec<Tensor> = c.k.iter().chain(&c.v).map(|t| t.copy()).collect();
+        let (layers, h) = (cfg.n_layers, cfg.n_kv_heads);
+        let lanes = layers * h;
+        let b = |slot: u32| BlockId::new(slot, 1);
+        let blocks = [b(1), b(2), b(3)];
+        let src: Vec<BlockId> = (0..3 * lanes)
+            .map(|x| blocks[(x / lanes + x % lanes) % 3])
+            .collect();
+        let pack = Pack {
+            lanes,
+            dst: blocks.to_vec(),
+            src: src.clone(),
+            in_place: true,
+        };
+        c.pack(&pack, false).unwrap();
+        let page = |t: &Tensor, slot: i64, head: i64| {
+            t.narrow(0, slot * bs as i64, bs as i64).select(1, head)
+        };
+        for (i, t) in c.k.iter().chain(&c.v).enumerate() {
+            let layer = i % layers;
+            for k in 0..3usize {
+                for head in 0..h {
+                    let from = src[k * lanes + layer * h + head];
+                    let want = page(&before[i], i64::from(from.index()), head as i64);
+                    let got = page(t, k as i64 + 1, head as i64);
+                    assert!(got.equal(&want), "tensor {i} block {k} head {head}");
+                }
+            }
+        }
+        c.pack(&pack, true).unwrap();
+        for (t, old) in c.k.iter().chain(&c.v).zip(&before) {
+            assert!(t.equal(old), "undone exactly");
+        }
     }
 }

@@ -222,3 +222,43 @@ fn fused_decode_equals_the_reference_over_every_tier_mix() {
         }
     }
 }
+
+/// Head-wise eviction packs in place when no one else can see the blocks,
+/// and copies into fresh blocks when a prefix index could have registered
+/// them: the same victims, the same logits, and in place holds less inside
+/// the packing steps.
+#[test]
+fn packing_in_place_equals_copy_on_write() {
+    let per_head = Some(EvictionConfig::Scored {
+        score: Score::KeyDiff,
+        trigger: Trigger::Tokens(48),
+        sink: 8,
+        window: 16,
+        per_head: true,
+    });
+    let in_place = cache(Kind::Float, None, per_head, None, None);
+    let mut cow = cache(Kind::Float, None, per_head, None, None);
+    let mut cfg = cow.config();
+    cfg.prefix = Some(kvforge_coordinator::PrefixConfig::default());
+    cow.configure(cfg, None).unwrap();
+    cow.set_backend(Box::new(ReferenceBackend));
+    let (a, ta) = stream(&in_place);
+    let (b, tb) = stream(&cow);
+    let shape = |t: &kvforge_pool::BlockTable| -> Vec<_> {
+        t.entries()
+            .iter()
+            .map(|e| (e.first(), e.tokens(), e.slot().is_live(), e.is_packed()))
+            .collect()
+    };
+    assert_eq!(
+        shape(&ta),
+        shape(&tb),
+        "the same entries packed and dropped"
+    );
+    assert!(ta.entries().iter().any(|e| e.is_packed()));
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert!(x.equal(y), "step {i}: {}", max_diff(x, y));
+    }
+    let (pa, pb) = (in_place.take_step_peak_bytes(), cow.take_step_peak_bytes());
+    assert!(pa < pb, "in place {pa} bytes, copy-on-write {pb}");
+}

@@ -96,8 +96,11 @@ struct Packing {
     /// How many of them keep a (packed) block.
     keep: usize,
     /// For packed block `k` and lane `l`, at `k × lanes + l`: the block
-    /// whose page of lane `l` it takes.
+    /// whose page of lane `l` it takes (in place: for every block of the
+    /// union, the dropped pages after the kept ones).
     src: Vec<BlockId>,
+    /// Permute the union's own blocks instead of writing fresh ones.
+    in_place: bool,
 }
 
 struct SeqState {
@@ -600,7 +603,9 @@ impl Coordinator {
         let in_open = n.min(room);
         let need_hot = (n - in_open).div_ceil(bs)
             + usize::from(copy_src.is_some())
-            + packing.as_ref().map_or(0, |p| p.keep);
+            + packing
+                .as_ref()
+                .map_or(0, |p| if p.in_place { 0 } else { p.keep });
         let cold_bytes = self.cold_layout().map_or(0, |l| l.block_bytes());
         // The budget holds between steps: blocks this step lets go of for
         // good (dropped or demoted, no other holder) make room. Until the
@@ -614,7 +619,13 @@ impl Coordinator {
                 cold_bytes
             }
         };
-        let packed_away = packing.as_ref().map_or(&[][..], |p| &p.blocks[..]);
+        let packed_away = packing.as_ref().map_or(&[][..], |p| {
+            if p.in_place {
+                &p.blocks[p.keep..]
+            } else {
+                &p.blocks[..]
+            }
+        });
         let freed: u64 = release
             .iter()
             .chain(packed_away)
@@ -682,24 +693,31 @@ impl Coordinator {
         // Head-wise eviction: the first `keep` entries of the union take
         // the packed blocks, the others are dropped.
         if let Some(p) = packing {
-            let (dst, rest) = hot_new.split_at(p.keep);
-            hot_new = rest;
+            let dst = if p.in_place {
+                p.blocks.clone()
+            } else {
+                let (fresh, rest) = hot_new.split_at(p.keep);
+                hot_new = rest;
+                fresh.to_vec()
+            };
             for (k, &i) in p.entries.iter().enumerate() {
-                let old = match dst.get(k) {
-                    Some(&b) => next.repack(i, b)?,
-                    None => {
-                        plan.drops.push(i);
-                        next.set_slot(i, Slot::Dropped)?
+                if k < p.keep {
+                    let old = next.repack(i, dst[k])?;
+                    if !p.in_place {
+                        release.extend(old.block());
                     }
-                };
-                release.extend(old.block());
+                } else {
+                    plan.drops.push(i);
+                    release.extend(next.set_slot(i, Slot::Dropped)?.block());
+                }
             }
             plan.drops.sort_unstable();
             if p.keep > 0 {
                 plan.pack = Some(Pack {
                     lanes: self.lanes,
-                    dst: dst.to_vec(),
+                    dst,
                     src: p.src,
+                    in_place: p.in_place,
                 });
             }
         }
@@ -790,18 +808,31 @@ impl Coordinator {
             }
         }
         let keep = union.len() - d;
-        let mut src = vec![BlockId::new(0, 0); keep * lanes];
+        // In place when nothing else can see the blocks: no other holder
+        // (a prefix hit, a turn snapshot) and no index that could have
+        // registered them.
+        let in_place = self.index.is_none()
+            && blocks
+                .iter()
+                .all(|&b| self.tiers.ref_count(b).is_ok_and(|c| c == 1));
+        let written = if in_place { union.len() } else { keep };
+        let mut src = vec![BlockId::new(0, 0); written * lanes];
         for (lane, victims) in drops.chunks_exact(d).enumerate() {
             if !victims.windows(2).all(|w| w[0] < w[1]) {
                 return bad(format!(
                     "named lane {lane}'s entries out of order: {victims:?}"
                 ));
             }
+            // Survivors first, then (in place) the victims.
             let mut v = victims.iter().peekable();
-            let mut k = 0;
+            let (mut k, mut gone) = (0, keep);
             for (u, &i) in union.iter().enumerate() {
                 if v.peek() == Some(&&i) {
                     v.next();
+                    if in_place {
+                        src[gone * lanes + lane] = blocks[u];
+                        gone += 1;
+                    }
                 } else {
                     src[k * lanes + lane] = blocks[u];
                     k += 1;
@@ -813,6 +844,7 @@ impl Coordinator {
             blocks,
             keep,
             src,
+            in_place,
         }))
     }
 

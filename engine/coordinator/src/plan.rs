@@ -43,15 +43,25 @@ pub struct CopyOp {
 
 /// Head-wise eviction: each lane (one layer's one KV head) of block
 /// `dst[k]` takes the page of the same lane of block `src[k × lanes +
-/// lane]` — the lane's k-th surviving page among the entries packed.
+/// lane]` — the lane's k-th surviving page among the entries packed. All
+/// sources are read before any destination is written.
+///
+/// Copy-on-write (`in_place == false`): `dst` are fresh blocks, one per
+/// packed entry. In place: `dst` are the packed entries' own blocks, all of
+/// them, and each lane's sources are a permutation of them (the surviving
+/// pages first, then the dropped ones, each in order), so the engine can
+/// undo it exactly by moving every page back (`dst[k]` → `src[k × lanes +
+/// lane]`) when the step is aborted.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Pack {
     /// Lanes per block: layers × KV heads, lane `layer × kv_heads + head`.
     pub lanes: usize,
-    /// The fresh hot blocks written.
+    /// The blocks written.
     pub dst: Vec<BlockId>,
     /// Where each of their lanes is read from (still held during the step).
     pub src: Vec<BlockId>,
+    /// The blocks are permuted where they are (no other holder, no index).
+    pub in_place: bool,
 }
 
 /// One step of one sequence: carry out `copies`, `pack`, then `demotions`, then

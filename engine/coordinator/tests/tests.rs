@@ -355,7 +355,16 @@ fn keydiff_eviction_keeps_the_entry_whose_keys_stand_out() {
 /// after a first step of `first` tokens whose novelty makes lane `l` keep
 /// entry `keeps[l]`.
 fn per_head(sink: usize, budget: usize, first: usize, keeps: [usize; 4]) -> (Coordinator, SeqId) {
-    let mut cfg = config(64);
+    per_head_in(config(64), sink, budget, first, keeps)
+}
+
+fn per_head_in(
+    mut cfg: CoordinatorConfig,
+    sink: usize,
+    budget: usize,
+    first: usize,
+    keeps: [usize; 4],
+) -> (Coordinator, SeqId) {
     cfg.eviction = Some(EvictionConfig::Scored {
         score: Score::KeyDiff,
         trigger: Trigger::Tokens(budget),
@@ -431,6 +440,51 @@ fn per_head_eviction_packs_the_pages_each_lane_keeps_into_fewer_blocks() {
     for b in blocks {
         assert!(c.pools().ref_count(b).unwrap_or(0) == 0, "released");
     }
+    c.close(s).unwrap();
+    assert_eq!(c.pools().stats().in_use, 0);
+}
+
+/// Without a prefix index and with no other holder, the union's own
+/// blocks are permuted lane by lane: nothing is allocated, the dropped
+/// pages end in the blocks that go.
+#[test]
+fn per_head_eviction_packs_in_place_when_no_one_else_sees_the_blocks() {
+    let cfg = CoordinatorConfig::new(layout(), 64);
+    let (mut c, s) = per_head_in(cfg, 4, 16, 12, [0; 4]);
+    c.plan(s, 12).unwrap();
+    lane_novelty(&mut c, s, [2, 3, 4, 2]);
+    c.commit(s).unwrap();
+    let blocks: Vec<BlockId> = (2..5)
+        .map(|i| c.table(s).unwrap().entries()[i].slot().block().unwrap())
+        .collect();
+    let (b2, b3, b4) = (blocks[0], blocks[1], blocks[2]);
+    let in_use = c.pools().stats().in_use;
+    let bb = layout().block_bytes();
+    c.reset_step_peak();
+    let p = c.plan(s, 1).unwrap();
+    assert_eq!(
+        c.step_peak_bytes(),
+        (in_use as u64 + 1) * bb,
+        "only the new token's block"
+    );
+    let pack = p.pack.clone().unwrap();
+    assert!(pack.in_place);
+    assert_eq!(pack.dst, blocks);
+    // Lane l: its kept page first, then its dropped ones in order.
+    #[rustfmt::skip]
+    let want = [
+        b2, b3, b4, b2,
+        b3, b2, b2, b3,
+        b4, b4, b3, b4,
+    ];
+    assert_eq!(pack.src, want);
+    assert_eq!(p.drops, [3, 4]);
+    c.commit(s).unwrap();
+    let t = c.table(s).unwrap();
+    t.check().unwrap();
+    assert!(t.entries()[2].is_packed() && t.entries()[2].slot() == Slot::Hot(b2));
+    assert_eq!(c.pools().stats().in_use, in_use - 2 + 1);
+    assert_eq!(c.pools().ref_count(b2).unwrap(), 1);
     c.close(s).unwrap();
     assert_eq!(c.pools().stats().in_use, 0);
 }
