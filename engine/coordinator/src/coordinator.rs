@@ -540,6 +540,11 @@ impl Coordinator {
         if let Some(tp) = self.tier_policy.as_ref() {
             tp.demote(&next, &mut demote);
         }
+        // Entries being packed stay hot this step (a researcher's per-lane
+        // policy may run beside a cold tier).
+        if let Some(p) = &packing {
+            demote.retain(|i| p.entries.binary_search(i).is_err());
+        }
         // A policy's answer is checked before anything is taken.
         let last = next.entries().len().wrapping_sub(1);
         for &i in &demote {
@@ -1069,7 +1074,8 @@ impl Coordinator {
     }
 
     /// The step failed: give back what the plan took; table, counts and
-    /// index are as they were before [`plan`](Self::plan).
+    /// index are as they were before [`plan`](Self::plan). An in-place
+    /// [`Pack`] the engine carried out is the engine's to undo first.
     pub fn abort(&mut self, seq: SeqId) -> Result<()> {
         let p = self.take_pending(seq, "abort without a planned step")?;
         if let Some(d) = self.dedup.as_mut() {
