@@ -37,7 +37,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use kvforge_coordinator::PrefixConfig;
+use kvforge_coordinator::{BlockTable, PrefixConfig};
 pub use kvforge_coordinator::{IndexKind, TurnTail};
 use kvforge_prefix::ExtraKeys;
 
@@ -278,6 +278,19 @@ impl CacheManager {
         Ok(self.account(prompt_len, prior + reused, ttft, generation))
     }
 
+    /// The block table of session `id` (empty before its first turn): which
+    /// of its entries are hot, cold, dropped or packed.
+    pub fn session_table(&self, id: SessionId) -> Result<BlockTable> {
+        let map = lock(&self.sessions);
+        match map.get(&id) {
+            None => Err(EngineError::Request(format!("session {id} does not exist"))),
+            Some(None) => Err(EngineError::Request(format!(
+                "session {id} is busy with another turn"
+            ))),
+            Some(Some(s)) => self.engine.cache.table(&s.seq),
+        }
+    }
+
     /// Ends a session and releases its blocks (cached ones stay reusable).
     pub fn close_session(&self, id: SessionId) -> Result<()> {
         let mut s = self.take_session(id)?;
@@ -379,6 +392,7 @@ impl CacheManager {
                 "evicted_entries": counters.evicted_entries,
                 "demoted_blocks": counters.demoted_blocks,
                 "packed_blocks": counters.packed_blocks,
+                "evicted_idle_entries": counters.evicted_idle_entries,
                 "lifecycle_dropped_entries": counters.lifecycle_dropped_entries,
             },
             "last_turn": last,

@@ -10,6 +10,8 @@
 //! * `kvforge ARGS` — setup, then the `kvforge` CLI (release build).
 //! * `engine-bench` — kvforge and Hugging Face transformers, prefill and
 //!   decode speed at 1k context on the same model, one table.
+//! * `pressure ARGS` — many chitchat sessions over a budget that holds a
+//!   fraction of their KV (`target/pressure`).
 //! * `prefix-bench ARGS` — prefix reuse on chitchat conversations (per-turn
 //!   table, block-size sweep, CSV / Markdown / PNG in `target/prefix-bench`).
 //! * `quant-sweep ARGS` — tiered KV quantization: streaming perplexity, KV
@@ -36,7 +38,7 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 
 const USAGE: &str = "usage: cargo xtask <setup [--reference] | ci | ablate [--quick | --full | --config FILE] [--resume] | \
-                     bench [FILTER] | fuzz [RUNS] | kvforge ARGS... | prefix-bench ARGS... | quant-sweep ARGS... | decode-ab ARGS... | kv-stats ARGS... | engine-bench [CONTEXT] [DECODE] | tidy>";
+                     bench [FILTER] | fuzz [RUNS] | kvforge ARGS... | prefix-bench ARGS... | pressure ARGS... | quant-sweep ARGS... | decode-ab ARGS... | kv-stats ARGS... | engine-bench [CONTEXT] [DECODE] | tidy>";
 
 fn main() {
     if let Err(e) = run() {
@@ -57,6 +59,7 @@ fn run() -> Result<()> {
         Some("ablate") => run_after_setup(&root, "kvforge-bench", "ablate", &args[1..]),
         Some("kvforge") => run_after_setup(&root, "kvforge-engine", "kvforge", &args[1..]),
         Some("prefix-bench") => run_after_setup(&root, "kvforge-bench", "prefix_bench", &args[1..]),
+        Some("pressure") => run_after_setup(&root, "kvforge-bench", "pressure", &args[1..]),
         Some("quant-sweep") => run_after_setup(&root, "kvforge-bench", "quant_sweep", &args[1..]),
         Some("kv-stats") => run_after_setup(&root, "kvforge-bench", "kv_stats", &args[1..]),
         Some("decode-ab") => run_after_setup(&root, "kvforge-bench", "decode_ab", &args[1..]),

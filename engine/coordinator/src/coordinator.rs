@@ -53,6 +53,9 @@ pub struct Counters {
     pub lifecycle_dropped_entries: u64,
     /// Blocks written by head-wise eviction's packing (pages copied in).
     pub packed_blocks: u64,
+    /// Of the evicted entries, those taken from idle sequences to make room
+    /// for another's step (the budget was full).
+    pub evicted_idle_entries: u64,
     /// Steps committed.
     pub steps: u64,
 }
@@ -124,6 +127,9 @@ struct SeqState {
     /// Leading entries registered in the index as a chain (an open partial
     /// one excluded): the next registration extends below the last one.
     indexed: usize,
+    /// The step count at its last commit (idle sequences lose entries to
+    /// another's step least recently stepped first).
+    last_step: u64,
 }
 
 /// The tensor-free cache coordinator.
@@ -433,6 +439,7 @@ impl Coordinator {
                 copy_tail: false,
                 partial: None,
                 indexed: 0,
+                last_step: 0,
             },
         );
         id
@@ -640,10 +647,13 @@ impl Coordinator {
             .filter(|&&b| self.tiers.ref_count(b).is_ok_and(|c| c == 1))
             .map(|&b| bytes_of(b))
             .sum();
-        let want = (self.tiers.in_use_bytes()
-            + need_hot as u64 * hot_bytes
-            + fresh.len() as u64 * cold_bytes)
-            .saturating_sub(freed);
+        let step_bytes = need_hot as u64 * hot_bytes + fresh.len() as u64 * cold_bytes;
+        let mut want = (self.tiers.in_use_bytes() + step_bytes).saturating_sub(freed);
+        if want > self.budget {
+            // Idle sequences give up entries, least recently stepped first.
+            self.evict_others(seq, want)?;
+            want = (self.tiers.in_use_bytes() + step_bytes).saturating_sub(freed);
+        }
         let fail = |this: &mut Self, taken: &[BlockId], msg: String| {
             let _ = this.release_all(taken);
             CoordError::CacheFull(msg)
@@ -771,6 +781,59 @@ impl Coordinator {
             packed: plan.pack.as_ref().map_or(0, |p| p.dst.len()),
         });
         Ok(plan)
+    }
+
+    /// The step of `stepping` would bring the bytes in use to `want`, over
+    /// the budget: the eviction policy names victims in the other idle
+    /// sequences (no step planned, no turn in flight), least recently
+    /// stepped first, as if the bytes in use were `want`; they are dropped
+    /// and released at once, until the step fits. Per-lane policies (whose
+    /// victims need the engine's packing) and policies that name nothing
+    /// free nothing here.
+    fn evict_others(&mut self, stepping: SeqId, want: u64) -> Result<()> {
+        let mut order: Vec<(u64, SeqId)> = self
+            .seqs
+            .iter()
+            .filter(|(id, s)| **id != stepping && s.pending.is_none() && s.snapshot.is_none())
+            .map(|(id, s)| (s.last_step, *id))
+            .collect();
+        order.sort_unstable();
+        let cold_block_bytes = self.cold_layout().map_or(0, |l| l.block_bytes());
+        let mut want = want;
+        for (_, id) in order {
+            if want <= self.budget {
+                break;
+            }
+            let (Some(ev), Some(s)) = (self.evict.as_mut(), self.seqs.get_mut(&id)) else {
+                break;
+            };
+            if ev.per_lane() {
+                break;
+            }
+            let pressure = Pressure {
+                used: want as f64 / self.budget as f64,
+                new_tokens: 0,
+                budget_bytes: self.budget,
+                hot_block_bytes: self.cfg.layout.block_bytes(),
+                cold_block_bytes,
+            };
+            self.scratch.clear();
+            ev.victims(id, &s.table, pressure, &mut self.scratch);
+            let mut release = Vec::new();
+            for &i in &self.scratch {
+                let old = s.table.set_slot(i, Slot::Dropped).map_err(|e| {
+                    CoordError::Policy(format!("the eviction policy named entry {i}: {e}"))
+                })?;
+                release.extend(old.block());
+            }
+            s.table.compact();
+            self.counters.evicted_entries += self.scratch.len() as u64;
+            self.counters.evicted_idle_entries += self.scratch.len() as u64;
+            let before = self.tiers.in_use_bytes();
+            self.release_all(&release)?;
+            want = want.saturating_sub(before.saturating_sub(self.tiers.in_use_bytes()));
+        }
+        Ok(())
     }
 
     /// Checks a per-lane policy's answer (`lanes × d` entries, each lane's
@@ -1033,9 +1096,11 @@ impl Coordinator {
         self.counters.evicted_entries += p.evicted as u64;
         self.counters.demoted_blocks += p.demotions as u64;
         self.counters.packed_blocks += p.packed as u64;
+        let steps = self.counters.steps;
         let s = self.seqs.get_mut(&seq).ok_or(CoordError::UnknownSeq(seq))?;
         s.table = p.next;
         s.table.compact();
+        s.last_step = steps;
         if p.copies_tail {
             s.copy_tail = false;
         }

@@ -1060,3 +1060,53 @@ fn near_duplicate_aliasing_racing_eviction_on_eight_threads_never_reads_a_freed_
     let s = c.share_stats().unwrap();
     assert!(s.rejected > 0 || s.shared > 0, "{s:?}");
 }
+
+/// A step that does not fit the budget takes entries from idle sequences,
+/// least recently stepped first; without an eviction policy it is refused.
+#[test]
+fn a_full_budget_takes_entries_from_idle_sequences() {
+    let bb = layout().block_bytes();
+    let build = |eviction: Option<EvictionConfig>| {
+        let mut cfg = CoordinatorConfig::new(layout(), 64);
+        cfg.budget_bytes = 10 * bb;
+        cfg.eviction = eviction;
+        Coordinator::new(cfg).unwrap()
+    };
+    let mut c = build(Some(EvictionConfig::Scored {
+        score: Score::Lfu,
+        trigger: Trigger::Watermark {
+            high: 0.9,
+            low: 0.5,
+        },
+        sink: 4,
+        window: 4,
+        per_head: false,
+    }));
+    let (a, idle, b) = (c.open_empty(), c.open_empty(), c.open_empty());
+    step(&mut c, idle, 4); // stepped first: the least recent, but nothing to give
+    step(&mut c, a, 28);
+    assert_eq!(c.bytes_in_use(), 8 * bb);
+    // b needs 4 blocks: 12 > 10. a (7 entries) gives up all it can outside
+    // its sink and window: entries 1..=5.
+    step(&mut c, b, 16);
+    let t = c.table(a).unwrap();
+    t.check().unwrap();
+    assert_eq!(t.positions(), 28, "positions stay");
+    assert_eq!(t.live_tokens(), 8);
+    assert_eq!(c.counters().evicted_idle_entries, 5);
+    assert_eq!(c.table(idle).unwrap().live_tokens(), 4);
+    assert_eq!(c.bytes_in_use(), 7 * bb);
+    for s in [a, idle, b] {
+        c.close(s).unwrap();
+    }
+    assert_eq!(c.pools().stats().in_use, 0);
+
+    // Without a policy the step is refused and nothing changes.
+    let mut c = build(None);
+    let (a, b) = (c.open_empty(), c.open_empty());
+    step(&mut c, a, 28);
+    let before = state(&c, &[a, b]);
+    let e = c.plan(b, 16).unwrap_err().to_string();
+    assert!(e.contains("over the budget"), "{e}");
+    assert_eq!(state(&c, &[a, b]), before);
+}
