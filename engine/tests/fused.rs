@@ -14,6 +14,15 @@ use super::{max_diff, tiny};
 
 const BS: usize = 8;
 
+/// Head-wise KeyDiff, 48 live tokens: the streams below pack blocks.
+const PER_HEAD: EvictionConfig = EvictionConfig::Scored {
+    score: Score::KeyDiff,
+    trigger: Trigger::Tokens(48),
+    sink: 8,
+    window: 16,
+    per_head: true,
+};
+
 fn quant(bits: u32, rotate: bool, key_axis: Axis, sink: usize) -> KvQuant {
     KvQuant {
         bits,
@@ -86,13 +95,7 @@ fn fused_decode_equals_the_reference_over_every_tier_mix() {
         window: 16,
         per_head: false,
     });
-    let per_head = Some(EvictionConfig::Scored {
-        score: Score::KeyDiff,
-        trigger: Trigger::Tokens(48),
-        sink: 8,
-        window: 16,
-        per_head: true,
-    });
+    let per_head = Some(PER_HEAD);
     // A threshold low enough that blocks really are aliased.
     let loose = DedupConfig::SimHash(SimHashConfig {
         threshold: 0.05,
@@ -229,13 +232,7 @@ fn fused_decode_equals_the_reference_over_every_tier_mix() {
 /// the packing steps.
 #[test]
 fn packing_in_place_equals_copy_on_write() {
-    let per_head = Some(EvictionConfig::Scored {
-        score: Score::KeyDiff,
-        trigger: Trigger::Tokens(48),
-        sink: 8,
-        window: 16,
-        per_head: true,
-    });
+    let per_head = Some(PER_HEAD);
     let in_place = cache(Kind::Float, None, per_head, None, None);
     let mut cow = cache(Kind::Float, None, per_head, None, None);
     let mut cfg = cow.config();

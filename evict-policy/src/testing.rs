@@ -30,13 +30,7 @@ pub fn check_policy<P: EvictionPolicy + ?Sized>(p: &mut P, block_size: u32) {
                     .collect();
                 p.observe(seq, &t, &mass);
             }
-            let pressure = Pressure {
-                used,
-                new_tokens: 1,
-                budget_bytes: 64 * 1024,
-                hot_block_bytes: 1024,
-                cold_block_bytes: 256,
-            };
+            let pressure = pressure(used);
             let mut out = Vec::new();
             p.victims(seq, &t, pressure, &mut out);
             check_victims(&t, &out);
@@ -71,13 +65,7 @@ pub fn check_lane_policy<P: EvictionPolicy + ?Sized>(p: &mut P, block_size: u32,
         for used in [0.1, 0.95] {
             let seq = u64::from(n);
             let mut t = table(n, bs);
-            let pressure = Pressure {
-                used,
-                new_tokens: 1,
-                budget_bytes: 64 * 1024,
-                hot_block_bytes: 1024,
-                cold_block_bytes: 256,
-            };
+            let pressure = pressure(used);
             for round in 0..2 {
                 let novelty: Vec<f32> = (0..t.entries().len() * lanes)
                     .map(|x| ((x * 7919 + round) % 101) as f32 / 101.0)
@@ -115,6 +103,17 @@ pub fn check_lane_policy<P: EvictionPolicy + ?Sized>(p: &mut P, block_size: u32,
             }
             p.forget(seq);
         }
+    }
+}
+
+/// The suite's pressure: `used` of a 64 KiB budget, one new token.
+fn pressure(used: f64) -> Pressure {
+    Pressure {
+        used,
+        new_tokens: 1,
+        budget_bytes: 64 * 1024,
+        hot_block_bytes: 1024,
+        cold_block_bytes: 256,
     }
 }
 

@@ -393,17 +393,23 @@ fn lane_novelty(c: &mut Coordinator, s: SeqId, keeps: [usize; 4]) {
     c.observe_keys(s, &nv).unwrap();
 }
 
-#[test]
-fn per_head_eviction_packs_the_pages_each_lane_keeps_into_fewer_blocks() {
-    let (mut c, s) = per_head(4, 16, 12, [0; 4]);
+/// 24 positions after two steps, entry 1 (4..8) evicted by every lane: 20
+/// live. The next token needs 5 more out: 2 pages per lane among entries
+/// 2, 3, 4 (whose blocks are returned); lane l keeps entry `[2, 3, 4, 2][l]`.
+fn packing_case(cfg: CoordinatorConfig) -> (Coordinator, SeqId, Vec<BlockId>) {
+    let (mut c, s) = per_head_in(cfg, 4, 16, 12, [0; 4]);
     c.plan(s, 12).unwrap();
     lane_novelty(&mut c, s, [2, 3, 4, 2]);
     c.commit(s).unwrap();
-    // 24 positions, entry 1 (4..8) evicted by every lane: 20 live. The
-    // next token needs 5 more out: 2 pages per lane among entries 2, 3, 4.
     let blocks: Vec<BlockId> = (2..5)
         .map(|i| c.table(s).unwrap().entries()[i].slot().block().unwrap())
         .collect();
+    (c, s, blocks)
+}
+
+#[test]
+fn per_head_eviction_packs_the_pages_each_lane_keeps_into_fewer_blocks() {
+    let (mut c, s, blocks) = packing_case(config(64));
     let in_use = c.pools().stats().in_use;
     let before = state(&c, &[s]);
     c.plan(s, 1).unwrap();
@@ -449,14 +455,7 @@ fn per_head_eviction_packs_the_pages_each_lane_keeps_into_fewer_blocks() {
 /// pages end in the blocks that go.
 #[test]
 fn per_head_eviction_packs_in_place_when_no_one_else_sees_the_blocks() {
-    let cfg = CoordinatorConfig::new(layout(), 64);
-    let (mut c, s) = per_head_in(cfg, 4, 16, 12, [0; 4]);
-    c.plan(s, 12).unwrap();
-    lane_novelty(&mut c, s, [2, 3, 4, 2]);
-    c.commit(s).unwrap();
-    let blocks: Vec<BlockId> = (2..5)
-        .map(|i| c.table(s).unwrap().entries()[i].slot().block().unwrap())
-        .collect();
+    let (mut c, s, blocks) = packing_case(CoordinatorConfig::new(layout(), 64));
     let (b2, b3, b4) = (blocks[0], blocks[1], blocks[2]);
     let in_use = c.pools().stats().in_use;
     let bb = layout().block_bytes();
