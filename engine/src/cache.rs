@@ -315,6 +315,16 @@ impl PagedKvCache {
         self.coordinator().bytes_in_use()
     }
 
+    /// A prepared step that will not be committed: its in-place pack is
+    /// undone, then the coordinator aborts it.
+    fn abandon(&self, step: &Step, c: &mut Coordinator) {
+        if let Some(p) = &step.undo {
+            let _ = self.pack(p, true);
+        }
+        let _ = c.abort(step.id);
+        self.free_cold(c);
+    }
+
     /// The most KV bytes in use inside any step since the last call (the
     /// blocks a step releases at its commit included), and a new
     /// measurement started.
@@ -640,11 +650,7 @@ impl KvStore for PagedSeq<'_> {
             c.commit(step.id)
         })();
         if let Err(e) = done {
-            if let Some(p) = &step.undo {
-                let _ = self.cache.pack(p, true);
-            }
-            let _ = c.abort(step.id);
-            self.cache.free_cold(&mut c);
+            self.cache.abandon(&step, &mut c);
             return Err(e.into());
         }
         self.cache.free_cold(&mut c);
@@ -658,12 +664,8 @@ impl Drop for PagedSeq<'_> {
     /// the sequence, the pools and the index are as they were.
     fn drop(&mut self) {
         if let Some(step) = self.step.take() {
-            if let Some(p) = &step.undo {
-                let _ = self.cache.pack(p, true);
-            }
             let mut c = self.cache.coordinator();
-            let _ = c.abort(step.id);
-            self.cache.free_cold(&mut c);
+            self.cache.abandon(&step, &mut c);
         }
     }
 }

@@ -90,6 +90,22 @@ struct Pending {
     packed: usize,
 }
 
+/// Marks the policy's `victims` of `table` dropped and adds their blocks
+/// to `release`; an entry the table cannot drop is the policy's error.
+fn drop_victims(
+    table: &mut BlockTable,
+    victims: &[usize],
+    release: &mut Vec<BlockId>,
+) -> Result<()> {
+    for &i in victims {
+        let old = table
+            .set_slot(i, Slot::Dropped)
+            .map_err(|e| CoordError::Policy(format!("the eviction policy named entry {i}: {e}")))?;
+        release.extend(old.block());
+    }
+    Ok(())
+}
+
 /// A head-wise eviction worked out by `lane_packing`.
 struct Packing {
     /// The entries any lane stops reading, ascending.
@@ -517,29 +533,17 @@ impl Coordinator {
         let mut release = Vec::new();
         let mut lane_drops = Vec::new();
         // 1. Eviction.
-        let cold_block_bytes = self.cold_layout().map_or(0, |l| l.block_bytes());
+        let pressure = self.pressure(self.tiers.in_use_bytes(), n);
         if let Some(ev) = self.evict.as_mut() {
             self.scratch.clear();
-            let pressure = Pressure {
-                used: self.tiers.in_use_bytes() as f64 / self.budget as f64,
-                new_tokens: n,
-                budget_bytes: self.budget,
-                hot_block_bytes: self.cfg.layout.block_bytes(),
-                cold_block_bytes,
-            };
             if ev.per_lane() {
                 ev.lane_victims(seq, &next, pressure, self.lanes, &mut self.scratch);
                 lane_drops = std::mem::take(&mut self.scratch);
             } else {
                 ev.victims(seq, &next, pressure, &mut self.scratch);
             }
-            for &i in &self.scratch {
-                let old = next.set_slot(i, Slot::Dropped).map_err(|e| {
-                    CoordError::Policy(format!("the eviction policy named entry {i}: {e}"))
-                })?;
-                release.extend(old.block());
-                plan.drops.push(i);
-            }
+            drop_victims(&mut next, &self.scratch, &mut release)?;
+            plan.drops.extend_from_slice(&self.scratch);
         }
         let packing = self.lane_packing(&next, &lane_drops)?;
         // 2. Demotions: reuse another holder's cold copy, or quantize anew.
@@ -783,6 +787,18 @@ impl Coordinator {
         Ok(plan)
     }
 
+    /// What a policy is told when `in_use` bytes are (or would be) in use
+    /// and `new_tokens` are coming.
+    fn pressure(&self, in_use: u64, new_tokens: usize) -> Pressure {
+        Pressure {
+            used: in_use as f64 / self.budget as f64,
+            new_tokens,
+            budget_bytes: self.budget,
+            hot_block_bytes: self.cfg.layout.block_bytes(),
+            cold_block_bytes: self.cold_layout().map_or(0, |l| l.block_bytes()),
+        }
+    }
+
     /// The step of `stepping` would bring the bytes in use to `want`, over
     /// the budget: the eviction policy names victims in the other idle
     /// sequences (no step planned, no turn in flight), least recently
@@ -798,35 +814,26 @@ impl Coordinator {
             .map(|(id, s)| (s.last_step, *id))
             .collect();
         order.sort_unstable();
-        let cold_block_bytes = self.cold_layout().map_or(0, |l| l.block_bytes());
         let mut want = want;
         for (_, id) in order {
             if want <= self.budget {
                 break;
             }
+            let pressure = self.pressure(want, 0);
             let (Some(ev), Some(s)) = (self.evict.as_mut(), self.seqs.get_mut(&id)) else {
                 break;
             };
             if ev.per_lane() {
                 break;
             }
-            let pressure = Pressure {
-                used: want as f64 / self.budget as f64,
-                new_tokens: 0,
-                budget_bytes: self.budget,
-                hot_block_bytes: self.cfg.layout.block_bytes(),
-                cold_block_bytes,
-            };
             self.scratch.clear();
             ev.victims(id, &s.table, pressure, &mut self.scratch);
+            // On a copy: a victim the table refuses leaves it as it was.
+            let mut table = s.table.clone();
             let mut release = Vec::new();
-            for &i in &self.scratch {
-                let old = s.table.set_slot(i, Slot::Dropped).map_err(|e| {
-                    CoordError::Policy(format!("the eviction policy named entry {i}: {e}"))
-                })?;
-                release.extend(old.block());
-            }
-            s.table.compact();
+            drop_victims(&mut table, &self.scratch, &mut release)?;
+            table.compact();
+            s.table = table;
             self.counters.evicted_entries += self.scratch.len() as u64;
             self.counters.evicted_idle_entries += self.scratch.len() as u64;
             let before = self.tiers.in_use_bytes();

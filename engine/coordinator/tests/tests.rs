@@ -1100,6 +1100,34 @@ fn a_full_budget_takes_entries_from_idle_sequences() {
     }
     assert_eq!(c.pools().stats().in_use, 0);
 
+    // A policy that names an entry an idle table cannot drop: the step is
+    // refused and the idle sequence is as it was.
+    struct BadFor(u64);
+    impl kvforge_evict::EvictionPolicy for BadFor {
+        fn name(&self) -> String {
+            "bad-for".into()
+        }
+        fn victims(
+            &mut self,
+            seq: u64,
+            _: &kvforge_pool::BlockTable,
+            _: kvforge_evict::Pressure,
+            out: &mut Vec<usize>,
+        ) {
+            if seq == self.0 {
+                out.extend([1, 99]);
+            }
+        }
+    }
+    let mut c = build(None);
+    let (a, b) = (c.open_empty(), c.open_empty());
+    step(&mut c, a, 28);
+    c.set_eviction_policy(Some(Box::new(BadFor(a))));
+    let before = state(&c, &[a, b]);
+    let e = c.plan(b, 16).unwrap_err().to_string();
+    assert!(e.contains("named entry 99"), "{e}");
+    assert_eq!(state(&c, &[a, b]), before);
+
     // Without a policy the step is refused and nothing changes.
     let mut c = build(None);
     let (a, b) = (c.open_empty(), c.open_empty());
