@@ -205,3 +205,88 @@ fn one_pass(text: &str, labels: &mut [Label], p: &mut Parsed) -> Option<String> 
     out.push_str(&text[at..]);
     found.then_some(out)
 }
+
+/// How far a text is from a sentence of a grammar.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Viability {
+    /// No continuation makes it a sentence.
+    Dead,
+    /// A prefix of a sentence.
+    Open,
+    /// A whole sentence.
+    Complete,
+}
+
+/// The canonical label block for `segments` segments, as a grammar for
+/// constrained decoding: `[LIFECYCLE] seg_0: L seg_1: L … [/LIFECYCLE]`,
+/// every segment once and in order, `L` one of `keep`, `compress`, `drop`.
+/// A text that is [`Complete`](Viability::Complete) always parses with
+/// [`parse_labels`] into a [`valid`](Parsed::valid) block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LabelGrammar {
+    segments: usize,
+}
+
+const WORDS: [&str; 3] = ["keep", "compress", "drop"];
+
+impl LabelGrammar {
+    /// The grammar of a block labelling `segments` segments.
+    pub fn new(segments: usize) -> Self {
+        LabelGrammar { segments }
+    }
+
+    /// The block that gives `labels`, in the grammar.
+    pub fn render(labels: &[Label]) -> String {
+        let mut s = String::from("[LIFECYCLE]");
+        for (i, l) in labels.iter().enumerate() {
+            let w = match l {
+                Label::Keep => WORDS[0],
+                Label::Compress => WORDS[1],
+                Label::Drop => WORDS[2],
+            };
+            s.push_str(&format!(" seg_{i}: {w}"));
+        }
+        s.push_str(" [/LIFECYCLE]");
+        s
+    }
+
+    /// Whether `text` is a block of the grammar, a prefix of one, or
+    /// neither.
+    pub fn check(&self, text: &str) -> Viability {
+        // `Err(v)`: decided before the end of the grammar.
+        fn lit<'a>(rest: &'a str, l: &str) -> Result<&'a str, Viability> {
+            if rest.len() < l.len() {
+                Err(if l.starts_with(rest) {
+                    Viability::Open
+                } else {
+                    Viability::Dead
+                })
+            } else {
+                rest.strip_prefix(l).ok_or(Viability::Dead)
+            }
+        }
+        let walk = || -> Result<&str, Viability> {
+            let mut rest = lit(text, "[LIFECYCLE]")?;
+            for i in 0..self.segments {
+                rest = lit(rest, &format!(" seg_{i}: "))?;
+                if WORDS
+                    .iter()
+                    .any(|w| rest.len() < w.len() && w.starts_with(rest))
+                {
+                    return Err(Viability::Open);
+                }
+                let w = WORDS
+                    .iter()
+                    .find(|w| rest.starts_with(*w))
+                    .ok_or(Viability::Dead)?;
+                rest = &rest[w.len()..];
+            }
+            lit(rest, " [/LIFECYCLE]")
+        };
+        match walk() {
+            Ok("") => Viability::Complete,
+            Ok(_) => Viability::Dead,
+            Err(v) => v,
+        }
+    }
+}

@@ -1,30 +1,327 @@
 //! `kvforge-lifecycle`: the conformance suite on every policy.
-#![allow(clippy::unwrap_used)]
+#![allow(clippy::unwrap_used, clippy::single_range_in_vec_init)]
 
-use kvforge_lifecycle::{LifecyclePolicy, RecentTurns, Segment, testing};
+use kvforge_lifecycle::{
+    Label, LabelSource, Lifecycle, LifecycleParams, LifecyclePolicy, ModelLabels, RecentTurns,
+    RuleFallback, Segment, TurnEnd, testing,
+};
+
+fn rule() -> RuleFallback {
+    RuleFallback::new(2, 512).unwrap()
+}
 
 #[test]
-fn recent_turns_passes_the_conformance_suite() {
-    for keep in [1, 2, 3, 20] {
-        testing::check_policy(&mut RecentTurns::new(keep).unwrap());
+fn every_policy_passes_the_conformance_suite() {
+    let makers: Vec<Box<dyn Fn() -> Box<dyn LifecyclePolicy>>> = vec![
+        Box::new(|| Box::new(RecentTurns::new(1).unwrap())),
+        Box::new(|| Box::new(RecentTurns::new(3).unwrap())),
+        Box::new(|| Box::new(RuleFallback::new(1, 100).unwrap())),
+        Box::new(|| Box::new(rule())),
+        Box::new(|| Box::new(ModelLabels::new(LabelSource::Appended, rule()).unwrap())),
+        Box::new(|| Box::new(ModelLabels::new(LabelSource::Constrained, rule()).unwrap())),
+    ];
+    for make in &makers {
+        testing::check_policy(make().as_mut());
+        testing::check_lifecycle(&**make);
     }
+}
+
+fn seg(id: u32, a: u64, b: u64, turn: u32) -> Segment {
+    Segment {
+        id,
+        range: a..b,
+        turn,
+    }
+}
+
+fn labels(p: &mut dyn LifecyclePolicy, segs: &[Segment], model: Option<&[Label]>) -> Vec<Label> {
+    let mut out = Vec::new();
+    p.label(7, segs, model, &mut out);
+    out
 }
 
 #[test]
 fn recent_turns_keeps_the_first_and_the_last_turns() {
-    let seg = |a, b, turn| Segment { range: a..b, turn };
+    use Label::{Drop, Keep};
     let segs = [
-        seg(0, 10, 0),
-        seg(10, 20, 1),
-        seg(20, 25, 2),
-        seg(25, 30, 2),
-        seg(30, 40, 3),
-        seg(40, 50, 4),
+        seg(0, 0, 10, 0),
+        seg(1, 10, 20, 1),
+        seg(2, 20, 25, 2),
+        seg(3, 25, 30, 2),
+        seg(4, 30, 40, 3),
+        seg(5, 40, 50, 4),
     ];
-    let mut out = Vec::new();
-    RecentTurns::new(2).unwrap().end_turn(7, &segs, &mut out);
-    assert_eq!(out, vec![10..30]);
+    let got = labels(&mut RecentTurns::new(2).unwrap(), &segs, None);
+    assert_eq!(got, [Keep, Drop, Drop, Drop, Keep, Keep]);
     assert!(RecentTurns::new(0).is_err());
+}
+
+#[test]
+fn the_rule_keeps_two_rounds_and_drops_or_compresses_by_length() {
+    use Label::{Compress, Drop, Keep};
+    let segs = [
+        seg(0, 0, 600, 0),
+        seg(1, 600, 610, 1),
+        seg(2, 610, 1200, 1),
+        seg(3, 1200, 1210, 2),
+        seg(4, 1210, 1220, 3),
+    ];
+    let got = labels(&mut rule(), &segs, None);
+    assert_eq!(got, [Keep, Drop, Compress, Keep, Keep]);
+    assert!(RuleFallback::new(0, 512).is_err(), "protect 0");
+    let e = RuleFallback::new(2, 0).unwrap_err().to_string();
+    assert!(e.contains("threshold"), "{e}");
+}
+
+#[test]
+fn model_labels_act_after_the_protected_rounds_and_fall_back_to_the_rule() {
+    use Label::{Compress, Drop, Keep};
+    let mut p = ModelLabels::new(LabelSource::Constrained, rule()).unwrap();
+    assert!(ModelLabels::new(LabelSource::Rule, rule()).is_err());
+    // Turn 1: two segments, the model keeps the first, drops the second.
+    let mut segs = vec![seg(0, 0, 5, 0), seg(1, 5, 9, 1), seg(2, 9, 20, 1)];
+    assert_eq!(labels(&mut p, &segs, None), [Keep, Keep, Keep]);
+    segs.truncate(1);
+    // (turn 0's labels were missing: the rule decides turn 0, which keeps.)
+    let mut p = ModelLabels::new(LabelSource::Constrained, rule()).unwrap();
+    let mut out = Vec::new();
+    assert!(
+        p.label(7, &segs, None, &mut out),
+        "no labels: the rule stands in"
+    );
+    segs.extend([seg(1, 5, 9, 1), seg(2, 9, 20, 1)]);
+    out.clear();
+    assert!(!p.label(7, &segs, Some(&[Keep, Drop]), &mut out));
+    assert_eq!(out, [Keep, Keep, Keep], "turn 1 is still protected");
+    segs.push(seg(3, 20, 700, 2));
+    out.clear();
+    // A block of the wrong length is unusable.
+    assert!(p.label(7, &segs, Some(&[Drop, Drop]), &mut out));
+    segs.push(seg(4, 700, 710, 3));
+    out.clear();
+    p.label(7, &segs, Some(&[Drop]), &mut out);
+    assert_eq!(
+        out,
+        [Keep, Keep, Drop, Keep, Keep],
+        "turn 1's labels now apply"
+    );
+    segs.push(seg(5, 710, 720, 4));
+    out.clear();
+    p.label(7, &segs, Some(&[Keep]), &mut out);
+    // Turn 2 had no usable labels: the rule compresses its long segment.
+    assert_eq!(out, [Keep, Keep, Drop, Compress, Keep, Keep]);
+}
+
+fn turn<'a>(
+    end: u64,
+    cuts: &'a [u64],
+    tokens: &'a [u32],
+    model: Option<&'a [Label]>,
+) -> TurnEnd<'a> {
+    TurnEnd {
+        end,
+        cuts,
+        tokens,
+        stop: &[999],
+        model,
+    }
+}
+
+#[test]
+fn dropped_segments_wait_k_rounds_then_their_positions_are_freed() {
+    let params = LifecycleParams {
+        delay: 2,
+        ..LifecycleParams::default()
+    };
+    let mut lc = Lifecycle::new(Box::new(RecentTurns::new(1).unwrap()), params).unwrap();
+    let toks: Vec<u32> = (0..1000).collect();
+    let o = lc.end_turn(1, turn(10, &[], &toks, None));
+    assert_eq!((o.segments, o.queued), (1, 0));
+    let o = lc.end_turn(1, turn(30, &[20], &toks, None));
+    assert_eq!((o.segments, o.queued), (2, 0));
+    // Turn 2 ends: turn 1's two segments are dropped, into the queue.
+    let o = lc.end_turn(1, turn(40, &[], &toks, None));
+    assert_eq!((o.queued, o.reclaimed), (2, 0));
+    assert_eq!(lc.pending(1).len(), 2);
+    let o = lc.end_turn(1, turn(50, &[], &toks, None));
+    assert!(o.reclaim.is_empty(), "one round waited");
+    let o = lc.end_turn(1, turn(60, &[], &toks, None));
+    assert_eq!(o.reclaim, vec![10..30], "K = 2 rounds: freed, merged");
+    assert_eq!(o.reclaimed, 2);
+    // Turns 2 and 3 have been dropped since; turn 1 is gone from the queue.
+    assert!(lc.pending(1).iter().all(|s| s.range.start >= 30));
+    // K = 0: freed at the turn end that drops it.
+    let mut lc = Lifecycle::new(
+        Box::new(RecentTurns::new(1).unwrap()),
+        LifecycleParams {
+            delay: 0,
+            ..LifecycleParams::default()
+        },
+    )
+    .unwrap();
+    lc.end_turn(1, turn(10, &[], &toks, None));
+    lc.end_turn(1, turn(20, &[], &toks, None));
+    let o = lc.end_turn(1, turn(30, &[], &toks, None));
+    assert_eq!((o.queued, o.reclaim.clone()), (0, vec![10..20]));
+}
+
+#[test]
+fn a_pending_segment_quoted_by_a_later_turn_is_revived() {
+    let params = LifecycleParams {
+        delay: 2,
+        min_match: 4,
+        compress_min: None,
+    };
+    let mut lc = Lifecycle::new(Box::new(RecentTurns::new(1).unwrap()), params).unwrap();
+    // Positions 10..20 hold 100..110; turn 3 quotes 103..107.
+    let mut toks: Vec<u32> = (0..60).map(|i| 1000 + i).collect();
+    for i in 0..10 {
+        toks[10 + i] = 100 + i as u32;
+    }
+    toks[35..39].copy_from_slice(&[103, 104, 105, 106]);
+    // Turn 2 repeats a run through a stop token only: not a reference.
+    toks[25..29].copy_from_slice(&[100, 101, 999, 102]);
+    lc.end_turn(1, turn(10, &[], &toks, None));
+    lc.end_turn(1, turn(20, &[], &toks, None));
+    let o = lc.end_turn(1, turn(30, &[], &toks, None));
+    assert_eq!((o.queued, o.revived), (1, 0));
+    let o = lc.end_turn(1, turn(40, &[], &toks, None));
+    assert_eq!(o.revived, 1);
+    assert!(lc.pending(1).iter().all(|s| s.range.start >= 20));
+    for _ in 0..4 {
+        let end = lc.live(1).last().unwrap().range.end + 5;
+        let o = lc.end_turn(1, turn(end, &[], &toks, None));
+        assert!(
+            o.reclaim.iter().all(|r| r.end <= 10 || r.start >= 20),
+            "revived: kept for good"
+        );
+    }
+}
+
+#[test]
+fn long_segments_labelled_compress_are_handed_out_short_ones_kept() {
+    let params = LifecycleParams {
+        delay: 2,
+        compress_min: Some(100),
+        ..LifecycleParams::default()
+    };
+    let mut lc = Lifecycle::new(Box::new(RuleFallback::new(1, 50).unwrap()), params).unwrap();
+    let toks = [];
+    lc.end_turn(1, turn(10, &[], &toks, None));
+    // Turn 1: a 60-token and a 200-token segment; the rule compresses both
+    // (>= 50) once old, the lifecycle only hands out the one >= 100.
+    lc.end_turn(1, turn(270, &[70], &toks, None));
+    let o = lc.end_turn(1, turn(280, &[], &toks, None));
+    assert_eq!(o.compress, vec![seg(2, 70, 270, 1)]);
+    assert_eq!(o.queued, 0);
+    lc.compressed(1, o.compress[0].clone(), false);
+    let live: Vec<u64> = lc.live(1).iter().map(|s| s.range.start).collect();
+    assert_eq!(
+        live,
+        [0, 10, 70, 270],
+        "a refused summary keeps the segment"
+    );
+    let e = Lifecycle::new(
+        Box::new(rule()),
+        LifecycleParams {
+            compress_min: Some(0),
+            ..LifecycleParams::default()
+        },
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("at least 1 token"), "{e}");
+}
+
+mod segments {
+    use kvforge_lifecycle::split_sentences;
+
+    #[test]
+    fn sentences_and_lines_cut_short_pieces_join() {
+        let p = [
+            "<|im_start|>",
+            "user",
+            "\n",
+            "My",
+            " code",
+            " is",
+            " 4821",
+            ".",
+            " The",
+            " sky",
+            " is",
+            " blue",
+            ".",
+            " Ok",
+            ".",
+            "\n",
+            "Next",
+            " line",
+            "<|im_end|>",
+        ];
+        let got = split_sentences(&p, 2);
+        // The header, two sentences, "Ok." with its line break, the last
+        // line with its end token.
+        assert_eq!(got, vec![0..3, 3..8, 8..13, 13..16, 16..19]);
+        // At 3 tokens "Ok." and the last line join the sentence before.
+        assert_eq!(split_sentences(&p, 3), vec![0..3, 3..8, 8..19]);
+        let got = split_sentences(&p, 1);
+        assert_eq!(got.first(), Some(&(0..1)));
+        assert!(split_sentences::<&str>(&[], 4).is_empty());
+        // No boundary at all: one segment; "3.5" is not a sentence end.
+        assert_eq!(split_sentences(&["a", " 3", ".", "5", " b"], 2), vec![0..5]);
+        // Tiling holds for any minimum.
+        for min in 0..8 {
+            let r = split_sentences(&p, min);
+            assert_eq!(r.first().unwrap().start, 0);
+            assert_eq!(r.last().unwrap().end, p.len());
+            assert!(r.windows(2).all(|w| w[0].end == w[1].start));
+        }
+    }
+}
+
+mod grammar {
+    use kvforge_lifecycle::{Label, LabelGrammar, Viability, parse_labels};
+
+    #[test]
+    fn the_label_grammar_accepts_its_blocks_and_their_prefixes_only() {
+        let g = LabelGrammar::new(3);
+        let block = LabelGrammar::render(&[Label::Keep, Label::Drop, Label::Compress]);
+        assert_eq!(
+            block,
+            "[LIFECYCLE] seg_0: keep seg_1: drop seg_2: compress [/LIFECYCLE]"
+        );
+        assert_eq!(g.check(&block), Viability::Complete);
+        for i in 0..block.len() {
+            assert_eq!(g.check(&block[..i]), Viability::Open, "{:?}", &block[..i]);
+        }
+        for bad in [
+            "x",
+            "[LIFECYCLE] seg_1",
+            "[LIFECYCLE] seg_0: maybe",
+            "[LIFECYCLE] seg_0: keep seg_1: drop seg_2: compress [/LIFECYCLE] ",
+            "[LIFECYCLE] seg_0: keep [/LIFECYCLE]",
+        ] {
+            assert_eq!(g.check(bad), Viability::Dead, "{bad}");
+        }
+        assert_eq!(
+            LabelGrammar::new(0).check("[LIFECYCLE] [/LIFECYCLE]"),
+            Viability::Complete
+        );
+        // Every complete block parses into a valid one with its labels.
+        for n in 1..5usize {
+            for code in 0..3usize.pow(n as u32) {
+                let ls: Vec<Label> = (0..n)
+                    .map(|i| {
+                        [Label::Keep, Label::Compress, Label::Drop][code / 3usize.pow(i as u32) % 3]
+                    })
+                    .collect();
+                let b = LabelGrammar::render(&ls);
+                assert_eq!(LabelGrammar::new(n).check(&b), Viability::Complete);
+                let p = parse_labels(&b, n);
+                assert!(p.valid() && p.labels == ls, "{b}");
+            }
+        }
+    }
 }
 
 mod labels {

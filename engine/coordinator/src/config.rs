@@ -142,10 +142,26 @@ pub enum DedupConfig {
 /// Context lifecycle at turn ends.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LifecycleConfig {
-    /// Keep the first and the newest `keep` turns, drop the rest.
+    /// Keep the first and the newest `keep` turns, drop the rest at once.
     RecentTurns {
         /// Turns kept at the end.
         keep: u32,
+    },
+    /// Segments labelled by the seed's rule or by the model (the rule
+    /// standing in for missing labels), dropped ones freed after `delay`
+    /// rounds unless a later turn refers to them.
+    Labels {
+        /// Where labels come from.
+        source: kvforge_lifecycle::LabelSource,
+        /// Newest rounds always kept (the seed: 2).
+        protect: u32,
+        /// K: rounds a dropped segment waits (0: freed at once).
+        delay: u32,
+        /// Tokens in a run that counts as a reference (0: never revive).
+        min_match: usize,
+        /// Segments this long or longer are summarised when labelled
+        /// `compress` (`None`: compression off, such segments are kept).
+        compress_min: Option<u64>,
     },
 }
 

@@ -5,7 +5,10 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ops::Range;
 
 use kvforge_evict::{EvictionPolicy, Pressure, Scored, SinkWindow};
-use kvforge_lifecycle::{LifecyclePolicy, RecentTurns, Segment};
+use kvforge_lifecycle::{
+    Label, LabelSource, Lifecycle, LifecycleParams, LifecyclePolicy, ModelLabels, Outcome,
+    RecentTurns, RuleFallback, Segment, TurnEnd,
+};
 use kvforge_lsh::{Content, Deduplicator, ExactDedup, ShareStats, SimHashDedup};
 use kvforge_pool::{
     Allocation, BlockAllocator, BlockId, BlockTable, KvLayout, MAX_TIER_BLOCKS, PoolConfig,
@@ -49,8 +52,20 @@ pub struct Counters {
     /// Hot blocks moved to the cold tier (quantized, or another holder's
     /// cold copy reused).
     pub demoted_blocks: u64,
-    /// Entries dropped by the lifecycle policy at turn ends.
+    /// Entries dropped by the lifecycle policy at turn ends (reclaimed
+    /// segments and compressed ones).
     pub lifecycle_dropped_entries: u64,
+    /// Segments the lifecycle put in its pending queue.
+    pub lifecycle_queued: u64,
+    /// Pending segments a later turn referred to: kept.
+    pub lifecycle_revived: u64,
+    /// Segments whose KV the lifecycle freed.
+    pub lifecycle_reclaimed: u64,
+    /// Segments replaced by a summary.
+    pub lifecycle_compressed: u64,
+    /// Turn ends whose model labels were missing or unusable, so the rule
+    /// decided.
+    pub lifecycle_fallbacks: u64,
     /// Blocks written by head-wise eviction's packing (pages copied in).
     pub packed_blocks: u64,
     /// Of the evicted entries, those taken from idle sequences to make room
@@ -128,8 +143,6 @@ struct SeqState {
     /// The table at the start of the current turn, holding references of
     /// its own, so a failed turn can be rolled back exactly.
     snapshot: Option<BlockTable>,
-    segments: Vec<Segment>,
-    turns: u32,
     /// Index moves (hot -> its cold copy) of demotions committed during
     /// the current turn: applied when the turn ends, dropped if it is
     /// rolled back, so a failed turn leaves the index as it was.
@@ -164,7 +177,7 @@ pub struct Coordinator {
     tier_policy: Option<Box<dyn TierPolicy>>,
     evict: Option<Box<dyn EvictionPolicy>>,
     dedup: Option<Box<dyn Deduplicator>>,
-    lifecycle: Option<Box<dyn LifecyclePolicy>>,
+    lifecycle: Option<Lifecycle>,
     seqs: BTreeMap<SeqId, SeqState>,
     next_seq: SeqId,
     /// Hot block -> the cold block its content was quantized into, so a
@@ -268,10 +281,7 @@ impl Coordinator {
             Some(DedupConfig::Exact) => Some(Box::new(ExactDedup::new())),
             Some(DedupConfig::SimHash(c)) => Some(Box::new(SimHashDedup::new(c)?)),
         };
-        let lifecycle: Option<Box<dyn LifecyclePolicy>> = match cfg.lifecycle {
-            None => None,
-            Some(LifecycleConfig::RecentTurns { keep }) => Some(Box::new(RecentTurns::new(keep)?)),
-        };
+        let lifecycle = cfg.lifecycle.map(lifecycle_from).transpose()?;
         if let (Some(c), Some(window)) = (cfg.cold, cfg.eviction.map(|e| e.window())) {
             if window < c.window {
                 return Err(CoordError::Config(format!(
@@ -326,9 +336,31 @@ impl Coordinator {
         Ok(())
     }
 
-    /// Replaces the lifecycle policy.
-    pub fn set_lifecycle_policy(&mut self, p: Option<Box<dyn LifecyclePolicy>>) {
-        self.lifecycle = p;
+    /// Replaces the lifecycle policy (a researcher's own), acting under
+    /// `params`; `None` turns the lifecycle off.
+    pub fn set_lifecycle_policy(
+        &mut self,
+        p: Option<(Box<dyn LifecyclePolicy>, LifecycleParams)>,
+    ) -> Result<()> {
+        self.lifecycle = p.map(|(p, params)| Lifecycle::new(p, params)).transpose()?;
+        Ok(())
+    }
+
+    /// Where the lifecycle's labels come from (`None`: no lifecycle).
+    pub fn lifecycle_source(&self) -> Option<LabelSource> {
+        self.lifecycle.as_ref().map(Lifecycle::source)
+    }
+
+    /// The segments the turn of `seq` in progress will add when it ends
+    /// with `cuts` (what the model is asked to label); empty without a
+    /// lifecycle.
+    pub fn turn_segments(&self, seq: SeqId, cuts: &[u64]) -> Result<Vec<Segment>> {
+        let end = self.seq(seq)?.table.positions();
+        Ok(self
+            .lifecycle
+            .as_ref()
+            .map(|l| l.turn_segments(seq, end, cuts))
+            .unwrap_or_default())
     }
 
     /// The configuration it was built from.
@@ -449,8 +481,6 @@ impl Coordinator {
                 table,
                 pending: None,
                 snapshot: None,
-                segments: Vec::new(),
-                turns: 0,
                 relocations: Vec::new(),
                 copy_tail: false,
                 partial: None,
@@ -1295,32 +1325,81 @@ impl Coordinator {
         Ok(())
     }
 
-    /// The turn succeeded: its snapshot is let go; the lifecycle policy
-    /// (if any) names old segments to drop. Returns the entries dropped.
+    /// The turn succeeded: its snapshot is let go; the lifecycle (if any)
+    /// labels the segments and frees what it reclaims. Returns the entries
+    /// dropped. [`end_turn_labelled`](Self::end_turn_labelled) with the
+    /// turn as one segment and no labels from the model.
     pub fn end_turn(&mut self, seq: SeqId) -> Result<usize> {
+        let t = TurnInput::default();
+        self.end_turn_labelled(seq, &t).map(|r| r.dropped_entries)
+    }
+
+    /// The turn succeeded: its snapshot is let go; the lifecycle (if any)
+    /// cuts the turn into segments at `t.cuts`, labels the live segments
+    /// (with the model's labels `t.model`), queues, revives and frees
+    /// segments. The entries lying wholly inside freed segments are
+    /// dropped and their blocks released; segments to summarise come back
+    /// in the report (answer with
+    /// [`compressed`](Self::compressed)).
+    pub fn end_turn_labelled(&mut self, seq: SeqId, t: &TurnInput) -> Result<TurnLifecycle> {
         self.idle(seq, "turn ended during a step")?;
         let s = self.seqs.get_mut(&seq).ok_or(CoordError::UnknownSeq(seq))?;
         let snap = s.snapshot.take();
         let moves = std::mem::take(&mut s.relocations);
-        let start = s.segments.last().map_or(0, |g| g.range.end);
         let end = s.table.positions();
-        if end > start {
-            s.segments.push(Segment {
-                range: start..end,
-                turn: s.turns,
-            });
-        }
-        s.turns += 1;
         self.relocate(&moves)?;
         if let Some(mut snap) = snap {
             self.release_all(&snap.clear())?;
         }
         let Some(lc) = self.lifecycle.as_mut() else {
-            return Ok(0);
+            return Ok(TurnLifecycle::default());
         };
+        let outcome = lc.end_turn(
+            seq,
+            TurnEnd {
+                end,
+                cuts: &t.cuts,
+                tokens: &t.tokens,
+                stop: &t.stop,
+                model: t.model.as_deref(),
+            },
+        );
+        let c = &mut self.counters;
+        c.lifecycle_queued += u64::from(outcome.queued);
+        c.lifecycle_revived += u64::from(outcome.revived);
+        c.lifecycle_reclaimed += u64::from(outcome.reclaimed);
+        c.lifecycle_fallbacks += u64::from(outcome.fallback);
+        let dropped = self.drop_ranges(seq, &outcome.reclaim)?;
+        Ok(TurnLifecycle {
+            dropped_entries: dropped,
+            outcome,
+        })
+    }
+
+    /// A segment handed out for summarising was replaced (`replaced`: its
+    /// entries are dropped now, its blocks released) or not (it is kept for
+    /// good). Returns the entries dropped.
+    pub fn compressed(&mut self, seq: SeqId, seg: Segment, replaced: bool) -> Result<usize> {
+        self.idle(seq, "compressed during a step")?;
+        let range = seg.range.clone();
+        if let Some(lc) = self.lifecycle.as_mut() {
+            lc.compressed(seq, seg, replaced);
+        }
+        if !replaced {
+            return Ok(0);
+        }
+        self.counters.lifecycle_compressed += 1;
+        self.drop_ranges(seq, &[range])
+    }
+
+    /// Drops the live entries of `seq` lying wholly inside `ranges` (not
+    /// an open last block, not packed ones: those hold pages of other
+    /// positions, eviction's to drop) and releases their blocks.
+    fn drop_ranges(&mut self, seq: SeqId, ranges: &[Range<u64>]) -> Result<usize> {
+        if ranges.is_empty() {
+            return Ok(0);
+        }
         let s = self.seqs.get_mut(&seq).ok_or(CoordError::UnknownSeq(seq))?;
-        let mut ranges: Vec<Range<u64>> = Vec::new();
-        lc.end_turn(seq, &s.segments, &mut ranges);
         let last = s.table.entries().len().wrapping_sub(1);
         let open = s.table.is_open();
         let mut release = Vec::new();
@@ -1329,8 +1408,6 @@ impl Coordinator {
             let inside = ranges
                 .iter()
                 .any(|r| r.start <= e.first() && e.end() <= r.end);
-            // A packed entry holds pages of other positions too: it is
-            // eviction's to drop, not a segment's.
             if inside && e.slot().is_live() && !e.is_packed() && !(open && i == last) {
                 release.extend(s.table.set_slot(i, Slot::Dropped)?.block());
             }
@@ -1379,6 +1456,64 @@ impl Coordinator {
         }
         Ok(())
     }
+}
+
+/// What a turn end gives the lifecycle besides the positions.
+#[derive(Clone, Debug, Default)]
+pub struct TurnInput {
+    /// Positions where a segment of the turn starts (none: one segment).
+    pub cuts: Vec<u64>,
+    /// The sequence's token ids by position (for revival; empty: none).
+    pub tokens: Vec<u32>,
+    /// Ids that never count towards a reference (template tokens).
+    pub stop: Vec<u32>,
+    /// The model's labels for the turn's segments (`None`: missing or
+    /// unusable, or not asked).
+    pub model: Option<Vec<Label>>,
+}
+
+/// What the lifecycle did at a turn end.
+#[derive(Clone, Debug, Default)]
+pub struct TurnLifecycle {
+    /// Entries dropped (blocks released).
+    pub dropped_entries: usize,
+    /// The lifecycle's decisions.
+    pub outcome: Outcome,
+}
+
+/// The configured lifecycle.
+fn lifecycle_from(cfg: LifecycleConfig) -> Result<Lifecycle> {
+    Ok(match cfg {
+        LifecycleConfig::RecentTurns { keep } => Lifecycle::new(
+            Box::new(RecentTurns::new(keep)?),
+            LifecycleParams {
+                delay: 0,
+                min_match: 0,
+                compress_min: None,
+            },
+        )?,
+        LifecycleConfig::Labels {
+            source,
+            protect,
+            delay,
+            min_match,
+            compress_min,
+        } => {
+            let rule = RuleFallback::new(protect, compress_min.unwrap_or(u64::MAX))?;
+            let policy: Box<dyn LifecyclePolicy> = match source {
+                LabelSource::Rule => Box::new(rule),
+                s => Box::new(ModelLabels::new(s, rule)?),
+            };
+            Lifecycle::new(
+                policy,
+                LifecycleParams {
+                    delay,
+                    min_match,
+                    compress_min,
+                },
+            )?
+        }
+    })
 }
 
 /// The partial block a sequence registered moved to its cold copy: its

@@ -62,9 +62,12 @@ pub use config::{
     ColdConfig, CoordinatorConfig, DedupConfig, EvictionConfig, IndexKind, LifecycleConfig,
     PrefixConfig, TurnTail,
 };
-pub use coordinator::{COLD, Coordinator, Counters, HOT, Opened, SeqId, TierStats};
+pub use coordinator::{
+    COLD, Coordinator, Counters, HOT, Opened, SeqId, TierStats, TurnInput, TurnLifecycle,
+};
 pub use error::{CoordError, Result};
 pub use kvforge_evict::{Score, Trigger};
+pub use kvforge_lifecycle::{Label, LabelSource, Segment};
 pub use kvforge_lsh::{Content, SimHashConfig};
 pub use kvforge_pool::{BlockId, BlockTable, Entry, Slot, TieredPool};
 pub use plan::{CopyOp, Demotion, Pack, Plan, Write};

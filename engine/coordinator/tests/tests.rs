@@ -1,7 +1,7 @@
 //! `kvforge-coordinator`: plans, commits and aborts of every kind of
 //! operation, prefix reuse over hot and cold blocks, turn rollback,
 //! lifecycle, bad input, and many threads over one budget. No tensors.
-#![allow(clippy::unwrap_used)]
+#![allow(clippy::unwrap_used, clippy::single_range_in_vec_init)]
 
 use std::sync::{Arc, Mutex};
 
@@ -616,12 +616,136 @@ fn lifecycle_drops_old_turns_at_turn_end() {
     assert_eq!(c.pools().stats().in_use, 0);
 }
 
+fn live_from(c: &Coordinator, s: SeqId) -> Vec<u64> {
+    let t = c.table(s).unwrap();
+    t.entries()
+        .iter()
+        .filter(|e| e.slot().is_live())
+        .map(|e| e.first())
+        .collect()
+}
+
+#[test]
+fn model_labels_queue_revive_and_free_segments_and_compression_replaces_one() {
+    use kvforge_coordinator::{Label, LabelSource, TurnInput};
+    let mut cfg = config(64);
+    cfg.lifecycle = Some(LifecycleConfig::Labels {
+        source: LabelSource::Constrained,
+        protect: 1,
+        delay: 1,
+        min_match: 3,
+        compress_min: Some(4),
+    });
+    let mut c = Coordinator::new(cfg).unwrap();
+    assert_eq!(c.lifecycle_source(), Some(LabelSource::Constrained));
+    let s = c.open_empty();
+    let tokens: Vec<u32> = (0..200).map(|i| 1000 + i).collect();
+    // Turn 0 (0..8): the system prompt. Turn 1: 8..16 | 16..24 | 24..28
+    // labelled drop / drop / compress.
+    let turns: [(usize, Vec<u64>, Vec<Label>); 4] = [
+        (8, vec![], vec![Label::Keep]),
+        (
+            20,
+            vec![16, 24],
+            vec![Label::Drop, Label::Drop, Label::Compress],
+        ),
+        (8, vec![], vec![Label::Keep]),
+        (8, vec![], vec![Label::Keep]),
+    ];
+    let mut reports = Vec::new();
+    for (n, cuts, model) in turns {
+        c.begin_turn(s).unwrap();
+        step(&mut c, s, n);
+        let segs = c.turn_segments(s, &cuts).unwrap();
+        assert_eq!(segs.len(), model.len());
+        let t = TurnInput {
+            cuts,
+            tokens: tokens.clone(),
+            stop: vec![],
+            model: Some(model),
+        };
+        reports.push(c.end_turn_labelled(s, &t).unwrap());
+    }
+    // Turn 1 left the protected round when turn 2 ended: 8..16 and 16..24
+    // were queued, 24..28 handed out for summarising; K = 1 round later
+    // turn 3's end frees the two.
+    let o2 = &reports[2].outcome;
+    assert_eq!((o2.queued, o2.revived, o2.reclaimed), (2, 0, 0));
+    assert_eq!(o2.compress.len(), 1);
+    assert_eq!(o2.compress[0].range, 24..28);
+    let o3 = &reports[3].outcome;
+    assert_eq!(o3.reclaim, vec![8..24]);
+    assert_eq!(reports[3].dropped_entries, 4, "blocks 8, 12, 16, 20");
+    assert_eq!(live_from(&c, s), [0, 4, 24, 28, 32, 36, 40]);
+    let dropped = c.compressed(s, o2.compress[0].clone(), true).unwrap();
+    assert_eq!(dropped, 1);
+    assert_eq!(live_from(&c, s), [0, 4, 28, 32, 36, 40]);
+    let k = c.counters();
+    assert_eq!(
+        (
+            k.lifecycle_queued,
+            k.lifecycle_reclaimed,
+            k.lifecycle_compressed
+        ),
+        (2, 2, 1)
+    );
+    assert_eq!(k.lifecycle_dropped_entries, 5);
+    assert_eq!(k.lifecycle_fallbacks, 0);
+    c.close(s).unwrap();
+    assert_eq!(c.pools().stats().in_use, 0);
+}
+
+#[test]
+fn a_pending_segment_a_later_turn_quotes_is_kept() {
+    use kvforge_coordinator::{LabelSource, TurnInput};
+    let mut cfg = config(64);
+    cfg.lifecycle = Some(LifecycleConfig::Labels {
+        source: LabelSource::Rule,
+        protect: 1,
+        delay: 2,
+        min_match: 3,
+        compress_min: None,
+    });
+    let mut c = Coordinator::new(cfg).unwrap();
+    let s = c.open_empty();
+    let mut tokens: Vec<u32> = (0..200).map(|i| 1000 + i).collect();
+    // Turn 3 (positions 24..32) repeats positions 9..12 of turn 1.
+    tokens[26..29].copy_from_slice(&[1009, 1010, 1011]);
+    let mut revived = 0;
+    for _ in 0..7 {
+        c.begin_turn(s).unwrap();
+        step(&mut c, s, 8);
+        let t = TurnInput {
+            tokens: tokens.clone(),
+            stop: vec![7],
+            ..TurnInput::default()
+        };
+        revived += c.end_turn_labelled(s, &t).unwrap().outcome.revived;
+    }
+    assert_eq!(revived, 1);
+    // Turns 2 (16..24) and 3 (24..32) are freed two rounds after they were
+    // dropped; turn 1 (8..16), revived, stays.
+    assert_eq!(live_from(&c, s), [0, 4, 8, 12, 32, 36, 40, 44, 48, 52]);
+    c.close(s).unwrap();
+}
+
 #[test]
 fn bad_configurations_and_calls_are_clear_errors_that_change_nothing() {
     let err = |cfg: CoordinatorConfig| Coordinator::new(cfg).unwrap_err().to_string();
     let mut tiny = config(64);
     tiny.budget_bytes = layout().block_bytes() - 1;
     assert!(err(tiny).contains("smaller than one block"), "budget");
+    for (protect, compress_min, msg) in [(0, None, "protect"), (2, Some(0), "at least 1 token")] {
+        let mut lc = config(64);
+        lc.lifecycle = Some(LifecycleConfig::Labels {
+            source: kvforge_coordinator::LabelSource::Appended,
+            protect,
+            delay: 2,
+            min_match: 6,
+            compress_min,
+        });
+        assert!(err(lc).contains(msg), "lifecycle {msg}");
+    }
     let mut dedup = config(64);
     dedup.dedup = Some(DedupConfig::Exact);
     assert!(err(dedup).contains("configure a cold tier"));
