@@ -13,7 +13,8 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvforge_coordinator::{
-    ColdConfig, Coordinator, CoordinatorConfig, SeqId, TierStats, TieredPool,
+    ColdConfig, Coordinator, CoordinatorConfig, Segment, SeqId, TierStats, TieredPool, TurnInput,
+    TurnLifecycle,
 };
 use kvforge_pool::{BlockId, BlockTable, KvLayout, StorageFormat};
 use kvforge_prefix::ExtraKeys;
@@ -379,6 +380,38 @@ impl PagedKvCache {
     /// Ends a turn (the lifecycle policy may drop old segments).
     pub fn end_turn(&self, seq: &mut Sequence) -> Result<()> {
         self.finish_turn(seq, |c, id| c.end_turn(id).map(|_| ()))
+    }
+
+    /// Ends a turn with what the lifecycle needs: the turn's segment cuts,
+    /// the sequence's tokens, the model's labels. See
+    /// [`Coordinator::end_turn_labelled`].
+    pub fn end_turn_labelled(&self, seq: &mut Sequence, t: &TurnInput) -> Result<TurnLifecycle> {
+        let mut out = TurnLifecycle::default();
+        self.finish_turn(seq, |c, id| {
+            out = c.end_turn_labelled(id, t)?;
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    /// A segment handed out for summarising was replaced (its entries are
+    /// dropped) or is kept. Returns the entries dropped.
+    pub fn compressed(&self, seq: &mut Sequence, seg: Segment, replaced: bool) -> Result<usize> {
+        let mut n = 0;
+        self.finish_turn(seq, |c, id| {
+            n = c.compressed(id, seg, replaced)?;
+            Ok(())
+        })?;
+        Ok(n)
+    }
+
+    /// The segments the turn of `seq` in progress adds when it ends with
+    /// `cuts` (empty without a lifecycle or a sequence).
+    pub fn turn_segments(&self, seq: &Sequence, cuts: &[u64]) -> Result<Vec<Segment>> {
+        match seq.id {
+            Some(id) => Ok(self.coordinator().turn_segments(id, cuts)?),
+            None => Ok(Vec::new()),
+        }
     }
 
     /// Restores `seq` to the start of its turn.

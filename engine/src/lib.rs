@@ -37,10 +37,12 @@
 
 pub mod attention;
 pub mod cache;
+pub mod constrain;
 mod error;
 pub mod fused;
 pub mod generate;
 pub mod gguf;
+pub mod lifecycle;
 pub mod manager;
 pub mod metrics;
 pub mod model;
@@ -52,16 +54,18 @@ use std::path::Path;
 
 pub use attention::{Attended, AttentionBackend, KvTensors, Observe, ReferenceBackend, StepView};
 pub use cache::{ContiguousCache, KvStore, PagedKvCache, Sequence};
+pub use constrain::{Constrained, Constraint};
 pub use error::{EngineError, Result};
 pub use fused::FusedBackend;
 pub use generate::{Generation, Sampler, SamplingParams};
 pub use kvforge_coordinator::{
-    Coordinator, CoordinatorConfig, DedupConfig, EvictionConfig, LifecycleConfig, Score,
-    SimHashConfig, Trigger,
+    Coordinator, CoordinatorConfig, DedupConfig, EvictionConfig, LabelSource, LifecycleConfig,
+    Score, SimHashConfig, Trigger,
 };
 pub use kvforge_kernels::DEFAULT_MIN_SPLIT;
 pub use kvforge_kernels::Isa;
 pub use kvforge_quant::Axis;
+pub use lifecycle::LifecycleReport;
 pub use manager::{CacheManager, IndexKind, ReuseConfig, SessionId, TurnReport, TurnTail};
 pub use model::{Llama, LlamaConfig};
 pub use ppl::PplReport;

@@ -43,6 +43,7 @@ use kvforge_prefix::ExtraKeys;
 
 use crate::cache::Sequence;
 use crate::generate::{Generation, SamplingParams};
+use crate::lifecycle::{self, LifecycleReport};
 use crate::{Engine, EngineError, Result};
 
 /// How the manager reuses KV.
@@ -84,6 +85,9 @@ pub struct TurnReport {
     pub kv_bytes_in_use: u64,
     /// The generation itself.
     pub generation: Generation,
+    /// What the context lifecycle did when the turn ended (sessions with a
+    /// lifecycle only).
+    pub lifecycle: Option<LifecycleReport>,
 }
 
 struct Session {
@@ -273,9 +277,29 @@ impl CacheManager {
         s.tokens.extend(rest);
         s.pending = vec![*last];
         engine.cache.register(&s.seq, &s.tokens, &s.extra)?;
-        engine.cache.end_turn(&mut s.seq)?;
         let prior = prompt_len - input.len();
-        Ok(self.account(prompt_len, prior + reused, ttft, generation))
+        let source = engine.cache.coordinator().lifecycle_source();
+        let lifecycle = match source {
+            Some(source) => Some(lifecycle::end_turn(
+                engine,
+                &mut s.seq,
+                &s.tokens,
+                &mut s.pending,
+                &s.extra,
+                prior,
+                source,
+            )?),
+            None => {
+                engine.cache.end_turn(&mut s.seq)?;
+                None
+            }
+        };
+        let mut report = self.account(prompt_len, prior + reused, ttft, generation);
+        report.lifecycle = lifecycle;
+        if let Some(t) = lock(&self.totals).last.as_mut() {
+            t.lifecycle = report.lifecycle.clone();
+        }
+        Ok(report)
     }
 
     /// The block table of session `id` (empty before its first turn): which
@@ -334,6 +358,21 @@ impl CacheManager {
                 "new_tokens": r.generation.tokens.len(),
                 "decode_tok_s": r.generation.decode_tokens_per_sec(),
                 "kv_bytes_in_use": r.kv_bytes_in_use,
+                "lifecycle": r.lifecycle.as_ref().map(|l| serde_json::json!({
+                    "segments": l.segments,
+                    "labels_valid": l.labels_valid,
+                    "labels": l.labels.iter().map(|x| format!("{x:?}").to_lowercase()).collect::<Vec<_>>(),
+                    "fallback": l.fallback,
+                    "queued": l.queued,
+                    "revived": l.revived,
+                    "reclaimed": l.reclaimed,
+                    "dropped_entries": l.dropped_entries,
+                    "compressed": l.compressed,
+                    "compress_refused": l.compress_refused,
+                    "summary_tokens": l.summary_tokens,
+                    "label_secs": l.label_secs,
+                    "compress_secs": l.compress_secs,
+                })),
             })
         });
         let hot = tiers.first().map(|t| t.pool).unwrap_or_default();
@@ -394,6 +433,11 @@ impl CacheManager {
                 "packed_blocks": counters.packed_blocks,
                 "evicted_idle_entries": counters.evicted_idle_entries,
                 "lifecycle_dropped_entries": counters.lifecycle_dropped_entries,
+                "lifecycle_queued": counters.lifecycle_queued,
+                "lifecycle_revived": counters.lifecycle_revived,
+                "lifecycle_reclaimed": counters.lifecycle_reclaimed,
+                "lifecycle_compressed": counters.lifecycle_compressed,
+                "lifecycle_fallbacks": counters.lifecycle_fallbacks,
             },
             "last_turn": last,
         })
@@ -413,6 +457,7 @@ impl CacheManager {
             ttft_secs: ttft.unwrap_or(generation.prefill_secs),
             kv_bytes_in_use: self.engine.cache.bytes_in_use(),
             generation,
+            lifecycle: None,
         };
         let mut t = lock(&self.totals);
         t.requests += 1;

@@ -40,6 +40,8 @@ pub struct Tokenizer {
     pub eos: u32,
     /// Vocabulary size.
     pub vocab: usize,
+    /// The text of each token alone, built on first use.
+    pieces: std::sync::OnceLock<Vec<String>>,
 }
 
 fn tok_err(e: impl std::fmt::Display) -> EngineError {
@@ -150,6 +152,7 @@ impl Tokenizer {
             plain,
             eos,
             vocab,
+            pieces: std::sync::OnceLock::new(),
         }
     }
 
@@ -233,6 +236,16 @@ impl Tokenizer {
     /// Text of `ids` for display: special tokens dropped.
     pub fn decode_text(&self, ids: &[u32]) -> Result<String> {
         self.inner.decode(ids, true).map_err(tok_err)
+    }
+
+    /// The text of every token id alone (special tokens included; a byte
+    /// that is not a whole character reads as U+FFFD), built on first use.
+    pub fn pieces(&self) -> &[String] {
+        self.pieces.get_or_init(|| {
+            (0..self.vocab as u32)
+                .map(|id| self.decode(&[id]).unwrap_or_default())
+                .collect()
+        })
     }
 
     /// The id of a token string, if it is in the vocabulary.

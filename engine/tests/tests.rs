@@ -17,6 +17,7 @@ mod batch;
 mod compose;
 mod fused;
 mod hardening;
+mod lifecycle;
 mod manager;
 mod tier;
 

@@ -17,12 +17,11 @@
 //! * [`RuleFallback`] — the seed's rule: the last `protect` rounds (and the
 //!   first, the system prompt) keep; older segments are dropped, or
 //!   compressed when they are at least `compress_min` tokens long.
-//! * [`ModelLabels`] — the labels the model gives each turn's segments,
-//!   either in a `[LIFECYCLE]` block it appends to its reply
-//!   ([`LabelSource::Appended`]) or from a separate labelling pass decoded
-//!   under the label grammar ([`LabelSource::Constrained`], so the block
-//!   always parses); the rule decides wherever the model's block is missing
-//!   or unusable.
+//! * [`ModelLabels`] — the labels the model gives each turn's segments in
+//!   a `[LIFECYCLE]` block, decoded freely ([`LabelSource::Free`]) or under
+//!   the label grammar ([`LabelSource::Constrained`], so the block always
+//!   parses); the rule decides wherever the model's block is missing or
+//!   unusable.
 //! * [`RecentTurns`] — whole turns: the first and the newest `keep` stay.
 //!
 //! Every policy must pass [`testing::check_policy`].
@@ -84,8 +83,9 @@ impl Segment {
 pub enum LabelSource {
     /// A rule; the model is not asked.
     Rule,
-    /// The `[LIFECYCLE]` block the model appends after its reply.
-    Appended,
+    /// The `[LIFECYCLE]` block the model writes, decoded freely (the
+    /// seed's way: it may be missing or malformed).
+    Free,
     /// A separate labelling pass decoded under [`LabelGrammar`].
     Constrained,
 }
@@ -242,12 +242,12 @@ pub struct ModelLabels {
 }
 
 impl ModelLabels {
-    /// Labels from `source` (`Appended` or `Constrained`), with `rule` as
+    /// Labels from `source` (`Free` or `Constrained`), with `rule` as
     /// the fallback and its protected rounds.
     pub fn new(source: LabelSource, rule: RuleFallback) -> Result<Self> {
         if source == LabelSource::Rule {
             return Err(LifecycleError::Config(
-                "model labels come from the appended block or a constrained pass".into(),
+                "model labels come from the model's block, decoded freely or constrained".into(),
             ));
         }
         Ok(ModelLabels {
@@ -262,7 +262,7 @@ impl LifecyclePolicy for ModelLabels {
     fn name(&self) -> String {
         match self.source {
             LabelSource::Constrained => "labels-constrained".into(),
-            _ => "labels-appended".into(),
+            _ => "labels-free".into(),
         }
     }
 

@@ -17,7 +17,7 @@ fn every_policy_passes_the_conformance_suite() {
         Box::new(|| Box::new(RecentTurns::new(3).unwrap())),
         Box::new(|| Box::new(RuleFallback::new(1, 100).unwrap())),
         Box::new(|| Box::new(rule())),
-        Box::new(|| Box::new(ModelLabels::new(LabelSource::Appended, rule()).unwrap())),
+        Box::new(|| Box::new(ModelLabels::new(LabelSource::Free, rule()).unwrap())),
         Box::new(|| Box::new(ModelLabels::new(LabelSource::Constrained, rule()).unwrap())),
     ];
     for make in &makers {

@@ -738,7 +738,7 @@ fn bad_configurations_and_calls_are_clear_errors_that_change_nothing() {
     for (protect, compress_min, msg) in [(0, None, "protect"), (2, Some(0), "at least 1 token")] {
         let mut lc = config(64);
         lc.lifecycle = Some(LifecycleConfig::Labels {
-            source: kvforge_coordinator::LabelSource::Appended,
+            source: kvforge_coordinator::LabelSource::Free,
             protect,
             delay: 2,
             min_match: 6,

@@ -19,7 +19,7 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand};
 use kvforge_engine::{
     Attention, Axis, CacheManager, DedupConfig, Engine, EngineConfig, EngineError, EvictionConfig,
-    Generation, IndexKind, KvQuant, LifecycleConfig, Message, PplReport, ReuseConfig,
+    Generation, IndexKind, KvQuant, LabelSource, LifecycleConfig, Message, PplReport, ReuseConfig,
     SamplingParams, Sequence, SimHashConfig, Tokenizer, TurnTail, parse_device, parse_dtype,
 };
 
@@ -204,6 +204,23 @@ struct Tier {
     /// 0 = keep everything).
     #[arg(long, default_value_t = 0)]
     keep_turns: u32,
+    /// Chat: the context lifecycle — segments (sentences) labelled keep /
+    /// compress / drop by the seed's rule (`rule`), or by the model in a
+    /// labelling pass decoded freely (`free`) or under the label grammar
+    /// (`constrained`), the rule standing in for missing labels.
+    #[arg(long)]
+    lifecycle: Option<String>,
+    /// Lifecycle: newest rounds always kept.
+    #[arg(long, default_value_t = 2)]
+    lifecycle_protect: u32,
+    /// Lifecycle: K, rounds a dropped segment waits before its KV is freed
+    /// (0 = at once).
+    #[arg(long, default_value_t = 2)]
+    lifecycle_delay: u32,
+    /// Lifecycle: segments this long or longer labelled compress are
+    /// summarised by the model (0 = compression off).
+    #[arg(long, default_value_t = 512)]
+    lifecycle_compress_min: u64,
     /// Bytes all KV tiers may hold, in MiB (0 = the hot tier's capacity).
     #[arg(long, default_value_t = 0)]
     kv_budget_mib: u64,
@@ -226,6 +243,31 @@ impl Tier {
         cfg.lifecycle = (self.keep_turns > 0).then_some(LifecycleConfig::RecentTurns {
             keep: self.keep_turns,
         });
+        if let Some(name) = &self.lifecycle {
+            if self.keep_turns > 0 {
+                return Err(EngineError::Request(
+                    "--lifecycle and --keep-turns are two lifecycles: give one".into(),
+                ));
+            }
+            let source = match name.as_str() {
+                "rule" => LabelSource::Rule,
+                "free" => LabelSource::Free,
+                "constrained" => LabelSource::Constrained,
+                _ => {
+                    return Err(EngineError::Request(format!(
+                        "unknown --lifecycle {name:?}; choose rule, free or constrained"
+                    )));
+                }
+            };
+            cfg.lifecycle = Some(LifecycleConfig::Labels {
+                source,
+                protect: self.lifecycle_protect,
+                delay: self.lifecycle_delay,
+                min_match: 6,
+                compress_min: (self.lifecycle_compress_min > 0)
+                    .then_some(self.lifecycle_compress_min),
+            });
+        }
         cfg.kv_budget = self.kv_budget_mib.checked_mul(1 << 20).ok_or_else(|| {
             EngineError::Request(format!(
                 "--kv-budget-mib {} is too large",
