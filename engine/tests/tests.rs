@@ -1024,6 +1024,15 @@ fn cli_cold_tier_bad_settings_are_one_line_errors() {
         "outside (0, 1]",
     );
     assert_one_line_error(&["chat", "--turn-tail", "fold"], "unknown turn tail");
+    assert_one_line_error(&["chat", "--lifecycle", "vibes"], "unknown --lifecycle");
+    assert_one_line_error(
+        &["chat", "--lifecycle", "rule", "--keep-turns", "2"],
+        "give one",
+    );
+    assert_one_line_error(
+        &["chat", "--lifecycle", "rule", "--lifecycle-protect", "0"],
+        "protect",
+    );
     assert_one_line_error(
         &["chat", "--kv-quant", "int4", "--evict-window", "64"],
         "at least as long",
@@ -1089,6 +1098,36 @@ fn cli_chat_runs_every_mechanism_together() {
     );
     assert_eq!(last["tiers"][1]["tier"], "cold");
     assert!(last["sharing"]["offered"].as_u64().unwrap() > 0, "{last}");
+}
+
+/// `kvforge chat --lifecycle constrained`: the model labels every turn's
+/// segments in a block that always parses; the metrics show it.
+#[test]
+fn cli_chat_labels_segments_under_the_grammar() {
+    let (err, metrics) = chat_session(
+        &[
+            "--max-tokens",
+            "16",
+            "--lifecycle",
+            "constrained",
+            "--lifecycle-protect",
+            "1",
+            "--lifecycle-delay",
+            "1",
+        ],
+        b"Hi! My code is 4821.\nNice weather today. I went out.\nWhat is my code?\n\n",
+    );
+    assert_eq!(metrics.len(), 3, "{err}");
+    for m in &metrics {
+        let l = &m["last_turn"]["lifecycle"];
+        assert_eq!(l["labels_valid"], true, "{m}");
+        assert_eq!(
+            l["labels"].as_array().unwrap().len() as u64,
+            l["segments"].as_u64().unwrap(),
+            "{m}"
+        );
+    }
+    assert_eq!(metrics[2]["policies"]["lifecycle_fallbacks"], 0);
 }
 
 #[test]
