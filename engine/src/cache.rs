@@ -414,6 +414,19 @@ impl PagedKvCache {
         }
     }
 
+    /// A sequence that reads what `seq` holds (the same blocks, a reference
+    /// of its own on each); what it writes next is its own. Free it with
+    /// [`free`](Self::free).
+    pub fn fork(&self, seq: &Sequence) -> Result<Sequence> {
+        match seq.id {
+            Some(id) => Ok(Sequence {
+                id: Some(self.coordinator().fork(id)?),
+                len: seq.len,
+            }),
+            None => Ok(Sequence::default()),
+        }
+    }
+
     /// Restores `seq` to the start of its turn.
     pub fn rollback_turn(&self, seq: &mut Sequence) -> Result<()> {
         self.finish_turn(seq, Coordinator::rollback_turn)

@@ -4,11 +4,10 @@
 //! label grammar), hand everything to the coordinator, and summarise the
 //! segments it hands out for compression.
 //!
-//! The labelling pass reads the session's own KV: it opens a sequence for
-//! the session's tokens plus a labelling request, which the prefix index
-//! matches to the blocks the session has just registered, so only the
-//! request is prefilled; the fork is freed afterwards and its block never
-//! enters the session's context.
+//! The labelling pass reads the session's own KV through a fork (the same
+//! blocks, a reference of its own on each; dropped segments stay dropped),
+//! so only the labelling request is prefilled; the fork is freed afterwards
+//! and its block never enters the session's context.
 //!
 //! A summary is written by the same model from the segment's text alone
 //! (a fresh sequence), at most a third of the segment's tokens, and joins
@@ -26,7 +25,7 @@ use kvforge_prefix::ExtraKeys;
 
 use crate::cache::Sequence;
 use crate::generate::SamplingParams;
-use crate::{Engine, Message, Result};
+use crate::{Engine, Message, Result, Tokenizer};
 
 /// Tokens below which a sentence joins the one before it.
 pub const MIN_SEGMENT_TOKENS: usize = 4;
@@ -77,21 +76,11 @@ pub(crate) fn end_turn(
     seq: &mut Sequence,
     tokens: &[u32],
     pending: &mut Vec<u32>,
-    extra: &ExtraKeys,
     start: usize,
     source: LabelSource,
 ) -> Result<LifecycleReport> {
     let tok = &engine.tokenizer;
-    let pieces = tok.pieces();
-    let turn: Vec<&str> = tokens[start.min(tokens.len())..]
-        .iter()
-        .map(|&t| pieces.get(t as usize).map_or("", String::as_str))
-        .collect();
-    let cuts: Vec<u64> = split_sentences(&turn, MIN_SEGMENT_TOKENS)
-        .iter()
-        .skip(1)
-        .map(|r| (start + r.start) as u64)
-        .collect();
+    let cuts = segment_cuts(tok, tokens, start);
     let segs = engine.cache.turn_segments(seq, &cuts)?;
     let mut report = LifecycleReport {
         segments: segs.len() as u32,
@@ -102,7 +91,7 @@ pub(crate) fn end_turn(
     } else {
         let t0 = Instant::now();
         // A failed labelling pass is a missing block: the rule decides.
-        let labels = label_pass(engine, tokens, pending, extra, &segs, source).unwrap_or(None);
+        let labels = label_pass(engine, seq, tokens, pending, &segs, source).unwrap_or(None);
         report.label_secs = t0.elapsed().as_secs_f64();
         report.labels_valid = Some(labels.is_some());
         report.labels = labels.clone().unwrap_or_default();
@@ -152,13 +141,28 @@ pub(crate) fn end_turn(
     Ok(report)
 }
 
+/// Where the sentence segments of a turn (`tokens[start..]`) start, after
+/// the first, as positions: the cuts a turn end takes.
+pub fn segment_cuts(tok: &Tokenizer, tokens: &[u32], start: usize) -> Vec<u64> {
+    let pieces = tok.pieces();
+    let turn: Vec<&str> = tokens[start.min(tokens.len())..]
+        .iter()
+        .map(|&t| pieces.get(t as usize).map_or("", String::as_str))
+        .collect();
+    split_sentences(&turn, MIN_SEGMENT_TOKENS)
+        .iter()
+        .skip(1)
+        .map(|r| (start + r.start) as u64)
+        .collect()
+}
+
 /// Asks the model to label `segs` on a fork of the session; `None` when
 /// its answer does not parse into a valid block.
 fn label_pass(
     engine: &Engine,
+    seq: &Sequence,
     tokens: &[u32],
     pending: &[u32],
-    extra: &ExtraKeys,
     segs: &[Segment],
     source: LabelSource,
 ) -> Result<Option<Vec<Label>>> {
@@ -173,16 +177,15 @@ fn label_pass(
     listing.push_str(
         "Answer with one block: [LIFECYCLE] seg_0: <label> seg_1: <label> ... [/LIFECYCLE]",
     );
-    let mut fork_tokens = tokens.to_vec();
-    fork_tokens.extend(pending);
+    let mut prompt = pending.to_vec();
     if pending.last() != Some(&tok.eos) {
-        fork_tokens.extend(tok.encode("<|im_end|>")?);
+        prompt.extend(tok.encode("<|im_end|>")?);
     }
-    fork_tokens.extend(tok.encode("\n<|im_start|>user\n")?);
-    fork_tokens.extend(tok.encode_text(&listing)?);
-    fork_tokens.extend(tok.encode("<|im_end|>\n<|im_start|>assistant\n")?);
-    let mut fork = engine.cache.open(&fork_tokens, extra)?;
-    let prompt = fork_tokens[fork.len()..].to_vec();
+    prompt.extend(tok.encode("\n<|im_start|>user\n")?);
+    prompt.extend(tok.encode_text(&listing)?);
+    prompt.extend(tok.encode("<|im_end|>\n<|im_start|>assistant\n")?);
+    // The fork reads the session's KV as it is (dropped segments gone).
+    let mut fork = engine.cache.fork(seq)?;
     let n = segs.len();
     let budget = 16 + 12 * n;
     let text = match source {

@@ -285,7 +285,6 @@ impl CacheManager {
                 &mut s.seq,
                 &s.tokens,
                 &mut s.pending,
-                &s.extra,
                 prior,
                 source,
             )?),

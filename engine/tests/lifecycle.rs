@@ -71,6 +71,49 @@ fn constrained_decoding_gives_a_valid_block_even_from_random_weights() {
     assert!(err.to_string().contains("does not fit"), "{err}");
 }
 
+#[test]
+fn a_fork_continues_exactly_as_a_fresh_sequence_and_leaves_the_original_alone() {
+    let e = tiny_engine(None);
+    let p: Vec<u32> = (0..13).map(|i| 100 + i * 7).collect();
+    let suffix: Vec<u32> = vec![5, 6, 7, 8, 9];
+    let greedy = SamplingParams {
+        max_tokens: 6,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let mut a = Sequence::default();
+    e.generate(
+        &mut a,
+        &p,
+        &SamplingParams {
+            max_tokens: 1,
+            ..greedy.clone()
+        },
+        &mut |_, _| true,
+    )
+    .unwrap();
+    let mut f = e.cache.fork(&a).unwrap();
+    let got = e
+        .generate(&mut f, &suffix, &greedy, &mut |_, _| true)
+        .unwrap();
+    let mut fresh = Sequence::default();
+    let mut all = p.clone();
+    all.extend(&suffix);
+    let want = e
+        .generate(&mut fresh, &all, &greedy, &mut |_, _| true)
+        .unwrap();
+    assert_eq!(got.tokens, want.tokens);
+    // The original still continues as if there had been no fork.
+    let after = e
+        .generate(&mut a, &suffix, &greedy, &mut |_, _| true)
+        .unwrap();
+    assert_eq!(after.tokens, want.tokens);
+    for s in [&mut a, &mut f, &mut fresh] {
+        e.cache.free(s).unwrap();
+    }
+    assert_eq!(e.cache.coordinator().pools().stats().in_use, 0);
+}
+
 const TURNS: [&str; 6] = [
     "Hello there. My locker code is 4821. Please remember it.",
     "I like rainy days. The garden was wet this morning. Birds were singing.",

@@ -1299,6 +1299,33 @@ impl Coordinator {
         Ok(covered)
     }
 
+    /// A new sequence that reads what `seq` holds: the same entries with
+    /// a reference of its own on every block (nothing is copied). Its
+    /// first step copies a partial last block into a block of its own, so
+    /// the two never write into one block. `seq` must be between steps.
+    pub fn fork(&mut self, seq: SeqId) -> Result<SeqId> {
+        self.idle(seq, "forked during a step")?;
+        let mut table = self.seq(seq)?.table.clone();
+        let held: Vec<BlockId> = table.held().collect();
+        for (k, &b) in held.iter().enumerate() {
+            if let Err(e) = self.tiers.retain(b).and_then(|r| match r {
+                Retained::Held(_) => Ok(()),
+                Retained::Reclaimed => Err(kvforge_pool::PoolError::NotHeld { id: b }),
+            }) {
+                let _ = self.release_all(&held[..k]);
+                return Err(e.into());
+            }
+        }
+        let bs = self.block_size() as u32;
+        let partial = table.entries().last().is_some_and(|e| e.tokens() < bs);
+        table.seal();
+        let id = self.open_empty();
+        let s = self.seq_mut(id)?;
+        s.table = table;
+        s.copy_tail = partial;
+        Ok(id)
+    }
+
     /// Starts a turn: the table is kept, with references of its own, so
     /// that [`rollback_turn`](Self::rollback_turn) can restore it exactly
     /// after the turn's steps demoted or dropped entries.

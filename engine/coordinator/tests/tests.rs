@@ -730,6 +730,36 @@ fn a_pending_segment_a_later_turn_quotes_is_kept() {
 }
 
 #[test]
+fn a_fork_reads_the_same_blocks_and_writes_its_own() {
+    let mut c = Coordinator::new(config(64)).unwrap();
+    let s = c.open_empty();
+    step(&mut c, s, 10); // blocks 0..4, 4..8, 8..10 (open)
+    let before = c.pools().stats().in_use;
+    let f = c.fork(s).unwrap();
+    assert_eq!(c.pools().stats().in_use, before, "nothing copied");
+    let (ts, tf) = (c.table(s).unwrap().clone(), c.table(f).unwrap().clone());
+    let blocks = |t: &kvforge_pool::BlockTable| t.held().collect::<Vec<_>>();
+    assert_eq!(blocks(&ts), blocks(&tf));
+    // The fork's first step copies the shared partial block.
+    let p = step(&mut c, f, 3);
+    assert!(!p.copies.is_empty(), "{p:?}");
+    let tf = c.table(f).unwrap();
+    assert_eq!(tf.positions(), 13);
+    assert_ne!(tf.entries()[2].slot(), ts.entries()[2].slot());
+    assert_eq!(tf.entries()[..2], ts.entries()[..2]);
+    // The original goes on writing into its own open block.
+    step(&mut c, s, 1);
+    assert_eq!(c.table(s).unwrap().held().collect::<Vec<_>>(), blocks(&ts));
+    c.plan(s, 1).unwrap();
+    let e = c.fork(s).unwrap_err().to_string();
+    assert!(e.contains("during a step"), "{e}");
+    c.abort(s).unwrap();
+    c.close(f).unwrap();
+    c.close(s).unwrap();
+    assert_eq!(c.pools().stats().in_use, 0);
+}
+
+#[test]
 fn bad_configurations_and_calls_are_clear_errors_that_change_nothing() {
     let err = |cfg: CoordinatorConfig| Coordinator::new(cfg).unwrap_err().to_string();
     let mut tiny = config(64);
