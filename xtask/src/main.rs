@@ -12,6 +12,9 @@
 //!   decode speed at 1k context on the same model, one table.
 //! * `pressure ARGS` — many chitchat sessions over a budget that holds a
 //!   fraction of their KV (`target/pressure`).
+//! * `lifecycle ARGS` — the context lifecycle's experiment: long
+//!   conversations with planted facts under the cache alone, the lifecycle
+//!   alone, both, StreamingLLM and truncation (`target/lifecycle`).
 //! * `prefix-bench ARGS` — prefix reuse on chitchat conversations (per-turn
 //!   table, block-size sweep, CSV / Markdown / PNG in `target/prefix-bench`).
 //! * `quant-sweep ARGS` — tiered KV quantization: streaming perplexity, KV
@@ -38,7 +41,7 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 
 const USAGE: &str = "usage: cargo xtask <setup [--reference] | ci | ablate [--quick | --full | --config FILE] [--resume] | \
-                     bench [FILTER] | fuzz [RUNS] | kvforge ARGS... | prefix-bench ARGS... | pressure ARGS... | quant-sweep ARGS... | decode-ab ARGS... | kv-stats ARGS... | engine-bench [CONTEXT] [DECODE] | tidy>";
+                     bench [FILTER] | fuzz [RUNS] | kvforge ARGS... | prefix-bench ARGS... | pressure ARGS... | lifecycle ARGS... | quant-sweep ARGS... | decode-ab ARGS... | kv-stats ARGS... | engine-bench [CONTEXT] [DECODE] | tidy>";
 
 fn main() {
     if let Err(e) = run() {
@@ -60,6 +63,7 @@ fn run() -> Result<()> {
         Some("kvforge") => run_after_setup(&root, "kvforge-engine", "kvforge", &args[1..]),
         Some("prefix-bench") => run_after_setup(&root, "kvforge-bench", "prefix_bench", &args[1..]),
         Some("pressure") => run_after_setup(&root, "kvforge-bench", "pressure", &args[1..]),
+        Some("lifecycle") => run_after_setup(&root, "kvforge-bench", "lifecycle", &args[1..]),
         Some("quant-sweep") => run_after_setup(&root, "kvforge-bench", "quant_sweep", &args[1..]),
         Some("kv-stats") => run_after_setup(&root, "kvforge-bench", "kv_stats", &args[1..]),
         Some("decode-ab") => run_after_setup(&root, "kvforge-bench", "decode_ab", &args[1..]),
