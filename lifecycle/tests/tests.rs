@@ -232,6 +232,79 @@ fn long_segments_labelled_compress_are_handed_out_short_ones_kept() {
     assert!(e.to_string().contains("at least 1 token"), "{e}");
 }
 
+/// A policy that answers what the test scripted.
+struct Scripted(Vec<Label>);
+
+impl LifecyclePolicy for Scripted {
+    fn name(&self) -> String {
+        "scripted".into()
+    }
+    fn label(
+        &mut self,
+        _: u64,
+        segs: &[Segment],
+        _: Option<&[Label]>,
+        out: &mut Vec<Label>,
+    ) -> bool {
+        let last = segs.last().map_or(0, |s| s.turn);
+        out.extend(segs.iter().enumerate().map(|(i, s)| {
+            if s.turn == last {
+                Label::Keep
+            } else {
+                self.0[(s.id as usize + i) % self.0.len()]
+            }
+        }));
+        false
+    }
+}
+
+proptest::proptest! {
+    /// Whatever the labels, a segment is freed only after it was labelled
+    /// drop, `delay` rounds later, and never twice; compress hands out only
+    /// segments of at least the threshold.
+    #[test]
+    fn nothing_is_freed_that_was_not_dropped_k_rounds_before(
+        script in proptest::collection::vec(0u8..3, 1..8),
+        delay in 0u32..4,
+        lens in proptest::collection::vec(1u64..40, 3..14),
+    ) {
+        let labels: Vec<Label> = script
+            .iter()
+            .map(|&x| [Label::Keep, Label::Compress, Label::Drop][x as usize])
+            .collect();
+        let params = LifecycleParams { delay, min_match: 0, compress_min: Some(20) };
+        let mut lc = Lifecycle::new(Box::new(Scripted(labels)), params).unwrap();
+        let mut end = 0u64;
+        let mut dropped_at: std::collections::HashMap<u64, u32> = Default::default();
+        let mut freed = std::collections::HashSet::new();
+        for (t, &len) in lens.iter().enumerate() {
+            let pending_before: Vec<u64> = lc.pending(1).iter().map(|s| s.range.start).collect();
+            end += len;
+            let cut = [end - len / 2];
+            let o = lc.end_turn(1, turn(end, &cut, &[], None));
+            for s in lc.pending(1) {
+                if !pending_before.contains(&s.range.start) {
+                    dropped_at.insert(s.range.start, t as u32);
+                }
+            }
+            for g in &o.compress {
+                proptest::prop_assert!(g.len() >= 20);
+                lc.compressed(1, g.clone(), false);
+            }
+            for r in &o.reclaim {
+                proptest::prop_assert!(r.end <= end - len, "the newest turn is never freed");
+                for x in r.clone() {
+                    proptest::prop_assert!(freed.insert(x), "position {} freed twice", x);
+                }
+                if delay > 0 {
+                    let at = dropped_at.get(&r.start).copied();
+                    proptest::prop_assert_eq!(at.map(|a| a + delay), Some(t as u32), "{:?}", r);
+                }
+            }
+        }
+    }
+}
+
 mod segments {
     use kvforge_lifecycle::split_sentences;
 
@@ -391,6 +464,32 @@ mod labels {
             2,
         );
         assert_eq!((p.labels, p.ignored), (vec![Keep, Keep], 1));
+    }
+
+    #[test]
+    fn nested_enormous_and_mid_answer_blocks_are_defined() {
+        // Nested: the inner opening tag ends the outer body (cut off); the
+        // inner block is parsed; both leave the text.
+        let p = parse_labels(
+            "a [LIFECYCLE] seg_0: drop [LIFECYCLE] seg_1: drop [/LIFECYCLE] b [/LIFECYCLE] c",
+            3,
+        );
+        assert_eq!(p.labels, vec![Drop, Drop, Keep]);
+        assert!(!p.text.to_ascii_lowercase().contains("[lifecycle]"));
+        // Mid-answer: the block leaves, the answer around it stays.
+        let p = parse_labels("The code is [LIFECYCLE] seg_0: keep [/LIFECYCLE]4821.", 1);
+        assert_eq!(p.text, "The code is 4821.");
+        assert!(p.valid());
+        // A 1 MB block: parsed in one pass, no label outside the segments.
+        let mut big = String::from("[LIFECYCLE]");
+        while big.len() < 1 << 20 {
+            big.push_str(" seg_1: drop seg_77: keep junk");
+        }
+        big.push_str("[/LIFECYCLE]");
+        let p = parse_labels(&big, 2);
+        assert_eq!(p.labels, vec![Keep, Drop]);
+        assert!(p.ignored > 10_000 && !p.valid());
+        assert!(p.text.is_empty());
     }
 
     /// Fragments the model (and a fuzzer) might write.

@@ -496,6 +496,62 @@ pub enum LifecycleSpec {
         /// Turns kept at the end.
         keep: u32,
     },
+    /// Sentence segments labelled by the seed's rule.
+    Rule {
+        /// Newest rounds always kept.
+        protect: u32,
+        /// K: rounds a dropped segment waits.
+        delay: u32,
+    },
+    /// Labelled by the model's block, decoded freely (the rule stands in).
+    Free {
+        /// Newest rounds always kept.
+        protect: u32,
+        /// K: rounds a dropped segment waits.
+        delay: u32,
+    },
+    /// Labelled by the model under the label grammar.
+    Constrained {
+        /// Newest rounds always kept.
+        protect: u32,
+        /// K: rounds a dropped segment waits.
+        delay: u32,
+    },
+}
+
+impl LifecycleSpec {
+    /// The engine's configuration: summaries of 512+ token segments,
+    /// revival by a repeated run of 6 tokens.
+    pub fn config(self) -> kvforge_engine::LifecycleConfig {
+        use kvforge_engine::{LabelSource, LifecycleConfig};
+        let labels = |source, protect, delay| LifecycleConfig::Labels {
+            source,
+            protect,
+            delay,
+            min_match: 6,
+            compress_min: Some(512),
+        };
+        match self {
+            LifecycleSpec::RecentTurns { keep } => LifecycleConfig::RecentTurns { keep },
+            LifecycleSpec::Rule { protect, delay } => labels(LabelSource::Rule, protect, delay),
+            LifecycleSpec::Free { protect, delay } => labels(LabelSource::Free, protect, delay),
+            LifecycleSpec::Constrained { protect, delay } => {
+                labels(LabelSource::Constrained, protect, delay)
+            }
+        }
+    }
+
+    /// How the report names it.
+    pub fn label(self) -> String {
+        match self {
+            LifecycleSpec::RecentTurns { keep } => format!("lifecycle keep {keep}"),
+            LifecycleSpec::Rule { protect, delay } => format!("lifecycle rule p{protect} k{delay}"),
+            LifecycleSpec::Free { protect, delay } => format!("lifecycle free p{protect} k{delay}"),
+            LifecycleSpec::Constrained { protect, delay } => {
+                format!("lifecycle constrained p{protect} k{delay}")
+            }
+        }
+    }
 }
 
 impl Experiment {
@@ -694,8 +750,16 @@ impl Mechanisms {
             }
             _ => {}
         }
-        if let Some(LifecycleSpec::RecentTurns { keep: 0 }) = self.lifecycle {
-            return Some("lifecycle.keep must be at least 1".into());
+        match self.lifecycle {
+            Some(LifecycleSpec::RecentTurns { keep: 0 }) => {
+                return Some("lifecycle.keep must be at least 1".into());
+            }
+            Some(
+                LifecycleSpec::Rule { protect: 0, .. }
+                | LifecycleSpec::Free { protect: 0, .. }
+                | LifecycleSpec::Constrained { protect: 0, .. },
+            ) => return Some("lifecycle.protect must be at least 1".into()),
+            _ => {}
         }
         None
     }
@@ -780,6 +844,18 @@ block_size = 8
             })
         );
         assert_eq!(e.model.weights, "f32");
+        let lc = GOOD.replace(
+            "\"recent-turns\", keep = 2",
+            "\"constrained\", protect = 2, delay = 3",
+        );
+        let e2 = Experiment::parse(&lc, Path::new("x.toml")).unwrap();
+        assert_eq!(
+            e2.matrix()[1].lifecycle,
+            Some(LifecycleSpec::Constrained {
+                protect: 2,
+                delay: 3
+            })
+        );
         assert_eq!(
             (m[0].block_size(&e.model), m[1].block_size(&e.model)),
             (16, 8)
@@ -818,6 +894,17 @@ block_size = 8
                 GOOD.replace("keep = 2", "keep = 2, k = 3"),
                 "x.toml:23:",
                 "unknown field `k`",
+            ),
+            // A lifecycle that protects nothing; one without its delay.
+            (
+                GOOD.replace("\"recent-turns\", keep = 2", "\"constrained\", protect = 0, delay = 2"),
+                "x.toml:17:1:",
+                "lifecycle.protect must be at least 1",
+            ),
+            (
+                GOOD.replace("\"recent-turns\", keep = 2", "\"rule\", protect = 2"),
+                "x.toml:23:",
+                "missing field `delay`",
             ),
             // Semantics: sharing without a cold tier; a window off the block grid.
             (

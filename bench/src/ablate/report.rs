@@ -94,7 +94,7 @@ pub struct Summary {
 
 /// Describes a configuration's mechanisms in a few words.
 pub fn describe(m: &Mechanisms) -> String {
-    use super::config::{EvictionSpec, LifecycleSpec};
+    use super::config::EvictionSpec;
     let mut parts = Vec::new();
     if let Some(p) = m.prefix {
         parts.push(format!("prefix {:?}/{:?}", p.index, p.tail).to_lowercase());
@@ -126,8 +126,8 @@ pub fn describe(m: &Mechanisms) -> String {
     if let Some(share) = m.share {
         parts.push(share.label());
     }
-    if let Some(LifecycleSpec::RecentTurns { keep }) = m.lifecycle {
-        parts.push(format!("lifecycle keep {keep}"));
+    if let Some(l) = m.lifecycle {
+        parts.push(l.label());
     }
     if m.budget_mib > 0 {
         parts.push(format!("budget {} MiB", m.budget_mib));

@@ -622,9 +622,7 @@ fn configure(exp: &Experiment, m: &Mechanisms) -> Result<Configured> {
         kv_quant,
         eviction,
         dedup: m.share.map(ShareSpec::config),
-        lifecycle: m
-            .lifecycle
-            .map(|LifecycleSpec::RecentTurns { keep }| LifecycleConfig::RecentTurns { keep }),
+        lifecycle: m.lifecycle.map(LifecycleSpec::config),
         kv_budget: m.budget_mib << 20,
         ..EngineConfig::default()
     };
