@@ -12,9 +12,8 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 use kvforge_engine::{
-    Axis, CacheManager, Device, Engine, EngineConfig, EvictionConfig, IndexKind, KvQuant,
-    LifecycleConfig, Llama, LlamaConfig, Message, ReuseConfig, SamplingParams, Sequence, Tokenizer,
-    TurnTail,
+    Axis, CacheManager, Device, Engine, EngineConfig, EvictionConfig, IndexKind, KvQuant, Llama,
+    LlamaConfig, Message, ReuseConfig, SamplingParams, Sequence, Tokenizer, TurnTail,
 };
 use kvforge_evict::EvictionPolicy;
 
