@@ -71,7 +71,7 @@ struct Args {
 fn parse_args() -> Result<Args> {
     let mut a = Args {
         conversations: 4,
-        filler: 12,
+        filler: 24,
         answer_tokens: 24,
         protect: 2,
         delay: 2,
