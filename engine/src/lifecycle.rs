@@ -68,15 +68,17 @@ pub struct LifecycleReport {
     pub compress_secs: f64,
 }
 
-/// The turn of `seq` (positions `start..`, `tokens` by position) ended:
-/// labels, reclamation, compression. Summaries are appended to `pending`
-/// (what the next turn prefills first).
+/// The turn of `seq` (positions `start..`, `tokens` by position; the
+/// user's part `start..reply`) ended: labels, reclamation (only the user's
+/// part can refer to a pending segment), compression. Summaries are
+/// appended to `pending` (what the next turn prefills first).
 pub(crate) fn end_turn(
     engine: &Engine,
     seq: &mut Sequence,
     tokens: &[u32],
     pending: &mut Vec<u32>,
     start: usize,
+    reply: usize,
     source: LabelSource,
 ) -> Result<LifecycleReport> {
     let tok = &engine.tokenizer;
@@ -106,6 +108,7 @@ pub(crate) fn end_turn(
         cuts,
         tokens: tokens.to_vec(),
         stop,
+        refer: Some(start as u64..reply as u64),
         model,
     };
     let done = engine.cache.end_turn_labelled(seq, &input)?;

@@ -286,6 +286,7 @@ impl CacheManager {
                 &s.tokens,
                 &mut s.pending,
                 prior,
+                prior + input.len(),
                 source,
             )?),
             None => {

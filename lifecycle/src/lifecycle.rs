@@ -14,8 +14,9 @@ pub struct LifecycleParams {
     /// attended, its blocks still held) before its KV is freed. 0 frees it
     /// at the turn end that drops it (no queue).
     pub delay: u32,
-    /// A pending segment is revived (kept for good) when a later turn holds
-    /// a run of this many consecutive tokens of it; 0 never revives.
+    /// A pending segment is revived (kept for good) when a later turn's
+    /// referring part ([`TurnEnd::refer`]: the user's message) holds a run
+    /// of this many consecutive tokens of it; 0 never revives.
     pub min_match: usize,
     /// Segments labelled `compress` with at least this many tokens are
     /// handed out for summarising; `None`, or a shorter segment: kept.
@@ -35,7 +36,7 @@ impl Default for LifecycleParams {
 }
 
 /// A turn that ended, as [`Lifecycle::end_turn`] needs it.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct TurnEnd<'a> {
     /// The sequence's positions now; the turn holds those after the
     /// previous turn's end.
@@ -49,6 +50,10 @@ pub struct TurnEnd<'a> {
     /// Token ids that never count towards a run (the chat template's
     /// special tokens, present in every turn).
     pub stop: &'a [u32],
+    /// The positions of the turn whose tokens can refer to a pending
+    /// segment (the user's message; `None`: the whole turn). A model that
+    /// repeats itself should not keep its own old replies alive.
+    pub refer: Option<Range<u64>>,
     /// The model's labels for the turn's segments, in order (`None`:
     /// missing or unusable).
     pub model: Option<&'a [Label]>,
@@ -223,8 +228,9 @@ impl Lifecycle {
 
         // Revival: the turn's tokens hold a run of a pending segment.
         if params.min_match > 0 && !s.pending.is_empty() {
-            let lo = (new_from as usize).min(t.tokens.len());
-            let hi = (t.end as usize).min(t.tokens.len());
+            let r = t.refer.clone().unwrap_or(new_from..t.end);
+            let lo = (r.start.max(new_from) as usize).min(t.tokens.len());
+            let hi = (r.end.min(t.end) as usize).min(t.tokens.len()).max(lo);
             let seen: HashSet<u64> =
                 run_hashes(&t.tokens[lo..hi], params.min_match, t.stop).collect();
             let (revived, still): (Vec<Pending>, Vec<Pending>) = std::mem::take(&mut s.pending)

@@ -96,6 +96,7 @@ pub fn check_lifecycle(make: &dyn Fn() -> Box<dyn LifecyclePolicy>) {
                     cuts: &cuts,
                     tokens: &tokens,
                     stop: &[],
+                    refer: None,
                     model: Some(&model),
                 },
             );

@@ -123,6 +123,7 @@ fn turn<'a>(
         cuts,
         tokens,
         stop: &[999],
+        refer: None,
         model,
     }
 }
@@ -196,6 +197,45 @@ fn a_pending_segment_quoted_by_a_later_turn_is_revived() {
             "revived: kept for good"
         );
     }
+}
+
+#[test]
+fn only_the_referring_part_of_a_turn_revives() {
+    let params = LifecycleParams {
+        delay: 2,
+        min_match: 4,
+        compress_min: None,
+    };
+    let mut lc = Lifecycle::new(Box::new(RecentTurns::new(1).unwrap()), params).unwrap();
+    let mut toks: Vec<u32> = (0..60).map(|i| 1000 + i).collect();
+    for i in 0..10 {
+        toks[10 + i] = 100 + i as u32;
+    }
+    // Turn 3 (30..40) repeats 103..107 in its reply (35..39), not in its
+    // user part (30..35).
+    toks[35..39].copy_from_slice(&[103, 104, 105, 106]);
+    let end = |lc: &mut Lifecycle, e: u64, refer| {
+        lc.end_turn(
+            1,
+            TurnEnd {
+                end: e,
+                cuts: &[],
+                tokens: &toks,
+                stop: &[],
+                refer,
+                model: None,
+            },
+        )
+    };
+    end(&mut lc, 10, None);
+    end(&mut lc, 20, None);
+    assert_eq!(end(&mut lc, 30, None).queued, 1);
+    assert_eq!(
+        end(&mut lc, 40, Some(30..35)).revived,
+        0,
+        "the reply does not count"
+    );
+    assert!(lc.pending(1).iter().any(|s| s.range.start == 10));
 }
 
 #[test]

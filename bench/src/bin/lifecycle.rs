@@ -53,8 +53,8 @@ const CONFIGS: [&str; 8] = [
     "truncation",
 ];
 
-const FLAGS: &str = "--conversations --filler --answer-tokens --protect --delay --configs a,b,.. \
-                     --model --data --out";
+const FLAGS: &str = "--conversations --filler --answer-tokens --protect --delay --compress-min \
+                     --configs a,b,.. --model --data --out";
 
 struct Args {
     conversations: usize,
@@ -62,6 +62,7 @@ struct Args {
     answer_tokens: usize,
     protect: u32,
     delay: u32,
+    compress_min: u64,
     configs: Vec<String>,
     model: PathBuf,
     data: PathBuf,
@@ -75,6 +76,7 @@ fn parse_args() -> Result<Args> {
         answer_tokens: 24,
         protect: 2,
         delay: 2,
+        compress_min: 512,
         configs: CONFIGS.iter().map(|s| s.to_string()).collect(),
         model: PathBuf::from("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
         data: PathBuf::from("data/chitchat/dataset.json"),
@@ -88,6 +90,7 @@ fn parse_args() -> Result<Args> {
             "--answer-tokens" => a.answer_tokens = num()?,
             "--protect" => a.protect = u32::try_from(num()?)?,
             "--delay" => a.delay = u32::try_from(kvforge_bench::count(&flag, &value)?)?,
+            "--compress-min" => a.compress_min = num()? as u64,
             "--configs" => {
                 a.configs = value.split(',').map(|s| s.trim().to_string()).collect();
                 if let Some(bad) = a.configs.iter().find(|c| !CONFIGS.contains(&c.as_str())) {
@@ -113,7 +116,7 @@ fn parse_args() -> Result<Args> {
     if needs_budget && !a.configs.iter().any(|c| c == "lc-rule") {
         bail!("--configs: streaming and truncation are held to lc-rule's peak: include lc-rule");
     }
-    RuleFallback::new(a.protect, 512)?;
+    RuleFallback::new(a.protect, a.compress_min)?;
     Ok(a)
 }
 
@@ -275,9 +278,12 @@ struct Row {
     labels_valid: Option<bool>,
     fallback: bool,
     queued: u32,
+    revived: u32,
     reclaimed: u32,
     compressed: u32,
+    summary_tokens: usize,
     label_secs: f64,
+    compress_secs: f64,
     probe: Option<Probe>,
     expected: String,
     answer: String,
@@ -351,7 +357,7 @@ fn engine_for(a: &Args, config: &str, budget_tokens: usize) -> Result<Engine> {
             protect: a.protect,
             delay: a.delay,
             min_match: 6,
-            compress_min: Some(512),
+            compress_min: Some(a.compress_min),
         }),
         eviction: (config == "streaming").then_some(EvictionConfig::SinkWindow {
             sink: 16,
@@ -456,6 +462,7 @@ fn replay(
                         cuts: &cuts,
                         tokens: &history,
                         stop: &stop,
+                        refer: Some(start as u64..(start + input.len()) as u64),
                         model: None,
                     },
                 );
@@ -484,9 +491,12 @@ fn replay(
             labels_valid: l.labels_valid,
             fallback: l.fallback,
             queued: l.queued,
+            revived: l.revived,
             reclaimed: l.reclaimed,
             compressed: l.compressed,
+            summary_tokens: l.summary_tokens,
             label_secs: l.label_secs,
+            compress_secs: l.compress_secs,
             answer: answer.clone(),
             ..Row::default()
         };
@@ -541,9 +551,13 @@ struct Summary {
     label_turns: usize,
     labels_valid: usize,
     fallbacks: usize,
+    revived: u32,
     reclaimed: u32,
     compressed: u32,
+    summary_tokens: usize,
     label_secs: f64,
+    compress_secs: f64,
+    turns: usize,
 }
 
 fn summarise(rows: &[Row], config: &str) -> Summary {
@@ -577,9 +591,13 @@ fn summarise(rows: &[Row], config: &str) -> Summary {
         label_turns: r.iter().filter(|x| x.labels_valid.is_some()).count(),
         labels_valid: r.iter().filter(|x| x.labels_valid == Some(true)).count(),
         fallbacks: r.iter().filter(|x| x.fallback).count(),
+        revived: r.iter().map(|x| x.revived).sum(),
         reclaimed: r.iter().map(|x| x.reclaimed).sum(),
         compressed: r.iter().map(|x| x.compressed).sum(),
+        summary_tokens: r.iter().map(|x| x.summary_tokens).sum(),
         label_secs: r.iter().map(|x| x.label_secs).sum(),
+        compress_secs: r.iter().map(|x| x.compress_secs).sum(),
+        turns: r.len(),
     }
 }
 
@@ -590,13 +608,13 @@ fn csv_text(s: &str) -> String {
 fn write_outputs(a: &Args, rows: &[Row], budget: u64) -> Result<()> {
     let mut csv = String::from(
         "config,conversation,turn,prompt_tokens,reused_tokens,ttft_secs,held_bytes,peak_bytes,\
-         segments,labels_valid,fallback,queued,reclaimed,compressed,label_secs,probe,expected,\
-         correct,old_value,answer\n",
+         segments,labels_valid,fallback,queued,revived,reclaimed,compressed,summary_tokens,label_secs,\
+         compress_secs,probe,expected,correct,old_value,answer\n",
     );
     for r in rows {
         let _ = writeln!(
             csv,
-            "{},{},{},{},{},{:.4},{},{},{},{},{},{},{},{},{:.3},{},{},{},{},{}",
+            "{},{},{},{},{},{:.4},{},{},{},{},{},{},{},{},{},{},{:.3},{:.3},{},{},{},{},{}",
             r.config,
             r.conversation,
             r.turn,
@@ -609,9 +627,12 @@ fn write_outputs(a: &Args, rows: &[Row], budget: u64) -> Result<()> {
             r.labels_valid.map_or(String::new(), |v| v.to_string()),
             r.fallback,
             r.queued,
+            r.revived,
             r.reclaimed,
             r.compressed,
+            r.summary_tokens,
             r.label_secs,
+            r.compress_secs,
             r.probe
                 .map_or(String::new(), |p| format!("{p:?}").to_lowercase()),
             r.expected,
@@ -643,7 +664,8 @@ fn write_outputs(a: &Args, rows: &[Row], budget: u64) -> Result<()> {
     let mut res = String::from(
         "config,peak_kv_bytes,peak_vs_full,kept_correct,kept_asked,updated_new,updated_old,updated_asked,\
          control_hits,control_asked,ttft_median_secs,ttft_mean_secs,label_turns,labels_valid,fallbacks,\
-         reclaimed_segments,compressed_segments,label_secs\n",
+         revived_segments,reclaimed_segments,compressed_segments,summary_tokens,label_secs,compress_secs,\
+         turns\n",
     );
     let mut md = String::new();
     let _ = writeln!(
@@ -656,7 +678,7 @@ fn write_outputs(a: &Args, rows: &[Row], budget: u64) -> Result<()> {
          3 planted facts, 1 updated, then 4 questions: 2 kept facts, the updated one, a \
          control never stated), replies of up to {} tokens, answers of up to 12 after a primed \
          prefix, greedy. Lifecycle: protect {} rounds, K = {}, segments of 4+ tokens cut at \
-         sentence ends, compression of segments of 512+ tokens. `streaming` and `truncation` \
+         sentence ends, compression of segments of {}+ tokens. `streaming` and `truncation` \
          are held to lc-rule's peak: {:.2} MiB.\n",
         a.conversations,
         a.filler + 8,
@@ -664,16 +686,17 @@ fn write_outputs(a: &Args, rows: &[Row], budget: u64) -> Result<()> {
         a.answer_tokens,
         a.protect,
         a.delay,
+        a.compress_min,
         mib(budget)
     );
     let _ = writeln!(
         md,
-        "| config | peak KV MiB | vs full | held at end MiB | kept facts | updated: new / old | control hits | TTFT median ms | TTFT mean ms | labels valid | rule fallbacks | reclaimed | compressed |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "| config | peak KV MiB | vs full | held at end MiB | kept facts | updated: new / old | control hits | TTFT median ms | TTFT mean ms | labels valid | rule fallbacks | label pass ms / turn | revived | reclaimed | compressed (summary ms) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     );
     for s in &sums {
         let _ = writeln!(
             res,
-            "{},{},{:.4},{},{},{},{},{},{},{},{:.4},{:.4},{},{},{},{},{},{:.3}",
+            "{},{},{:.4},{},{},{},{},{},{},{},{:.4},{:.4},{},{},{},{},{},{},{},{:.3},{:.3},{}",
             s.config,
             s.peak_bytes,
             s.peak_bytes as f64 / full_peak.max(1) as f64,
@@ -689,16 +712,24 @@ fn write_outputs(a: &Args, rows: &[Row], budget: u64) -> Result<()> {
             s.label_turns,
             s.labels_valid,
             s.fallbacks,
+            s.revived,
             s.reclaimed,
             s.compressed,
+            s.summary_tokens,
             s.label_secs,
+            s.compress_secs,
+            s.turns,
         );
         let _ = writeln!(
             md,
-            "| {} | {:.2} | {:.0}% | {:.2} | {} | {} / {} of {} | {} | {:.0} | {:.0} | {} | {} | {} | {} |",
+            "| {} | {:.2} | {} | {:.2} | {} | {} / {} of {} | {} | {:.0} | {:.0} | {} | {} | {:.0} | {} | {} | {} ({:.0}) |",
             s.config,
             mib(s.peak_bytes),
-            100.0 * s.peak_bytes as f64 / full_peak.max(1) as f64,
+            if full_peak == 0 {
+                "–".to_string()
+            } else {
+                format!("{:.0}%", 100.0 * s.peak_bytes as f64 / full_peak as f64)
+            },
             mib(s.held_final),
             pct(s.kept.0, s.kept.1),
             s.updated_new,
@@ -709,8 +740,11 @@ fn write_outputs(a: &Args, rows: &[Row], budget: u64) -> Result<()> {
             1e3 * s.ttft_mean,
             pct(s.labels_valid, s.label_turns),
             s.fallbacks,
+            1e3 * s.label_secs / s.turns.max(1) as f64,
+            s.revived,
             s.reclaimed,
             s.compressed,
+            1e3 * s.compress_secs,
         );
     }
     if let Some((n, d)) = full_recall {

@@ -1388,6 +1388,7 @@ impl Coordinator {
                 cuts: &t.cuts,
                 tokens: &t.tokens,
                 stop: &t.stop,
+                refer: t.refer.clone(),
                 model: t.model.as_deref(),
             },
         );
@@ -1494,6 +1495,9 @@ pub struct TurnInput {
     pub tokens: Vec<u32>,
     /// Ids that never count towards a reference (template tokens).
     pub stop: Vec<u32>,
+    /// Positions whose tokens can refer to a pending segment (the user's
+    /// message; `None`: the whole turn).
+    pub refer: Option<Range<u64>>,
     /// The model's labels for the turn's segments (`None`: missing or
     /// unusable, or not asked).
     pub model: Option<Vec<Label>>,

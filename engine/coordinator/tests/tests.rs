@@ -662,6 +662,7 @@ fn model_labels_queue_revive_and_free_segments_and_compression_replaces_one() {
             cuts,
             tokens: tokens.clone(),
             stop: vec![],
+            refer: None,
             model: Some(model),
         };
         reports.push(c.end_turn_labelled(s, &t).unwrap());
