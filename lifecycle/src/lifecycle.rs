@@ -93,6 +93,25 @@ struct SeqState {
     pending: Vec<Pending>,
     /// Kept for good: revived, or a summary that could not replace it.
     held: Vec<Segment>,
+    /// Every position freed so far (reclaimed or replaced by a summary),
+    /// ascending, disjoint, adjacent ranges merged.
+    freed: Vec<Range<u64>>,
+}
+
+/// Adds `r` to `union` (ascending, disjoint, adjacent ranges merged).
+fn insert_range(union: &mut Vec<Range<u64>>, r: Range<u64>) {
+    if r.is_empty() {
+        return;
+    }
+    let i = union.partition_point(|u| u.end < r.start);
+    let mut merged = r;
+    let mut j = i;
+    while j < union.len() && union[j].start <= merged.end {
+        merged.start = merged.start.min(union[j].start);
+        merged.end = merged.end.max(union[j].end);
+        j += 1;
+    }
+    union.splice(i..j, [merged]);
 }
 
 /// A [`LifecyclePolicy`] with delayed reclamation, over many sequences.
@@ -280,6 +299,9 @@ impl Lifecycle {
         freed.extend(due.into_iter().map(|p| p.seg));
         freed.sort_by_key(|g| g.range.start);
         out.reclaimed = freed.len() as u32;
+        for g in &freed {
+            insert_range(&mut s.freed, g.range.clone());
+        }
         for g in freed {
             match out.reclaim.last_mut() {
                 Some(r) if r.end == g.range.start => r.end = g.range.end,
@@ -293,10 +315,22 @@ impl Lifecycle {
     /// gone (`replaced`), or could not (the summary was not shorter, or the
     /// pass failed): then the segment is kept for good.
     pub fn compressed(&mut self, seq: SeqKey, seg: Segment, replaced: bool) {
-        if !replaced {
-            let s = self.seqs.entry(seq).or_default();
+        let s = self.seqs.entry(seq).or_default();
+        if replaced {
+            insert_range(&mut s.freed, seg.range);
+        } else {
             s.held.push(seg);
         }
+    }
+
+    /// Every position of `seq` freed so far, as ascending, disjoint ranges
+    /// with adjacent ones merged: a block whose positions lie in segments
+    /// freed at different turns is covered by one range.
+    pub fn freed(&self, seq: SeqKey) -> Vec<Range<u64>> {
+        self.seqs
+            .get(&seq)
+            .map(|s| s.freed.clone())
+            .unwrap_or_default()
     }
 
     /// The sequence ended.

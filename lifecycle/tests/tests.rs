@@ -200,6 +200,22 @@ fn a_pending_segment_quoted_by_a_later_turn_is_revived() {
 }
 
 #[test]
+fn the_freed_union_merges_segments_freed_at_different_turns() {
+    let params = LifecycleParams {
+        delay: 0,
+        ..LifecycleParams::default()
+    };
+    let mut lc = Lifecycle::new(Box::new(RecentTurns::new(1).unwrap()), params).unwrap();
+    let toks = [];
+    for end in [6, 12, 18, 24, 30] {
+        lc.end_turn(1, turn(end, &[], &toks, None));
+    }
+    assert_eq!(lc.freed(1), vec![6..24]);
+    lc.compressed(1, seg(9, 0, 6, 0), true);
+    assert_eq!(lc.freed(1), vec![0..24]);
+}
+
+#[test]
 fn only_the_referring_part_of_a_turn_revives() {
     let params = LifecycleParams {
         delay: 2,

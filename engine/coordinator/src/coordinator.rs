@@ -1397,7 +1397,14 @@ impl Coordinator {
         c.lifecycle_revived += u64::from(outcome.revived);
         c.lifecycle_reclaimed += u64::from(outcome.reclaimed);
         c.lifecycle_fallbacks += u64::from(outcome.fallback);
-        let dropped = self.drop_ranges(seq, &outcome.reclaim)?;
+        // Everything freed so far: an entry straddling two segments freed at
+        // different turns is inside the union, not inside either one.
+        let dropped = if outcome.reclaim.is_empty() {
+            0
+        } else {
+            let freed = lc.freed(seq);
+            self.drop_ranges(seq, &freed)?
+        };
         Ok(TurnLifecycle {
             dropped_entries: dropped,
             outcome,
@@ -1409,15 +1416,16 @@ impl Coordinator {
     /// good). Returns the entries dropped.
     pub fn compressed(&mut self, seq: SeqId, seg: Segment, replaced: bool) -> Result<usize> {
         self.idle(seq, "compressed during a step")?;
-        let range = seg.range.clone();
+        let mut freed = vec![seg.range.clone()];
         if let Some(lc) = self.lifecycle.as_mut() {
             lc.compressed(seq, seg, replaced);
+            freed = lc.freed(seq);
         }
         if !replaced {
             return Ok(0);
         }
         self.counters.lifecycle_compressed += 1;
-        self.drop_ranges(seq, &[range])
+        self.drop_ranges(seq, &freed)
     }
 
     /// Drops the live entries of `seq` lying wholly inside `ranges` (not

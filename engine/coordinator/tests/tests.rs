@@ -731,6 +731,26 @@ fn a_pending_segment_a_later_turn_quotes_is_kept() {
 }
 
 #[test]
+fn a_block_between_two_turns_freed_at_different_ends_is_dropped() {
+    let mut cfg = config(64);
+    cfg.lifecycle = Some(LifecycleConfig::RecentTurns { keep: 1 });
+    let mut c = Coordinator::new(cfg).unwrap();
+    let s = c.open_empty();
+    // Turns of 6 tokens over 4-token blocks: block 16..20 holds the end of
+    // turn 2 and the start of turn 3, freed one turn end apart.
+    for _ in 0..5 {
+        c.begin_turn(s).unwrap();
+        step(&mut c, s, 6);
+        c.end_turn(s).unwrap();
+    }
+    // Turns 1..=3 (6..24) are gone: every block wholly inside, 16..20
+    // included; 4..8 holds turn 0's end, 24..28 turn 4's start.
+    assert_eq!(live_from(&c, s), [0, 4, 24, 28]);
+    c.close(s).unwrap();
+    assert_eq!(c.pools().stats().in_use, 0);
+}
+
+#[test]
 fn a_fork_reads_the_same_blocks_and_writes_its_own() {
     let mut c = Coordinator::new(config(64)).unwrap();
     let s = c.open_empty();
