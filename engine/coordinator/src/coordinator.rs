@@ -964,6 +964,21 @@ impl Coordinator {
 
     /// Releases `blocks` tail first, after checking every handle (on error
     /// nothing changed).
+    /// Takes one more reference on each of `blocks` (held ones only); on
+    /// an error the references taken so far are given back.
+    fn retain_all(&mut self, blocks: &[BlockId]) -> Result<()> {
+        for (k, &b) in blocks.iter().enumerate() {
+            if let Err(e) = self.tiers.retain(b).and_then(|r| match r {
+                Retained::Held(_) => Ok(()),
+                Retained::Reclaimed => Err(kvforge_pool::PoolError::NotHeld { id: b }),
+            }) {
+                let _ = self.release_all(&blocks[..k]);
+                return Err(e.into());
+            }
+        }
+        Ok(())
+    }
+
     fn release_all(&mut self, blocks: &[BlockId]) -> Result<()> {
         for &b in blocks {
             self.tiers.ref_count(b)?;
@@ -1307,15 +1322,7 @@ impl Coordinator {
         self.idle(seq, "forked during a step")?;
         let mut table = self.seq(seq)?.table.clone();
         let held: Vec<BlockId> = table.held().collect();
-        for (k, &b) in held.iter().enumerate() {
-            if let Err(e) = self.tiers.retain(b).and_then(|r| match r {
-                Retained::Held(_) => Ok(()),
-                Retained::Reclaimed => Err(kvforge_pool::PoolError::NotHeld { id: b }),
-            }) {
-                let _ = self.release_all(&held[..k]);
-                return Err(e.into());
-            }
-        }
+        self.retain_all(&held)?;
         let bs = self.block_size() as u32;
         let partial = table.entries().last().is_some_and(|e| e.tokens() < bs);
         table.seal();
@@ -1339,15 +1346,7 @@ impl Coordinator {
         }
         let snap = s.table.clone();
         let held: Vec<BlockId> = snap.held().collect();
-        for (k, &b) in held.iter().enumerate() {
-            if let Err(e) = self.tiers.retain(b).and_then(|r| match r {
-                Retained::Held(_) => Ok(()),
-                Retained::Reclaimed => Err(kvforge_pool::PoolError::NotHeld { id: b }),
-            }) {
-                let _ = self.release_all(&held[..k]);
-                return Err(e.into());
-            }
-        }
+        self.retain_all(&held)?;
         self.seq_mut(seq)?.snapshot = Some(snap);
         Ok(())
     }
