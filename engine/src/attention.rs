@@ -247,9 +247,13 @@ pub struct Observe {
     pub mass: bool,
     /// How far each entry's keys stand from the mean key (KeyDiff).
     pub key_novelty: bool,
-    /// Key novelty per entry and KV head (`entries × kv_heads`, at `entry ×
-    /// kv_heads + head`) instead of averaged over the heads.
+    /// The mass (summed over each KV head's query heads) and key novelty
+    /// per entry and KV head (`entries × kv_heads`, at `entry × kv_heads +
+    /// head`) instead of over all heads.
     pub per_head: bool,
+    /// The mass from the step's last `window` queries only (SnapKV's
+    /// observation window); 0 for every query.
+    pub window: usize,
 }
 
 /// One layer's attention output, and what was asked of it per entry.
@@ -333,7 +337,7 @@ impl AttentionBackend for ReferenceBackend {
         )?;
         let out = out.f_squeeze_dim(0)?.f_transpose(0, 1)?;
         let mass = if observe.mass {
-            Some(entry_mass(view, &q4, &k, h / hkv)?)
+            Some(entry_mass(view, &q4, &k, h / hkv, observe)?)
         } else {
             None
         };
@@ -360,7 +364,6 @@ fn entry_key_novelty(view: &StepView, keys: &Tensor, per_head: bool) -> Result<V
         (unit(&k)? * unit(&mean)?).f_sum_dim_intlist([-1i64].as_slice(), false, Kind::Float)?;
     let novelty = cos.f_neg()? + 1.0; // [keys, h]
     if per_head {
-        let h = novelty.size()[1] as usize;
         let v = Vec::<f32>::try_from(
             novelty
                 .f_transpose(0, 1)?
@@ -368,19 +371,7 @@ fn entry_key_novelty(view: &StepView, keys: &Tensor, per_head: bool) -> Result<V
                 .f_flatten(0, -1)?
                 .f_to_device(Device::Cpu)?,
         )?;
-        // Head-major per key: fold each head's keys into entries, then
-        // interleave to entry-major.
-        let per: Vec<Vec<f32>> = v
-            .chunks_exact(view.keys.max(1) as usize)
-            .map(|head| view.per_entry(head, true))
-            .collect();
-        let mut out = vec![0f32; view.entries() * h];
-        for (j, head) in per.iter().enumerate() {
-            for (e, x) in head.iter().enumerate() {
-                out[e * h + j] = *x;
-            }
-        }
-        return Ok(out);
+        return Ok(interleave_heads(view, &v, true));
     }
     let novelty = novelty
         .f_mean_dim([1i64].as_slice(), false, Kind::Float)?
@@ -388,9 +379,16 @@ fn entry_key_novelty(view: &StepView, keys: &Tensor, per_head: bool) -> Result<V
     Ok(view.per_entry(&Vec::<f32>::try_from(novelty)?, true))
 }
 
-/// Softmax weights of every query over the keys, summed over heads and
-/// queries, then per table entry.
-fn entry_mass(view: &StepView, q: &Tensor, k: &Tensor, group: i64) -> Result<Vec<f32>> {
+/// Softmax weights of every query (of the last `observe.window`, if set)
+/// over the keys, summed over heads (or over each KV head's group) and
+/// queries, then per table entry (and KV head, entry-major).
+fn entry_mass(
+    view: &StepView,
+    q: &Tensor,
+    k: &Tensor,
+    group: i64,
+    observe: Observe,
+) -> Result<Vec<f32>> {
     let d = q.size()[3] as f64;
     let k = if group > 1 {
         k.f_repeat_interleave_self_int(group, 1, None)?
@@ -413,11 +411,43 @@ fn entry_mass(view: &StepView, q: &Tensor, k: &Tensor, group: i64) -> Result<Vec
     if let Some(m) = visible {
         scores = scores.f_masked_fill(&m.f_logical_not()?, f64::NEG_INFINITY)?;
     }
-    let w = scores
-        .f_softmax(-1, Kind::Float)?
-        .f_sum_dim_intlist([0i64, 1, 2].as_slice(), false, Kind::Float)?
+    let mut w = scores.f_softmax(-1, Kind::Float)?; // [1, h, n, keys]
+    let n = w.size()[2];
+    if observe.window > 0 && (observe.window as i64) < n {
+        let last = observe.window as i64;
+        w = w.f_narrow(2, n - last, last)?;
+    }
+    if !observe.per_head {
+        let w = w
+            .f_sum_dim_intlist([0i64, 1, 2].as_slice(), false, Kind::Float)?
+            .f_to_device(Device::Cpu)?;
+        return Ok(view.per_entry(&Vec::<f32>::try_from(w)?, false));
+    }
+    // [h, keys] -> [kv_heads, keys], summed over each group's query heads.
+    let keys = w.size()[3];
+    let w = w
+        .f_sum_dim_intlist([0i64, 2].as_slice(), false, Kind::Float)?
+        .f_view([-1, group, keys])?
+        .f_sum_dim_intlist([1i64].as_slice(), false, Kind::Float)?
+        .f_contiguous()?
         .f_to_device(Device::Cpu)?;
-    Ok(view.per_entry(&Vec::<f32>::try_from(w)?, false))
+    let flat = Vec::<f32>::try_from(w.f_flatten(0, -1)?)?;
+    Ok(interleave_heads(view, &flat, false))
+}
+
+/// Per-key values of every KV head (`[kv_heads][keys]`, head-major) folded
+/// into table entries, entry-major (`entry × kv_heads + head`); `mean`
+/// averages over an entry's keys instead of summing.
+fn interleave_heads(view: &StepView, per_key: &[f32], mean: bool) -> Vec<f32> {
+    let keys = view.keys.max(1) as usize;
+    let h = per_key.len() / keys;
+    let mut out = vec![0f32; view.entries() * h];
+    for (j, head) in per_key.chunks_exact(keys).enumerate() {
+        for (e, x) in view.per_entry(head, mean).iter().enumerate() {
+            out[e * h + j] = *x;
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -478,8 +508,7 @@ mod tests {
         };
         let observe = Observe {
             mass: true,
-            key_novelty: false,
-            per_head: false,
+            ..Observe::default()
         };
         let a = ReferenceBackend.attend(0, &q, &view, &kv, observe).unwrap();
         assert!(a.key_novelty.is_none(), "not asked for");
@@ -513,6 +542,62 @@ mod tests {
         );
     }
 
+    /// SnapKV's observation: with a window of 2 of the step's 3 queries and
+    /// per KV head, each entry's mass is the softmax weight the last two
+    /// queries of each KV head's query heads gave its keys.
+    #[test]
+    fn windowed_mass_per_head_counts_only_the_last_queries() {
+        let (bs, h, hkv, d) = (4i64, 4i64, 2i64, 8i64);
+        let k = Tensor::randn([16, hkv, d], (Kind::Float, Device::Cpu));
+        let v = Tensor::randn([16, hkv, d], (Kind::Float, Device::Cpu));
+        let mut table = BlockTable::new(bs as u32).unwrap();
+        table.push(Slot::Hot(BlockId::new(1, 1)), 4, false).unwrap();
+        table.push(Slot::Hot(BlockId::new(0, 1)), 4, false).unwrap();
+        table.push(Slot::Hot(BlockId::new(2, 1)), 3, true).unwrap();
+        let view = StepView::new(&table, 3, bs as usize, None, Device::Cpu).unwrap();
+        let q = Tensor::randn([3, h, d], (Kind::Float, Device::Cpu));
+        let (ks, vs) = ([k.shallow_clone()], [v.shallow_clone()]);
+        let kv = KvTensors {
+            k: &ks,
+            v: &vs,
+            cold: None,
+        };
+        let observe = Observe {
+            mass: true,
+            per_head: true,
+            window: 2,
+            ..Observe::default()
+        };
+        let mass = ReferenceBackend
+            .attend(0, &q, &view, &kv, observe)
+            .unwrap()
+            .mass
+            .unwrap();
+        // Keys in position order: slots 4..8, 0..4, 8..11; queries at
+        // positions 8, 9, 10 see 9, 10, 11 keys.
+        let slots: Vec<i64> = (4..8).chain(0..4).chain(8..11).collect();
+        let mut want = [0f64; 3 * 2];
+        for qi in 1..3i64 {
+            for head in 0..h {
+                let kh = head / (h / hkv);
+                let visible = 9 + qi as usize;
+                let at = |t: &Tensor, s: i64| row(&t.get(s), kh);
+                let keys: Vec<Vec<f64>> = slots[..visible].iter().map(|&s| at(&k, s)).collect();
+                let vals: Vec<Vec<f64>> = slots[..visible].iter().map(|&s| at(&v, s)).collect();
+                let (_, w) = dense(&row(&q.get(qi), head), &keys, &vals);
+                for (j, wj) in w.iter().enumerate() {
+                    want[(j / 4) * 2 + kh as usize] += wj;
+                }
+            }
+        }
+        assert_eq!(mass.len(), 6);
+        for (m, w) in mass.iter().zip(want) {
+            assert!((f64::from(*m) - w).abs() < 1e-4, "{mass:?} vs {want:?}");
+        }
+        // Two queries × four heads of weight one each.
+        assert!((mass.iter().sum::<f32>() - 8.0).abs() < 1e-4);
+    }
+
     /// KeyDiff's signal: per entry, `1 − cos(key, mean of the live keys)`
     /// averaged over its keys and heads; 0 for a dropped entry.
     #[test]
@@ -534,9 +619,8 @@ mod tests {
         };
         let q = Tensor::randn([1, h, d], (Kind::Float, Device::Cpu));
         let observe = Observe {
-            mass: false,
             key_novelty: true,
-            per_head: false,
+            ..Observe::default()
         };
         let a = ReferenceBackend.attend(0, &q, &view, &kv, observe).unwrap();
         assert!(a.mass.is_none(), "not asked for");

@@ -509,6 +509,8 @@ struct Step {
     novelty: Option<Vec<f32>>,
     /// KV heads per layer when the policy ranks per lane.
     lane_heads: Option<usize>,
+    /// The mass from the step's last `window` queries (0: all).
+    window: usize,
     /// An in-place pack this step carried out: undone if it is aborted.
     undo: Option<kvforge_coordinator::Pack>,
 }
@@ -591,19 +593,20 @@ impl PagedSeq<'_> {
             let base = TieredPool::slot_of(w.block) as i64 * bs as i64 + i64::from(w.offset);
             new.extend(base..base + i64::from(w.tokens));
         }
-        let (view, mass, novelty, lane_heads) = {
+        let (view, mass, novelty, lane_heads, window) = {
             let coord = c.coordinator();
             let table = coord.view(id)?;
             let view = StepView::new(table, n, bs, c.cold.as_ref(), device)?;
-            let mass = coord
-                .wants_attention()
-                .then(|| vec![0f32; table.entries().len()]);
             let (layers, heads) = (c.k.len(), c.shape.heads);
             let lanes = if coord.per_lane() { layers * heads } else { 1 };
-            let novelty = coord
-                .wants_keys()
-                .then(|| vec![0f32; table.entries().len() * lanes]);
-            (view, mass, novelty, coord.per_lane().then_some(heads))
+            let signal = |wanted: bool| wanted.then(|| vec![0f32; table.entries().len() * lanes]);
+            (
+                view,
+                signal(coord.wants_attention()),
+                signal(coord.wants_keys()),
+                coord.per_lane().then_some(heads),
+                coord.observation_window(),
+            )
         };
         Ok(Step {
             id,
@@ -612,6 +615,7 @@ impl PagedSeq<'_> {
             mass,
             novelty,
             lane_heads,
+            window,
             undo: None,
         })
     }
@@ -657,24 +661,20 @@ impl KvStore for PagedSeq<'_> {
             mass: step.mass.is_some(),
             key_novelty: step.novelty.is_some(),
             per_head: step.lane_heads.is_some(),
+            window: step.window,
         };
         let a = c
             .backend
             .attend(layer, q, &step.view, &c.tensors(), observe)?;
-        if let (Some(acc), Some(got)) = (step.mass.as_mut(), a.mass) {
-            acc.iter_mut().zip(got).for_each(|(x, y)| *x += y);
-        }
-        match (step.novelty.as_mut(), a.key_novelty, step.lane_heads) {
-            (Some(acc), Some(got), None) => acc.iter_mut().zip(got).for_each(|(x, y)| *x += y),
-            // Per lane: this layer's heads go to their own slots.
-            (Some(acc), Some(got), Some(h)) => {
-                let lanes = acc.len() / step.view.entries().max(1);
-                for (e, heads) in got.chunks_exact(h).enumerate() {
-                    acc[e * lanes + layer * h..][..h].copy_from_slice(heads);
-                }
-            }
-            _ => {}
-        }
+        let entries = step.view.entries();
+        gather_signal(step.mass.as_mut(), a.mass, step.lane_heads, layer, entries);
+        gather_signal(
+            step.novelty.as_mut(),
+            a.key_novelty,
+            step.lane_heads,
+            layer,
+            entries,
+        );
         Ok(a.out)
     }
 
@@ -702,6 +702,30 @@ impl KvStore for PagedSeq<'_> {
         self.cache.free_cold(&mut c);
         self.seq.len = step.view.start() + n;
         Ok(())
+    }
+}
+
+/// Adds one layer's signal (attention mass or key novelty) to the step's:
+/// summed over layers, or per lane (`heads` KV heads per layer) into the
+/// layer's own slots of each entry.
+fn gather_signal(
+    acc: Option<&mut Vec<f32>>,
+    got: Option<Vec<f32>>,
+    heads: Option<usize>,
+    layer: usize,
+    entries: usize,
+) {
+    let (Some(acc), Some(got)) = (acc, got) else {
+        return;
+    };
+    match heads {
+        None => acc.iter_mut().zip(got).for_each(|(x, y)| *x += y),
+        Some(h) => {
+            let lanes = acc.len() / entries.max(1);
+            for (e, heads) in got.chunks_exact(h).enumerate() {
+                acc[e * lanes + layer * h..][..h].copy_from_slice(heads);
+            }
+        }
     }
 }
 

@@ -5,7 +5,8 @@
 //! f16, runs the fused kernel: hot pages are read where they sit in the
 //! layer's K/V tensors, cold blocks are dequantized one at a time inside
 //! the kernel, dropped entries are never visited, aliases read their
-//! canonical block, and the attention mass per entry comes from the same
+//! canonical block, and the attention mass per entry (or per entry and KV
+//! head) comes from the same
 //! pass, and so does KeyDiff's key novelty (per-entry sums of unit keys
 //! against the mean key). Everything else — prefill chunks (several
 //! queries, a causal mask), CUDA tensors, other dtypes, and key novelty
@@ -131,7 +132,7 @@ impl AttentionBackend for FusedBackend {
             .with_isa(self.isa)
             .map_err(kernel)?
             .with_threads(self.threads, self.min_split)
-            .with_novelty_per_head(observe.per_head);
+            .with_per_head(observe.per_head);
         if let Some(c) = kv.cold {
             kern = kern.with_cold(c.kernel_format()).map_err(kernel)?;
         }
@@ -169,8 +170,8 @@ impl AttentionBackend for FusedBackend {
         }
         let qv = Vec::<f32>::try_from(q.f_to_kind(Kind::Float)?.f_flatten(0, -1)?)?;
         let mut out = vec![0f32; qv.len()];
-        let mut mass = observe.mass.then(|| vec![0f32; view.entries()]);
         let per = if observe.per_head { dims.kv_heads } else { 1 };
+        let mut mass = observe.mass.then(|| vec![0f32; view.entries() * per]);
         let mut key_novelty = observe
             .key_novelty
             .then(|| vec![0f32; view.entries() * per]);

@@ -2,8 +2,8 @@
 //! same token stream: every tier mix the cache produces — hot f32 and f16,
 //! cold INT8 / INT4 / INT2 with and without rotation and sink, dropped
 //! entries, aliases — gives the same logits, and the attention mass and
-//! key novelty it reports drive H2O and KeyDiff eviction to the same
-//! victims.
+//! key novelty it reports drive H2O, KeyDiff and SnapKV eviction (page
+//! by page and head by head) to the same victims.
 
 use kvforge_engine::{
     Axis, DedupConfig, Device, EvictionConfig, FusedBackend, Isa, Kind, KvQuant, PagedKvCache,
@@ -96,6 +96,15 @@ fn fused_decode_equals_the_reference_over_every_tier_mix() {
         per_head: false,
     });
     let per_head = Some(PER_HEAD);
+    // SnapKV: the mass of the last 4 queries of each step (the prefill
+    // chunks' windows go through the reference, decode steps fused).
+    let snap = |per_head| EvictionConfig::Scored {
+        score: Score::SnapKv { window: 4 },
+        trigger: Trigger::Tokens(48),
+        sink: 8,
+        window: 16,
+        per_head,
+    };
     // A threshold low enough that blocks really are aliased.
     let loose = DedupConfig::SimHash(SimHashConfig {
         threshold: 0.05,
@@ -175,6 +184,14 @@ fn fused_decode_equals_the_reference_over_every_tier_mix() {
         // Head-wise: novelty per KV head, packed blocks.
         ("keydiff-per-head", Kind::Float, None, per_head, None),
         ("f16+keydiff-per-head", Kind::Half, None, per_head, None),
+        ("snapkv", Kind::Float, None, Some(snap(false)), None),
+        (
+            "f16+snapkv-per-head",
+            Kind::Half,
+            None,
+            Some(snap(true)),
+            None,
+        ),
         // Rotated cold keys: key novelty falls back to the reference.
         (
             "int4+rot+keydiff",

@@ -19,12 +19,14 @@
 //!   each entry received ([`Score::AttentionEma`]: H2O's heavy hitters,
 //!   Zhang et al., 2023; [`Score::Lfu`]: how often an entry drew more than
 //!   its share; [`Score::Hybrid`]: seed 004's priority
-//!   `α(1−recency) + β(1−attention) + γ(1−frequency)`), triggered by a
+//!   `α(1−recency) + β(1−attention) + γ(1−frequency)`; [`Score::KeyDiff`]:
+//!   keys nearest the mean key; [`Score::SnapKv`]: the attention of an
+//!   observation window of the latest queries), triggered by a
 //!   per-sequence token budget or a high/low watermark over the byte
 //!   budget ([`Trigger`]); the sink and the recent window are never
 //!   dropped.
 //!
-//! Head-wise eviction ([`Scored::per_head`], KeyDiff): each lane — one
+//! Head-wise eviction ([`Scored::per_head`], KeyDiff or SnapKV): each lane — one
 //! layer's one KV head — keeps its own pages; the coordinator packs the
 //! pages the lanes keep into fewer blocks.
 //!
@@ -102,6 +104,14 @@ pub trait EvictionPolicy: Send {
     /// 0 for dropped entries.
     fn observe(&mut self, seq: SeqKey, table: &BlockTable, mass: &[f32]) {
         let _ = (seq, table, mass);
+    }
+
+    /// With [`wants_attention`](Self::wants_attention): how many of a
+    /// step's last queries the attention mass should come from (SnapKV's
+    /// observation window; a step with fewer queries gives all of them);
+    /// 0 for every query of the step.
+    fn observation_window(&self) -> usize {
+        0
     }
 
     /// Whether [`observe_keys`](Self::observe_keys) wants how far each

@@ -1,5 +1,5 @@
 //! Page-level eviction by score: attention EMA (H2O), LFU, the hybrid,
-//! key novelty (KeyDiff).
+//! key novelty (KeyDiff), an observation window's attention (SnapKV).
 
 use std::collections::BTreeMap;
 
@@ -39,6 +39,16 @@ pub enum Score {
     /// attention weights; the engine reports each entry's
     /// `1 − cos(key, mean key)` (the latest step's).
     KeyDiff,
+    /// SnapKV (Li et al., 2024): the attention the last `window` queries
+    /// of the latest step paid each entry (every query of a shorter step);
+    /// the lowest goes first. Not accumulated: the step that ends a prompt
+    /// scores the whole prompt by its observation window — the question,
+    /// when the prompt ends with one — as SnapKV selects at prefill; later
+    /// decode steps observe one query each.
+    SnapKv {
+        /// Queries in the observation window (at least 1).
+        window: usize,
+    },
 }
 
 /// When [`Scored`] evicts, and how much.
@@ -64,6 +74,8 @@ struct Stat {
     ema: f32,
     hits: u32,
     novelty: f32,
+    /// The latest step's attention (SnapKV's observation window).
+    recent: f32,
 }
 
 /// Score-based page eviction: the sink and the newest `window` tokens stay;
@@ -80,7 +92,8 @@ pub struct Scored {
     lanes: Option<BTreeMap<SeqKey, LaneStats>>,
 }
 
-/// Per entry (by its first position), the latest key novelty of each lane.
+/// Per entry (by its first position), the latest signal of each lane (key
+/// novelty, or the observation window's attention).
 type LaneStats = BTreeMap<u64, Box<[f32]>>;
 
 /// The decay of the EMA inside [`Score::Hybrid`].
@@ -100,6 +113,9 @@ impl Scored {
         match score {
             Score::AttentionEma { decay } if !(0.0..1.0).contains(&decay) => {
                 return bad(format!("decay {decay} must be in [0, 1)"));
+            }
+            Score::SnapKv { window: 0 } => {
+                return bad("the observation window must hold at least one query".into());
             }
             Score::Hybrid { alpha, beta, gamma } => {
                 let w = [alpha, beta, gamma];
@@ -135,19 +151,44 @@ impl Scored {
     }
 
     /// Head-wise eviction: every lane (one layer's one KV head) keeps its
-    /// own pages, ranked by its own key novelty (kvpress's KeyDiff keeps
-    /// tokens per head the same way); the coordinator packs what the
-    /// lanes keep into fewer blocks. KeyDiff only: the other scores
-    /// accumulate over steps, and packing moves pages between entries.
+    /// own pages, ranked by its own signal — key novelty (kvpress's KeyDiff
+    /// keeps tokens per head the same way) or the observation window's
+    /// attention (SnapKV selects per head); the coordinator packs what the
+    /// lanes keep into fewer blocks. KeyDiff and SnapKV only: the other
+    /// scores accumulate over steps, and packing moves pages between
+    /// entries.
     pub fn per_head(mut self) -> Result<Self> {
-        if self.score != Score::KeyDiff {
+        if !matches!(self.score, Score::KeyDiff | Score::SnapKv { .. }) {
             return Err(EvictError::Config(format!(
-                "per-head eviction ranks by key novelty (KeyDiff), not by {:?}",
+                "per-head eviction ranks by key novelty (KeyDiff) or an observation window (SnapKV), not by {:?}",
                 self.score
             )));
         }
         self.lanes = Some(BTreeMap::new());
         Ok(self)
+    }
+
+    /// Per lane: keeps `values` (`entries × lanes`, entry after entry) as
+    /// the latest signal of each live entry, replacing the last. Returns
+    /// whether the policy is per lane.
+    fn record_lanes(&mut self, seq: SeqKey, table: &BlockTable, values: &[f32]) -> bool {
+        let Some(lanes) = self.lanes.as_mut() else {
+            return false;
+        };
+        let entries = table.entries();
+        let n = values.len() / entries.len().max(1);
+        let stats = lanes.entry(seq).or_default();
+        stats.clear();
+        if n == 0 || n * entries.len() != values.len() {
+            return true;
+        }
+        for (e, v) in entries.iter().zip(values.chunks_exact(n)) {
+            if e.slot().is_live() {
+                let v = v.iter().map(|x| if x.is_finite() { *x } else { 0.0 });
+                stats.insert(e.first(), v.collect());
+            }
+        }
+        true
     }
 
     fn decay(&self) -> f32 {
@@ -188,6 +229,10 @@ impl EvictionPolicy for Scored {
             Score::Hybrid { alpha, beta, gamma } => format!("hybrid{alpha}/{beta}/{gamma}"),
             Score::KeyDiff if self.lanes.is_some() => "keydiff-per-head".into(),
             Score::KeyDiff => "keydiff".into(),
+            Score::SnapKv { window } if self.lanes.is_some() => {
+                format!("snapkv{window}-per-head")
+            }
+            Score::SnapKv { window } => format!("snapkv{window}"),
         };
         let trigger = match self.trigger {
             Trigger::Tokens(n) => format!("budget{n}"),
@@ -204,21 +249,15 @@ impl EvictionPolicy for Scored {
         self.score == Score::KeyDiff
     }
 
+    fn observation_window(&self) -> usize {
+        match self.score {
+            Score::SnapKv { window } => window,
+            _ => 0,
+        }
+    }
+
     fn observe_keys(&mut self, seq: SeqKey, table: &BlockTable, novelty: &[f32]) {
-        if let Some(lanes) = self.lanes.as_mut() {
-            let entries = table.entries();
-            let n = novelty.len() / entries.len().max(1);
-            let stats = lanes.entry(seq).or_default();
-            stats.clear();
-            if n == 0 || n * entries.len() != novelty.len() {
-                return;
-            }
-            for (e, v) in entries.iter().zip(novelty.chunks_exact(n)) {
-                if e.slot().is_live() {
-                    let v = v.iter().map(|x| if x.is_finite() { *x } else { 0.0 });
-                    stats.insert(e.first(), v.collect());
-                }
-            }
+        if self.record_lanes(seq, table, novelty) {
             return;
         }
         let stats = self.stats.entry(seq).or_default();
@@ -232,6 +271,9 @@ impl EvictionPolicy for Scored {
     }
 
     fn observe(&mut self, seq: SeqKey, table: &BlockTable, mass: &[f32]) {
+        if self.record_lanes(seq, table, mass) {
+            return;
+        }
         let decay = self.decay();
         let entries = table.entries();
         let live = entries.iter().filter(|e| e.slot().is_live()).count().max(1);
@@ -248,6 +290,7 @@ impl EvictionPolicy for Scored {
                 0.0
             };
             let s = stats.entry(e.first()).or_default();
+            s.recent = if m.is_finite() { m } else { 0.0 };
             s.ema = decay * s.ema + (1.0 - decay) * share;
             if share > 1.0 / live as f32 {
                 s.hits = s.hits.saturating_add(1);
@@ -304,6 +347,7 @@ impl EvictionPolicy for Scored {
                 Score::AttentionEma { .. } => -c.1.ema,
                 Score::Lfu => -(c.1.hits as f32),
                 Score::KeyDiff => -c.1.novelty,
+                Score::SnapKv { .. } => -c.1.recent,
                 Score::Hybrid { alpha, beta, gamma } => {
                     let recency = if hi > lo {
                         (c.2 - lo) as f32 / (hi - lo) as f32
@@ -395,7 +439,8 @@ impl EvictionPolicy for Scored {
                 let novelty = stats.get(&first).and_then(|v| v.get(lane)).copied();
                 (novelty.unwrap_or(0.0), i)
             }));
-            // Closest to the lane's mean key first; the older on a tie.
+            // The lowest signal first (keys closest to the lane's mean,
+            // or the least attention); the older on a tie.
             order.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
             let start = out.len();
             out.extend(order[..d].iter().map(|o| o.1));

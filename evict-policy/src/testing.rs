@@ -52,8 +52,8 @@ pub fn check_policy<P: EvictionPolicy + ?Sized>(p: &mut P, block_size: u32) {
 }
 
 /// The per-lane contract ([`EvictionPolicy::lane_victims`]) on the same
-/// tables, with `lanes` lanes and a different key novelty per lane fed
-/// first: every lane names the same number of entries, ascending, each a
+/// tables, with `lanes` lanes and a different key novelty or attention
+/// mass (what the policy wants) per lane fed first: every lane names the same number of entries, ascending, each a
 /// full, closed, live hot block that does not hold the newest position;
 /// after the pack the coordinator would do (the first entries of the
 /// union keep packed blocks, the rest are dropped), asking again keeps the
@@ -67,10 +67,15 @@ pub fn check_lane_policy<P: EvictionPolicy + ?Sized>(p: &mut P, block_size: u32,
             let mut t = table(n, bs);
             let pressure = pressure(used);
             for round in 0..2 {
-                let novelty: Vec<f32> = (0..t.entries().len() * lanes)
+                let signal: Vec<f32> = (0..t.entries().len() * lanes)
                     .map(|x| ((x * 7919 + round) % 101) as f32 / 101.0)
                     .collect();
-                p.observe_keys(seq, &t, &novelty);
+                if p.wants_keys() {
+                    p.observe_keys(seq, &t, &signal);
+                }
+                if p.wants_attention() {
+                    p.observe(seq, &t, &signal);
+                }
                 let mut out = Vec::new();
                 p.lane_victims(seq, &t, pressure, lanes, &mut out);
                 assert_eq!(out.len() % lanes, 0, "{}: {out:?}", p.name());

@@ -238,7 +238,7 @@ fn per_head_keydiff_passes_the_lane_suite_and_each_lane_keeps_its_own_pages() {
         .unwrap();
     p.lane_victims(0, &t, Pressure::new(0.1, 1), 2, &mut out);
     assert!(out.is_empty());
-    // Only KeyDiff ranks per lane.
+    // Only KeyDiff and SnapKV rank per lane.
     let e = scored(Score::Lfu, Trigger::Tokens(20))
         .per_head()
         .unwrap_err();
@@ -247,4 +247,73 @@ fn per_head_keydiff_passes_the_lane_suite_and_each_lane_keeps_its_own_pages() {
             .contains("per-head eviction ranks by key novelty"),
         "{e}"
     );
+}
+
+const SNAP: Score = Score::SnapKv { window: 32 };
+
+/// SnapKV: the latest observation, not an average, ranks the entries —
+/// an entry that drew the attention for many steps and then none goes,
+/// one that draws it in the last step stays; the observation window is
+/// what the policy asks the engine for.
+#[test]
+fn snapkv_passes_the_conformance_suite_and_ranks_by_the_latest_window() {
+    for trigger in [Trigger::Tokens(13), Trigger::Tokens(40)] {
+        for bs in [1, 4, 16] {
+            testing::check_policy(&mut scored(SNAP, trigger), bs);
+        }
+    }
+    let mut p = scored(SNAP, Trigger::Tokens(20));
+    assert!(p.wants_attention() && !p.wants_keys());
+    assert_eq!(p.observation_window(), 32);
+    assert_eq!(
+        scored(Score::Lfu, Trigger::Tokens(20)).observation_window(),
+        0
+    );
+    assert_eq!(p.name(), "snapkv32-budget20-sink4-window8");
+    // Entry 3 heavy for four steps, then entry 5 in the last one.
+    let t = observed(&mut p, 3, 4);
+    let last: Vec<f32> = (0..10).map(|i| if i == 5 { 5.0 } else { 0.5 }).collect();
+    p.observe(0, &t, &last);
+    let mut out = Vec::new();
+    p.victims(0, &t, Pressure::new(0.1, 1), &mut out);
+    assert_eq!(out, [1, 2, 3, 4, 6, 7]);
+    // H2O on the same observations keeps the long-time heavy hitter.
+    let mut h = scored(Score::AttentionEma { decay: 0.9 }, Trigger::Tokens(20));
+    let t = observed(&mut h, 3, 4);
+    h.observe(0, &t, &last);
+    let mut out = Vec::new();
+    h.victims(0, &t, Pressure::new(0.1, 1), &mut out);
+    assert!(!out.contains(&3), "{out:?}");
+    // An empty window is refused.
+    let e = Scored::new(Score::SnapKv { window: 0 }, Trigger::Tokens(20), 4, 8).unwrap_err();
+    assert!(e.to_string().contains("at least one query"), "{e}");
+}
+
+#[test]
+fn per_head_snapkv_passes_the_lane_suite_and_each_lane_keeps_what_it_attended() {
+    for trigger in [Trigger::Tokens(13), Trigger::Tokens(40)] {
+        for bs in [1, 4, 16] {
+            for lanes in [1, 3] {
+                let mut p = scored(SNAP, trigger).per_head().unwrap();
+                testing::check_lane_policy(&mut p, bs, lanes);
+            }
+        }
+    }
+    let mut p = scored(SNAP, Trigger::Tokens(20)).per_head().unwrap();
+    assert!(p.per_lane() && p.wants_attention() && !p.wants_keys());
+    assert_eq!(p.name(), "snapkv32-per-head-budget20-sink4-window8");
+    let mut t = BlockTable::new(4).unwrap();
+    for i in 0..10 {
+        t.push(Slot::Hot(BlockId::new(i, 1)), 4, false).unwrap();
+    }
+    // Lane 0 attended entry 2, lane 1 entry 6: each keeps its own.
+    let mut mass = Vec::new();
+    for i in 0..10 {
+        mass.push(if i == 2 { 3.0 } else { 0.1 });
+        mass.push(if i == 6 { 3.0 } else { 0.1 });
+    }
+    p.observe(0, &t, &mass);
+    let mut out = Vec::new();
+    p.lane_victims(0, &t, Pressure::new(0.1, 1), 2, &mut out);
+    assert_eq!(out, [1, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 7]);
 }

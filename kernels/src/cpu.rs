@@ -312,19 +312,23 @@ pub(crate) fn run<O: Ops>(
         for (p, c) in partials.iter().zip(&chunks) {
             for (si, span) in c.iter().enumerate() {
                 let tiles = &p.tiles[si * d.heads..(si + 1) * d.heads];
-                let w: f32 = tiles
-                    .iter()
-                    .enumerate()
-                    .map(|(h, &(mloc, sum))| sum * (mloc - m[h]).exp() * inv[h])
-                    .sum();
-                mass[span.entry] += w;
+                let weight =
+                    |(h, &(mloc, sum)): (usize, &(f32, f32))| sum * (mloc - m[h]).exp() * inv[h];
+                if kern.per_head {
+                    let group = d.heads / d.kv_heads;
+                    for (h, tile) in tiles.iter().enumerate() {
+                        mass[span.entry * d.kv_heads + h / group] += weight((h, tile));
+                    }
+                } else {
+                    mass[span.entry] += tiles.iter().enumerate().map(weight).sum::<f32>();
+                }
             }
             at += c.len();
         }
         debug_assert_eq!(at, spans.len());
     }
     if let Some(nv) = key_novelty {
-        novelty::<O>(d, kern.novelty_per_head, &partials, &chunks, nv);
+        novelty::<O>(d, kern.per_head, &partials, &chunks, nv);
     }
     Ok(())
 }

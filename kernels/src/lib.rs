@@ -222,7 +222,7 @@ pub struct PagedDecode {
     isa: Isa,
     threads: usize,
     min_split: usize,
-    novelty_per_head: bool,
+    per_head: bool,
 }
 
 impl PagedDecode {
@@ -236,7 +236,7 @@ impl PagedDecode {
             isa: Isa::detect(),
             threads: 1,
             min_split: DEFAULT_MIN_SPLIT,
-            novelty_per_head: false,
+            per_head: false,
         })
     }
 
@@ -267,11 +267,12 @@ impl PagedDecode {
         self
     }
 
-    /// Key novelty per entry and KV head (`entries × kv_heads` slots, at
-    /// `entry × kv_heads + head`) instead of averaged over the heads: for
-    /// head-wise eviction.
-    pub fn with_novelty_per_head(mut self, per_head: bool) -> Self {
-        self.novelty_per_head = per_head;
+    /// The attention mass and key novelty per entry and KV head
+    /// (`entries × kv_heads` slots, at `entry × kv_heads + head`; the mass
+    /// summed over the query heads of the KV head's group) instead of over
+    /// all heads: for head-wise eviction.
+    pub fn with_per_head(mut self, per_head: bool) -> Self {
+        self.per_head = per_head;
         self
     }
 
@@ -288,8 +289,9 @@ impl PagedDecode {
     /// Attends `q` (`[heads][head_dim]`, already rotated by RoPE) over the
     /// keys of `spans` in order and writes `[heads][head_dim]` into `out`.
     /// Every key is visible (a decode step's keys are all at or before its
-    /// query). With `mass` (one slot per table entry), adds to
-    /// `mass[span.entry]` the softmax weight the span's keys received,
+    /// query). With `mass` (one slot per table entry; with
+    /// [`with_per_head`](Self::with_per_head), per entry and KV head), adds
+    /// to `mass[span.entry]` the softmax weight the span's keys received,
     /// summed over query heads.
     pub fn run(
         &self,
@@ -317,19 +319,7 @@ impl PagedDecode {
     ) -> Result<()> {
         self.check(q, spans, out, mass.as_deref())?;
         if let Some(nv) = key_novelty.as_deref() {
-            let h = self.dims.kv_heads;
-            if self.novelty_per_head && nv.len() % h != 0 {
-                return Err(KernelError::Shape(format!(
-                    "a key novelty buffer of {} slots does not hold {h} KV heads per entry",
-                    nv.len()
-                )));
-            }
-            let entries = if self.novelty_per_head {
-                nv.len() / h
-            } else {
-                nv.len()
-            };
-            self.check_entries(spans, entries, "key novelty")?;
+            self.check_entries(spans, nv.len(), "key novelty")?;
             let rotated = self.cold.is_some_and(|c| c.rotated);
             if rotated && spans.iter().any(|s| matches!(s.page, Page::Quant { .. })) {
                 return Err(KernelError::Unsupported(
@@ -350,8 +340,16 @@ impl PagedDecode {
         }
     }
 
-    /// Every span's entry indexes a buffer of `len` entries.
+    /// Every span's entry indexes a buffer of `len` slots (per KV head
+    /// with [`with_per_head`](Self::with_per_head)).
     fn check_entries(&self, spans: &[Span<'_>], len: usize, what: &str) -> Result<()> {
+        let h = self.dims.kv_heads;
+        if self.per_head && len % h != 0 {
+            return Err(KernelError::Shape(format!(
+                "a {what} buffer of {len} slots does not hold {h} KV heads per entry"
+            )));
+        }
+        let len = if self.per_head { len / h } else { len };
         match spans.iter().position(|s| s.entry >= len) {
             Some(i) => Err(KernelError::Shape(format!(
                 "span {i} belongs to entry {}, past the {len} entries of the {what} buffer",

@@ -188,10 +188,20 @@ impl Fixture {
 
     /// Dense softmax in f64: the output and the mass per entry.
     fn dense(&self, q: &[f32]) -> (Vec<f64>, Vec<f64>) {
+        let (out, per_head) = self.dense_per_head(q);
+        let h = self.dims.kv_heads;
+        let mass = per_head.chunks_exact(h).map(|e| e.iter().sum()).collect();
+        (out, mass)
+    }
+
+    /// Dense softmax in f64: the output and the mass per entry and KV head
+    /// (summed over the query heads of its group), at `entry × kv_heads +
+    /// head`.
+    fn dense_per_head(&self, q: &[f32]) -> (Vec<f64>, Vec<f64>) {
         let d = self.dims;
         let (hd, group) = (d.head_dim, d.heads / d.kv_heads);
         let mut out = vec![0f64; d.heads * hd];
-        let mut mass = vec![0f64; 2 * self.pages.len()];
+        let mut mass = vec![0f64; 2 * self.pages.len() * d.kv_heads];
         for h in 0..d.heads {
             let kh = h / group;
             let qh = &q[h * hd..(h + 1) * hd];
@@ -211,7 +221,7 @@ impl Fixture {
             let z: f64 = scores.iter().map(|x| (x.2 - m).exp()).sum();
             for &(p, t, s) in &scores {
                 let w = (s - m).exp() / z;
-                mass[self.entries[p]] += w;
+                mass[self.entries[p] * d.kv_heads + kh] += w;
                 let val = &self.seen[p].1[(t * d.kv_heads + kh) * hd..][..hd];
                 for (o, x) in out[h * hd..(h + 1) * hd].iter_mut().zip(val) {
                     *o += w * f64::from(*x);
@@ -439,6 +449,55 @@ fn mass_is_per_entry_and_sums_to_the_heads() {
     }
 }
 
+/// The mass per entry and KV head (head-wise eviction's input) equals the
+/// dense softmax's, summed over each KV head's query heads, for every
+/// tier mix, split over threads or not; summed over the heads it is the
+/// plain per-entry mass; a buffer that is not a whole number of heads per
+/// entry is refused.
+#[test]
+fn mass_per_head_is_each_kv_heads_share() {
+    let dims = Dims {
+        heads: 6,
+        kv_heads: 2,
+        head_dim: 32,
+    };
+    let (fmt, kq, vq) = cold_format(4, 8, Axis::PerChannel, false, 32);
+    let mixes: [&[Kind]; 2] = [&[Kind::F32, Kind::F16], &[Kind::Cold, Kind::F32]];
+    for (m, mix) in mixes.iter().enumerate() {
+        let mut f = fixture(60 + m as u64, dims, 8, mix, 7, 3, Some((&*kq, &*vq)));
+        f.entries = vec![0, 2, 2, 4, 6, 8, 12];
+        let q = Rng(11).vec(dims.heads * dims.head_dim, 1.0);
+        let (_, want) = f.dense_per_head(&q);
+        for isa in isas() {
+            for threads in [1, 3] {
+                let k = kernel(dims, fmt, isa, threads, 8).with_per_head(true);
+                let mut out = vec![0f32; dims.heads * dims.head_dim];
+                let mut mass = vec![0f32; want.len()];
+                k.run(&q, &f.spans(), &mut out, Some(&mut mass)).unwrap();
+                close(&format!("{mix:?} {isa:?} x{threads}"), &mass, &want, 2e-5);
+                let plain = kernel(dims, fmt, isa, threads, 8);
+                let mut summed = vec![0f32; want.len() / 2];
+                let mut out2 = vec![0f32; out.len()];
+                plain
+                    .run(&q, &f.spans(), &mut out2, Some(&mut summed))
+                    .unwrap();
+                let folded: Vec<f64> = mass
+                    .chunks_exact(2)
+                    .map(|h| f64::from(h[0] + h[1]))
+                    .collect();
+                close("summed over heads", &summed, &folded, 1e-5);
+                assert_eq!(out, out2, "the output does not depend on it");
+            }
+        }
+    }
+    let k = PagedDecode::new(dims).unwrap().with_per_head(true);
+    let f = fixture(9, dims, 8, &[Kind::F32], 2, 8, None);
+    let mut out = vec![0f32; dims.heads * dims.head_dim];
+    let mut odd = vec![0f32; 5];
+    let r = k.run(&[0.1; 192], &f.spans(), &mut out, Some(&mut odd));
+    assert!(matches!(r, Err(KernelError::Shape(_))), "{r:?}");
+}
+
 /// Key novelty from the same pass equals the dense computation for every
 /// tier mix (rotated cold keys excepted: refused), with entries spread over
 /// several pages, split over threads or not.
@@ -463,7 +522,7 @@ fn key_novelty_is_the_distance_from_the_mean_key() {
         for (isa, per_head) in isas().into_iter().flat_map(|i| [(i, false), (i, true)]) {
             let want = f.dense_novelty(per_head);
             for threads in [1, 3] {
-                let k = kernel(dims, fmt, isa, threads, 8).with_novelty_per_head(per_head);
+                let k = kernel(dims, fmt, isa, threads, 8).with_per_head(per_head);
                 let mut out = vec![0f32; dims.heads * dims.head_dim];
                 let mut nv = vec![0f32; want.len()];
                 k.run_observed(&q, &f.spans(), &mut out, None, Some(&mut nv))
@@ -494,7 +553,7 @@ fn key_novelty_is_the_distance_from_the_mean_key() {
     let r = k.run_observed(&[0.1; 192], &f.spans(), &mut out, None, Some(&mut short));
     assert!(matches!(r, Err(KernelError::Shape(_))), "{r:?}");
     // Per head: a buffer that is not a whole number of heads per entry.
-    let k = PagedDecode::new(dims).unwrap().with_novelty_per_head(true);
+    let k = PagedDecode::new(dims).unwrap().with_per_head(true);
     let f = fixture(9, dims, 8, &[Kind::F32], 2, 8, None);
     let mut odd = vec![0f32; 5];
     let r = k.run_observed(&[0.1; 192], &f.spans(), &mut out, None, Some(&mut odd));

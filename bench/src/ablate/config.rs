@@ -140,6 +140,12 @@ pub struct PasskeyWorkload {
     pub depths: Vec<f64>,
     /// Prefill chunk.
     pub chunk: usize,
+    /// The question is prefilled with the context, so that the eviction
+    /// after the prompt sees it (SnapKV's setting; kvpress without a
+    /// separate question); by default it is asked after the context has
+    /// been compressed.
+    #[serde(default)]
+    pub question_seen: bool,
 }
 
 /// One configuration of the matrix: a name and the mechanisms it turns on
@@ -235,10 +241,20 @@ fn default_decay() -> f32 {
     0.9
 }
 
+/// SnapKV's default observation window (the paper's 32 queries).
+fn default_observe() -> usize {
+    32
+}
+
 impl EvictionSpec {
-    /// Whether each KV head keeps its own pages (KeyDiff's `per_head`).
+    /// Whether each KV head keeps its own pages (KeyDiff's and SnapKV's
+    /// `per_head`).
     pub fn per_head(&self) -> bool {
-        matches!(self, EvictionSpec::Keydiff { per_head: true, .. })
+        matches!(
+            self,
+            EvictionSpec::Keydiff { per_head: true, .. }
+                | EvictionSpec::Snapkv { per_head: true, .. }
+        )
     }
 
     /// The scored policies' score and trigger (`None` for the others);
@@ -275,6 +291,22 @@ impl EvictionSpec {
                 low,
                 ..
             } => (Score::KeyDiff, sink, window, budget_tokens, high, low),
+            EvictionSpec::Snapkv {
+                sink,
+                window,
+                observe,
+                budget_tokens,
+                high,
+                low,
+                ..
+            } => (
+                Score::SnapKv { window: observe },
+                sink,
+                window,
+                budget_tokens,
+                high,
+                low,
+            ),
             EvictionSpec::Hybrid {
                 sink,
                 window,
@@ -390,6 +422,27 @@ pub enum EvictionSpec {
         sink: usize,
         /// Tokens kept at the end.
         window: usize,
+        /// Head-wise: each layer's each KV head keeps its own pages, packed
+        /// into fewer blocks (hot blocks only: no cold tier).
+        #[serde(default)]
+        per_head: bool,
+        /// Live tokens per sequence at most.
+        budget_tokens: Option<usize>,
+        /// Watermark that starts eviction.
+        high: Option<f64>,
+        /// Watermark eviction brings it back to.
+        low: Option<f64>,
+    },
+    /// SnapKV: the attention of the latest step's last `observe` queries
+    /// (at the end of a prompt: its observation window) ranks the entries.
+    Snapkv {
+        /// Tokens kept at the start.
+        sink: usize,
+        /// Tokens kept at the end.
+        window: usize,
+        /// Queries in the observation window.
+        #[serde(default = "default_observe")]
+        observe: usize,
         /// Head-wise: each layer's each KV head keeps its own pages, packed
         /// into fewer blocks (hot blocks only: no cold tier).
         #[serde(default)]
@@ -975,6 +1028,14 @@ block_size = 8
                 GOOD.replace(SINK_WINDOW, "\"h2o\", sink = 16, window = 64, high = 0.5, low = 0.9"),
                 "x.toml:17:1:",
                 "0 < low < high <= 1",
+            ),
+            (
+                GOOD.replace(
+                    SINK_WINDOW,
+                    "\"snapkv\", sink = 16, window = 64, observe = 0, budget_tokens = 200",
+                ),
+                "x.toml:17:1:",
+                "observation window must hold at least one query",
             ),
             (
                 GOOD.replace("block_size = 8", "block_size = 0"),

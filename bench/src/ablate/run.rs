@@ -473,6 +473,22 @@ pub struct PasskeyPrompt {
     pub question: Vec<u32>,
 }
 
+impl PasskeyPrompt {
+    /// What is prefilled (and compressed) and what is asked after it: the
+    /// context and the question, or, when the compression is to see the
+    /// question, everything but the question's last token and that token.
+    pub fn split(&self, question_seen: bool) -> (Vec<u32>, Vec<u32>) {
+        match self.question.split_last() {
+            Some((last, head)) if question_seen => {
+                let mut context = self.context.clone();
+                context.extend_from_slice(head);
+                (context, vec![*last])
+            }
+            _ => (self.context.clone(), self.question.clone()),
+        }
+    }
+}
+
 /// The pass-key item of `length` tokens (context and question) with the
 /// needle at `depth` of the haystack `hay`; the key comes from `seed`.
 pub fn passkey_prompt(
@@ -514,19 +530,21 @@ pub fn passkey_prompt(
 /// another implementation (`scripts/kvpress_passkey.py`) can run the very
 /// same tokens.
 fn export_passkey(inputs: &Inputs, items: &[Item], tok: &Tokenizer, out: &Path) -> Result<()> {
-    let Some((_, hay)) = &inputs.passkey else {
+    let Some((w, hay)) = &inputs.passkey else {
         return Ok(());
     };
     let mut lines = String::new();
     for item in items.iter().filter(|i| i.workload == "passkey") {
         let p = passkey_prompt(tok, hay, item.index, item.depth, passkey_seed(inputs, item))?;
+        let (context, question) = p.split(w.question_seen);
         let line = serde_json::json!({
             "item": item.name,
             "length": item.index,
             "depth": item.depth,
             "key": p.key.to_string(),
-            "context": p.context,
-            "question": p.question,
+            "question_seen": w.question_seen,
+            "context": context,
+            "question": question,
         });
         lines.push_str(&line.to_string());
         lines.push('\n');
@@ -806,15 +824,12 @@ impl<'a> Runner<'a> {
         seed: u64,
     ) -> Result<Record> {
         let tok = self.tok;
-        let PasskeyPrompt {
-            key,
-            context,
-            question,
-        } = passkey_prompt(tok, hay, length, depth, seed)?;
+        let prompt = passkey_prompt(tok, hay, length, depth, seed)?;
+        let (key, (context, question)) = (prompt.key, prompt.split(w.question_seen));
         let engine = self.engine();
         let mut seq = Sequence::default();
         engine.cache.take_step_peak_bytes();
-        let out = (|| -> Result<(String, u64)> {
+        let out = (|| -> Result<(String, u64, u64)> {
             let mut peak = 0;
             for piece in context.chunks(w.chunk) {
                 let _last = engine
@@ -827,12 +842,12 @@ impl<'a> Runner<'a> {
                 ..SamplingParams::default()
             };
             let g = engine.generate(&mut seq, &question, &params, &mut |_, _| true)?;
-            peak = peak.max(engine.cache.bytes_in_use());
-            Ok((tok.decode_text(&g.tokens)?, peak))
+            let end = engine.cache.bytes_in_use();
+            Ok((tok.decode_text(&g.tokens)?, peak.max(end), end))
         })();
         let step_peak = engine.cache.take_step_peak_bytes();
         let freed = engine.cache.free(&mut seq);
-        let (answer, peak) = out?;
+        let (answer, peak, end) = out?;
         freed?;
         Ok(Record {
             values: BTreeMap::from([
@@ -843,11 +858,36 @@ impl<'a> Runner<'a> {
                     f64::from(u8::from(first_number(&answer) == key.to_string())),
                 ),
                 ("kv_bytes".into(), peak as f64),
+                // After the answer: what the compressed cache settled to.
+                ("end_kv_bytes".into(), end as f64),
                 // Inside a step: what it releases at commit still held.
                 ("step_peak_kv_bytes".into(), step_peak as f64),
             ]),
             answer: Some(answer),
             ..Record::default()
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PasskeyPrompt;
+
+    /// Seen or not, the same tokens in the same order; seen, the question
+    /// but its last token is prefilled with the context.
+    #[test]
+    fn a_seen_question_is_prefilled_with_the_context_but_its_last_token() {
+        let p = PasskeyPrompt {
+            key: 12345,
+            context: vec![1, 2, 3],
+            question: vec![7, 8, 9],
+        };
+        assert_eq!(p.split(false), (vec![1, 2, 3], vec![7, 8, 9]));
+        assert_eq!(p.split(true), (vec![1, 2, 3, 7, 8], vec![9]));
+        let empty = PasskeyPrompt {
+            question: vec![],
+            ..p
+        };
+        assert_eq!(empty.split(true), (vec![1, 2, 3], vec![]));
     }
 }

@@ -1083,7 +1083,9 @@ impl Coordinator {
     }
 
     /// Feeds the attention mass each entry of [`view`](Self::view) received
-    /// in the step to the eviction policy (if it wants it).
+    /// in the step to the eviction policy (if it wants it); for a per-lane
+    /// policy one value per entry and lane, as for
+    /// [`observe_keys`](Self::observe_keys).
     pub fn observe(&mut self, seq: SeqId, mass: &[f32]) -> Result<()> {
         self.feed_policy(seq, mass, false)
     }
@@ -1134,9 +1136,16 @@ impl Coordinator {
         self.evict.as_ref().is_some_and(|e| e.per_lane())
     }
 
-    /// Whether the eviction policy wants attention mass.
+    /// Whether the eviction policy wants attention mass (per entry and
+    /// lane for a [`per_lane`](Self::per_lane) policy).
     pub fn wants_attention(&self) -> bool {
         self.evict.as_ref().is_some_and(|e| e.wants_attention())
+    }
+
+    /// How many of a step's last queries the attention mass should come
+    /// from (SnapKV's observation window); 0 for all of them.
+    pub fn observation_window(&self) -> usize {
+        self.evict.as_ref().map_or(0, |e| e.observation_window())
     }
 
     /// The step succeeded: the planned table becomes the sequence's,
