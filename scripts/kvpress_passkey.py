@@ -5,9 +5,11 @@
 (context and question token ids, the key) to `passkey_items.jsonl`; this
 script runs the very same tokens through Hugging Face transformers (our GGUF
 loaded as LlamaForCausalLM) with each press compressing the context during
-prefill, then asks the question (never seen by the press) with greedy
-decoding, as kvpress's own pipeline does (positions continue from the
-uncompressed length). It writes `kvpress.csv`, then a table and a plot that
+prefill, then asks the question with greedy decoding, as kvpress's own
+pipeline does (positions continue from the uncompressed length). The press
+never sees the question, unless the items were written with
+`question_seen = true`: then their context holds the question but its last
+token, and the press compresses both. It writes `kvpress.csv`, then a table and a plot that
 hold both: kvforge's results (`results.csv` beside the items) and the
 presses', accuracy against the share of the context's KV kept.
 
@@ -107,8 +109,8 @@ def load(attn):
 
 
 def kvforge_rows(run):
-    """kvforge's pass-key rows: (config, share of the full run's peak KV,
-    correct, items)."""
+    """kvforge's pass-key rows: (config, share of the full run's KV after
+    the answer, share of its peak KV, correct, items)."""
     path = os.path.join(run, "results.csv")
     if not os.path.exists(path):
         return []
@@ -119,11 +121,14 @@ def kvforge_rows(run):
     full = by.get("full") or by.get("baseline")
     if not full:
         return []
-    full_kv = sum(float(r["kv_bytes"]) for r in full) / len(full)
+    def mean(rs, col):
+        return sum(float(r.get(col) or r["kv_bytes"]) for r in rs) / len(rs)
+
     out = []
     for name, rs in by.items():
-        kv = sum(float(r["kv_bytes"]) for r in rs) / len(rs) / full_kv
-        out.append((name, kv, sum(int(float(r["correct"])) for r in rs), len(rs)))
+        end = mean(rs, "end_kv_bytes") / mean(full, "end_kv_bytes")
+        peak = mean(rs, "kv_bytes") / mean(full, "kv_bytes")
+        out.append((name, end, peak, sum(int(float(r["correct"])) for r in rs), len(rs)))
     return out
 
 
@@ -131,6 +136,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("run", nargs="?", default="target/ablate/passkey")
     ap.add_argument("--ratios", default="0.25,0.5,0.75", help="shares of the KV kept")
+    ap.add_argument(
+        "--also",
+        action="append",
+        default=[],
+        metavar="RUN_DIR",
+        help="another kvforge run on the very same items whose configurations join the table",
+    )
     ap.add_argument(
         "--table-only",
         action="store_true",
@@ -146,6 +158,14 @@ def main():
     except ImportError as e:
         sys.exit(f"kvpress_passkey: {e}; run `cargo xtask setup --reference`")
     items = [json.loads(l) for l in open(items_path)]
+    same = [(it["item"], it["context"], it["question"], it["key"]) for it in items]
+    for other in a.also:
+        path = os.path.join(other, "passkey_items.jsonl")
+        if not os.path.exists(path):
+            sys.exit(f"kvpress_passkey: {path} is missing")
+        theirs = [json.loads(l) for l in open(path)]
+        if [(it["item"], it["context"], it["question"], it["key"]) for it in theirs] != same:
+            sys.exit(f"kvpress_passkey: {path} holds other items than {items_path}")
     kept = [float(x) for x in a.ratios.split(",")]
     out_csv = os.path.join(a.run, "kvpress.csv")
     if a.table_only:
@@ -215,30 +235,50 @@ def report(a, items, items_path, rows, out_csv, t0):
             # AdaKV masks entries instead of removing them: the cache keeps
             # its length, the share attended to is the target.
             kv, name = share, name + " (masked; target share)"
-        table.append(("kvpress " + name, share, kv, sum(r["correct"] for r in rs), len(rs)))
-    ours = kvforge_rows(a.run)
-    for name, kv, ok, n in ours:
-        table.append(("kvforge " + name, None, kv, ok, n))
+        table.append(("kvpress " + name, share, kv, None, sum(r["correct"] for r in rs), len(rs)))
+    seen_names = set()
+    for run in [a.run] + a.also:
+        for name, kv, peak, ok, n in kvforge_rows(run):
+            if name not in seen_names:
+                seen_names.add(name)
+                table.append(("kvforge " + name, None, kv, peak, ok, n))
+    lengths = sorted({it["length"] for it in items})
+    seen = any(it.get("question_seen") for it in items)
+    if seen:
+        how = (
+            "The question is seen by the compression: kvpress compresses the context and the question "
+            "but its last token; kvforge prefills the same tokens in one chunk and evicts once, before "
+            "the last token's step."
+        )
+    else:
+        how = (
+            "The question is not seen by the compression: kvpress compresses the context after prefill; "
+            "kvforge evicts while the context streams in (chunks of the experiment file), then the "
+            "question is asked."
+        )
     md = [
         "# Pass key: kvforge and kvpress on the same items",
         "",
-        f"{len(items)} items from `{items_path}` (SmolLM2-135M, f32 on CPU). kvpress {version('kvpress')} "
-        "compresses the whole context after prefill (transformers, sdpa; eager for ObservedAttention); "
-        "kvforge evicts while the context streams in (chunks of the experiment file). `KV kept` is the "
-        "cache after compression against the context (kvpress: tokens kept per layer and head, mean; "
-        "kvforge: peak KV bytes against the full cache's, question and answer included).",
+        f"{len(items)} items of {'/'.join(map(str, lengths))} tokens from `{items_path}` (SmolLM2-135M, "
+        f"f32 weights on CPU; kvforge's hot KV in f16). kvpress {version('kvpress')} runs in "
+        "transformers (sdpa; eager for ObservedAttention). " + how + " `KV kept` is the cache after "
+        "compression against the full cache's (kvpress: tokens kept per layer and head, mean, against "
+        "the context; kvforge: KV bytes after the answer, question and answer included); `peak` is "
+        "kvforge's largest KV footprint during the item against the full cache's.",
         "",
-        "| method | target KV | KV kept | correct | accuracy |",
-        "|---|---:|---:|---:|---:|",
+        "| method | target KV | KV kept | peak | correct | accuracy |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
-    for name, share, kv, ok, n in sorted(table, key=lambda t: (t[2], t[0])):
+    for name, share, kv, peak, ok, n in sorted(table, key=lambda t: (t[2], t[0])):
         tgt = "–" if share is None else f"{share:.0%}"
-        md.append(f"| {name} | {tgt} | {kv:.0%} | {ok}/{n} | {ok / n:.0%} |")
+        pk = "–" if peak is None else f"{peak:.0%}"
+        md.append(f"| {name} | {tgt} | {kv:.0%} | {pk} | {ok}/{n} | {ok / n:.0%} |")
     md.append("")
     if a.table_only:
+        also = "".join(f" --also {d}" for d in a.also)
         md.append(
             f"Presses run by `.venv/bin/python scripts/kvpress_passkey.py {a.run} --ratios {a.ratios}`; "
-            "this table rebuilt with `--table-only` from its `kvpress.csv` and kvforge's `results.csv`."
+            f"this table rebuilt with `--table-only{also}` from its `kvpress.csv` and kvforge's `results.csv`."
         )
     else:
         md.append(f"`.venv/bin/python scripts/kvpress_passkey.py {a.run} --ratios {a.ratios}`, {time.time() - t0:.0f} s.")
@@ -253,12 +293,13 @@ def report(a, items, items_path, rows, out_csv, t0):
     fig, ax = plt.subplots(figsize=(9, 5.5))
     for prefix, marker in (("kvpress ", "o"), ("kvforge ", "s")):
         pts = [t for t in table if t[0].startswith(prefix)]
-        for name, _, kv, ok, n in pts:
+        for name, _, kv, _, ok, n in pts:
             ax.scatter(kv, ok / n, marker=marker)
             ax.annotate(name, (kv, ok / n), fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.set_xlabel("share of the context's KV kept")
     ax.set_ylabel("pass-key accuracy")
-    ax.set_title("Pass key at 1k tokens: kvforge (squares) and kvpress (circles)")
+    q = "question seen" if seen else "question not seen"
+    ax.set_title(f"Pass key at {'/'.join(map(str, lengths))} tokens, {q}: kvforge (squares) and kvpress (circles)")
     ax.set_ylim(-0.05, 1.05)
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -58,6 +58,10 @@ pub struct StepView {
     /// Per table entry, the live keys it holds (0 when dropped): to sum the
     /// attention mass per entry.
     entry_keys: Vec<i64>,
+    /// Per live key, its row of the table: `entry × block_size + row` (a
+    /// token-level policy's signal is per row).
+    key_rows: Vec<u32>,
+    block_size: usize,
 }
 
 impl StepView {
@@ -79,7 +83,11 @@ impl StepView {
         let mut key_pos: Vec<i64> = Vec::new();
         let mut entry_keys = Vec::with_capacity(table.entries().len());
         let mut pages = Vec::with_capacity(table.entries().len());
-        let dense = table.entries().iter().all(|e| e.slot().is_live());
+        let dense = table
+            .entries()
+            .iter()
+            .all(|e| e.slot().is_live() && e.holes() == 0);
+        let mut key_rows: Vec<u32> = Vec::new();
         let bs = block_size as i64;
         let flush_hot = |hot: &mut Vec<i64>, runs: &mut Vec<Run>| -> Result<()> {
             if !hot.is_empty() {
@@ -102,7 +110,25 @@ impl StepView {
         for e in table.entries() {
             let first = e.first() as i64;
             let len = i64::from(e.tokens());
+            let row0 = (entry_keys.len() * block_size) as u32;
             match e.slot() {
+                Slot::Hot(b) if e.holes() != 0 => {
+                    // Token-level eviction: only the live rows, one page
+                    // per run of them.
+                    flush_cold(&mut cold_run, &mut runs);
+                    let base = i64::from(TieredPool::slot_of(b)) * bs;
+                    let live = |r: &i64| e.holes() >> r & 1 == 0;
+                    let rows: Vec<i64> = (0..len).filter(live).collect();
+                    for run in rows.chunk_by(|a, b| a + 1 == *b) {
+                        let (slot, len) = ((base + run[0]) as usize, run.len());
+                        pages.push((PageRef::Hot { slot, len }, entry_keys.len()));
+                    }
+                    hot.extend(rows.iter().map(|r| base + r));
+                    key_rows.extend(rows.iter().map(|&r| row0 + r as u32));
+                    key_pos.extend(rows.iter().map(|r| first + r));
+                    entry_keys.push(rows.len() as i64);
+                    continue;
+                }
                 Slot::Hot(b) => {
                     flush_cold(&mut cold_run, &mut runs);
                     let base = i64::from(TieredPool::slot_of(b)) * bs;
@@ -130,6 +156,7 @@ impl StepView {
                 }
             }
             entry_keys.push(len);
+            key_rows.extend(row0..row0 + len as u32);
             if !dense {
                 key_pos.extend(first..first + len);
             }
@@ -158,7 +185,20 @@ impl StepView {
             mask,
             causal,
             entry_keys,
+            key_rows,
+            block_size,
         })
+    }
+
+    /// Folds one value per live key (in position order) into one per row
+    /// of the table (`entries × block_size`, row `r` of entry `i` at `i ×
+    /// block_size + r`; 0 for rows not read): a token-level policy's input.
+    fn per_row(&self, per_key: &[f32]) -> Vec<f32> {
+        let mut out = vec![0f32; self.entry_keys.len() * self.block_size];
+        for (&at, &x) in self.key_rows.iter().zip(per_key) {
+            out[at as usize] += x;
+        }
+        out
     }
 
     /// Live keys attended over.
@@ -254,6 +294,10 @@ pub struct Observe {
     /// The mass from the step's last `window` queries only (SnapKV's
     /// observation window); 0 for every query.
     pub window: usize,
+    /// The mass and key novelty per row of the table (`entries ×
+    /// block_size`; the novelty averaged over KV heads) instead of per
+    /// entry: for token-level eviction.
+    pub per_token: bool,
 }
 
 /// One layer's attention output, and what was asked of it per entry.
@@ -318,7 +362,7 @@ impl AttentionBackend for ReferenceBackend {
         };
         let keys = view.gather(kv, layer, false, kind)?;
         let key_novelty = if observe.key_novelty {
-            Some(entry_key_novelty(view, &keys, observe.per_head)?)
+            Some(entry_key_novelty(view, &keys, observe)?)
         } else {
             None
         };
@@ -352,8 +396,9 @@ impl AttentionBackend for ReferenceBackend {
 /// KeyDiff's signal for one layer, per table entry, from the view's live
 /// keys `[keys, kv_heads, head_dim]`: `1 − cos(key, mean key)` per key and
 /// head, averaged over heads (unless `per_head`: then one value per entry
-/// and head) and over the entry's keys (0 for dropped entries).
-fn entry_key_novelty(view: &StepView, keys: &Tensor, per_head: bool) -> Result<Vec<f32>> {
+/// and head) and over the entry's keys (0 for dropped entries); with
+/// `per_token`, one value per row of the table.
+fn entry_key_novelty(view: &StepView, keys: &Tensor, observe: Observe) -> Result<Vec<f32>> {
     let k = keys.f_to_kind(Kind::Float)?;
     let unit = |t: &Tensor| -> Result<Tensor> {
         let n = t.f_norm_scalaropt_dim(2, [-1i64].as_slice(), true)?;
@@ -363,7 +408,7 @@ fn entry_key_novelty(view: &StepView, keys: &Tensor, per_head: bool) -> Result<V
     let cos =
         (unit(&k)? * unit(&mean)?).f_sum_dim_intlist([-1i64].as_slice(), false, Kind::Float)?;
     let novelty = cos.f_neg()? + 1.0; // [keys, h]
-    if per_head {
+    if observe.per_head {
         let v = Vec::<f32>::try_from(
             novelty
                 .f_transpose(0, 1)?
@@ -376,7 +421,12 @@ fn entry_key_novelty(view: &StepView, keys: &Tensor, per_head: bool) -> Result<V
     let novelty = novelty
         .f_mean_dim([1i64].as_slice(), false, Kind::Float)?
         .f_to_device(Device::Cpu)?;
-    Ok(view.per_entry(&Vec::<f32>::try_from(novelty)?, true))
+    let novelty = Vec::<f32>::try_from(novelty)?;
+    Ok(if observe.per_token {
+        view.per_row(&novelty)
+    } else {
+        view.per_entry(&novelty, true)
+    })
 }
 
 /// Softmax weights of every query (of the last `observe.window`, if set)
@@ -421,7 +471,12 @@ fn entry_mass(
         let w = w
             .f_sum_dim_intlist([0i64, 1, 2].as_slice(), false, Kind::Float)?
             .f_to_device(Device::Cpu)?;
-        return Ok(view.per_entry(&Vec::<f32>::try_from(w)?, false));
+        let w = Vec::<f32>::try_from(w)?;
+        return Ok(if observe.per_token {
+            view.per_row(&w)
+        } else {
+            view.per_entry(&w, false)
+        });
     }
     // [h, keys] -> [kv_heads, keys], summed over each group's query heads.
     let keys = w.size()[3];
@@ -596,6 +651,63 @@ mod tests {
         }
         // Two queries × four heads of weight one each.
         assert!((mass.iter().sum::<f32>() - 8.0).abs() < 1e-4);
+    }
+
+    /// Token-level eviction's holes: attention reads only a holed entry's
+    /// live rows, and the mass per row lands on those rows (0 on holes).
+    #[test]
+    fn holes_are_skipped_and_mass_per_token_is_per_row() {
+        let (bs, d) = (4i64, 8i64);
+        let k = Tensor::randn([12, 1, d], (Kind::Float, Device::Cpu));
+        let v = Tensor::randn([12, 1, d], (Kind::Float, Device::Cpu));
+        let mut table = BlockTable::new(bs as u32).unwrap();
+        table.push(Slot::Hot(BlockId::new(1, 1)), 4, false).unwrap();
+        table.punch(0, 0b0110).unwrap();
+        table.push(Slot::Hot(BlockId::new(2, 1)), 2, true).unwrap();
+        let view = StepView::new(&table, 1, bs as usize, None, Device::Cpu).unwrap();
+        assert_eq!((view.keys(), view.start()), (4, 5));
+        let q = Tensor::randn([1, 1, d], (Kind::Float, Device::Cpu));
+        let (ks, vs) = ([k.shallow_clone()], [v.shallow_clone()]);
+        let kv = KvTensors {
+            k: &ks,
+            v: &vs,
+            cold: None,
+        };
+        let per_token = Observe {
+            mass: true,
+            per_token: true,
+            ..Observe::default()
+        };
+        // Fused without a signal reads the holed page as two spans; with a
+        // per-token signal it falls back to the reference.
+        let fused = crate::FusedBackend::default();
+        for (backend, observe) in [
+            (&ReferenceBackend as &dyn AttentionBackend, per_token),
+            (&fused, per_token),
+            (&fused, Observe::default()),
+        ] {
+            let a = backend.attend(0, &q, &view, &kv, observe).unwrap();
+            let slots = [4i64, 7, 8, 9];
+            let keys: Vec<Vec<f64>> = slots.iter().map(|&s| row(&k, s)).collect();
+            let vals: Vec<Vec<f64>> = slots.iter().map(|&s| row(&v, s)).collect();
+            let (out, w) = dense(&row(&q, 0), &keys, &vals);
+            let got = row(&a.out, 0);
+            for (x, y) in got.iter().zip(&out) {
+                assert!(
+                    (x - y).abs() < 1e-4,
+                    "{}: {got:?} vs {out:?}",
+                    backend.name()
+                );
+            }
+            let Some(mass) = a.mass else {
+                continue;
+            };
+            let want = [w[0], 0.0, 0.0, w[1], w[2], w[3], 0.0, 0.0];
+            assert_eq!(mass.len(), 8);
+            for (m, w) in mass.iter().zip(want) {
+                assert!((f64::from(*m) - w).abs() < 1e-5, "{mass:?} vs {want:?}");
+            }
+        }
     }
 
     /// KeyDiff's signal: per entry, `1 − cos(key, mean of the live keys)`

@@ -227,6 +227,58 @@ impl PagedKvCache {
         Ok(())
     }
 
+    /// Carries out token-level eviction's compaction: row `r` of block
+    /// `dst[k]` takes the row `src[k × block_size + r]` names, in every
+    /// layer's K and V (all sources read before any destination is
+    /// written). With `undo`, every row goes back where it came from (an
+    /// in-place compaction of a step that is aborted); a failure part-way
+    /// through an in-place one undoes the layers already done.
+    fn move_rows(&self, rows: &kvforge_coordinator::RowPack, undo: bool) -> Result<()> {
+        let bs = self.block_size as i64;
+        if rows.block_size as i64 != bs || rows.src.len() != rows.dst.len() * bs as usize {
+            return Err(EngineError::Request(format!(
+                "a compaction of {} rows into {} blocks of {} does not fit blocks of {bs}",
+                rows.src.len(),
+                rows.dst.len(),
+                rows.block_size
+            )));
+        }
+        let base = |b: BlockId| i64::from(TieredPool::slot_of(b)) * bs;
+        let mut src: Vec<i64> = rows
+            .src
+            .iter()
+            .map(|&(b, r)| base(b) + i64::from(r))
+            .collect();
+        let mut dst: Vec<i64> = rows
+            .dst
+            .iter()
+            .flat_map(|&b| (0..bs).map(move |r| base(b) + r))
+            .collect();
+        if undo {
+            std::mem::swap(&mut src, &mut dst);
+        }
+        let device = self.k[0].device();
+        let src = Tensor::f_from_slice(&src)?.f_to_device(device)?;
+        let dst = Tensor::f_from_slice(&dst)?.f_to_device(device)?;
+        let move_one = |t: &Tensor, from: &Tensor, to: &Tensor| -> Result<()> {
+            let moved = t.f_index_select(0, from)?;
+            let _ = t.shallow_clone().f_index_copy_(0, to, &moved)?;
+            Ok(())
+        };
+        let tensors: Vec<&Tensor> = self.k.iter().chain(&self.v).collect();
+        for (done, t) in tensors.iter().enumerate() {
+            if let Err(e) = move_one(t, &src, &dst) {
+                if rows.in_place && !undo {
+                    for back in &tensors[..done] {
+                        let _ = move_one(back, &dst, &src);
+                    }
+                }
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
     /// A configuration for this cache's hot tier with every mechanism off,
     /// to fill in and pass to [`configure`](Self::configure).
     pub fn base_config(&self) -> CoordinatorConfig {
@@ -319,6 +371,9 @@ impl PagedKvCache {
     /// A prepared step that will not be committed: its in-place pack is
     /// undone, then the coordinator aborts it.
     fn abandon(&self, step: &Step, c: &mut Coordinator) {
+        if let Some(p) = &step.undo_rows {
+            let _ = self.move_rows(p, true);
+        }
         if let Some(p) = &step.undo {
             let _ = self.pack(p, true);
         }
@@ -511,8 +566,12 @@ struct Step {
     lane_heads: Option<usize>,
     /// The mass from the step's last `window` queries (0: all).
     window: usize,
+    /// Signals per row of the table (token-level eviction).
+    per_token: bool,
     /// An in-place pack this step carried out: undone if it is aborted.
     undo: Option<kvforge_coordinator::Pack>,
+    /// An in-place row compaction this step carried out: the same.
+    undo_rows: Option<kvforge_coordinator::RowPack>,
 }
 
 /// One sequence of a [`PagedKvCache`] seen as a [`KvStore`].
@@ -545,12 +604,25 @@ impl PagedSeq<'_> {
             c.pack(pack, false)?;
         }
         let undo = plan.pack.clone().filter(|p| p.in_place);
+        if let Some(rows) = &plan.rows
+            && let Err(e) = c.move_rows(rows, false)
+        {
+            if let Some(p) = &undo {
+                let _ = c.pack(p, true);
+            }
+            return Err(e);
+        }
+        let undo_rows = plan.rows.clone().filter(|p| p.in_place);
         match self.demote_and_view(id, plan, n) {
             Ok(mut step) => {
                 step.undo = undo;
+                step.undo_rows = undo_rows;
                 Ok(step)
             }
             Err(e) => {
+                if let Some(p) = &undo_rows {
+                    let _ = c.move_rows(p, true);
+                }
                 if let Some(p) = &undo {
                     let _ = c.pack(p, true);
                 }
@@ -593,12 +665,18 @@ impl PagedSeq<'_> {
             let base = TieredPool::slot_of(w.block) as i64 * bs as i64 + i64::from(w.offset);
             new.extend(base..base + i64::from(w.tokens));
         }
-        let (view, mass, novelty, lane_heads, window) = {
+        let (view, mass, novelty, lane_heads, window, per_token) = {
             let coord = c.coordinator();
             let table = coord.view(id)?;
             let view = StepView::new(table, n, bs, c.cold.as_ref(), device)?;
             let (layers, heads) = (c.k.len(), c.shape.heads);
-            let lanes = if coord.per_lane() { layers * heads } else { 1 };
+            let lanes = if coord.per_lane() {
+                layers * heads
+            } else if coord.token_level() {
+                bs
+            } else {
+                1
+            };
             let signal = |wanted: bool| wanted.then(|| vec![0f32; table.entries().len() * lanes]);
             (
                 view,
@@ -606,6 +684,7 @@ impl PagedSeq<'_> {
                 signal(coord.wants_keys()),
                 coord.per_lane().then_some(heads),
                 coord.observation_window(),
+                coord.token_level(),
             )
         };
         Ok(Step {
@@ -616,7 +695,9 @@ impl PagedSeq<'_> {
             novelty,
             lane_heads,
             window,
+            per_token,
             undo: None,
+            undo_rows: None,
         })
     }
 }
@@ -662,6 +743,7 @@ impl KvStore for PagedSeq<'_> {
             key_novelty: step.novelty.is_some(),
             per_head: step.lane_heads.is_some(),
             window: step.window,
+            per_token: step.per_token,
         };
         let a = c
             .backend
@@ -892,6 +974,12 @@ mod tests {
     /// failed) leaves every K/V element and the table as they were.
     #[test]
     fn an_aborted_step_undoes_its_in_place_pack() {
+        // Head-wise pages, then token-level rows.
+        aborted_step_undoes(true, false);
+        aborted_step_undoes(false, true);
+    }
+
+    fn aborted_step_undoes(per_head: bool, per_token: bool) {
         use kvforge_coordinator::{EvictionConfig, Score, Trigger};
 
         use super::KvStore;
@@ -903,7 +991,8 @@ mod tests {
             trigger: Trigger::Tokens(24),
             sink: 4,
             window: 8,
-            per_head: true,
+            per_head,
+            per_token,
         });
         c.configure(coord, None).unwrap();
         let mut seq = super::Sequence::default();
@@ -958,7 +1047,8 @@ mod tests {
             }
         }
         assert!(found, "no step packed in place");
-        assert!(c.coordinator().counters().packed_blocks > 0);
+        let n = c.coordinator().counters();
+        assert!(n.packed_blocks > 0 || n.compacted_blocks > 0);
         c.free(&mut seq).unwrap();
     }
 

@@ -9,8 +9,9 @@
 //! head) comes from the same
 //! pass, and so does KeyDiff's key novelty (per-entry sums of unit keys
 //! against the mean key). Everything else — prefill chunks (several
-//! queries, a causal mask), CUDA tensors, other dtypes, and key novelty
-//! over Hadamard-rotated cold keys — goes to [`ReferenceBackend`].
+//! queries, a causal mask), CUDA tensors, other dtypes, key novelty over
+//! Hadamard-rotated cold keys, and signals per token (token-level
+//! eviction) — goes to [`ReferenceBackend`].
 
 use kvforge_kernels::{Dims, Isa, Page, PagedDecode, Span};
 use tch::{Device, Kind, Tensor};
@@ -65,6 +66,7 @@ impl FusedBackend {
         let rotated = kv.cold.is_some_and(|c| c.spec().rotate);
         q.size().first() == Some(&1)
             && !(observe.key_novelty && rotated)
+            && !(observe.per_token && (observe.mass || observe.key_novelty))
             && q.device() == Device::Cpu
             && k.device() == Device::Cpu
             && matches!(k.kind(), Kind::Float | Kind::Half)

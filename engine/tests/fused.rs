@@ -14,6 +14,17 @@ use super::{max_diff, tiny};
 
 const BS: usize = 8;
 
+/// Token-level KeyDiff, 48 live tokens: the streams below hole and
+/// compact blocks.
+const PER_TOKEN: EvictionConfig = EvictionConfig::Scored {
+    score: Score::KeyDiff,
+    trigger: Trigger::Tokens(48),
+    sink: 8,
+    window: 16,
+    per_head: false,
+    per_token: true,
+};
+
 /// Head-wise KeyDiff, 48 live tokens: the streams below pack blocks.
 const PER_HEAD: EvictionConfig = EvictionConfig::Scored {
     score: Score::KeyDiff,
@@ -21,6 +32,7 @@ const PER_HEAD: EvictionConfig = EvictionConfig::Scored {
     sink: 8,
     window: 16,
     per_head: true,
+    per_token: false,
 };
 
 fn quant(bits: u32, rotate: bool, key_axis: Axis, sink: usize) -> KvQuant {
@@ -87,6 +99,7 @@ fn fused_decode_equals_the_reference_over_every_tier_mix() {
         sink: 8,
         window: 16,
         per_head: false,
+        per_token: false,
     });
     let keydiff = Some(EvictionConfig::Scored {
         score: Score::KeyDiff,
@@ -94,6 +107,7 @@ fn fused_decode_equals_the_reference_over_every_tier_mix() {
         sink: 8,
         window: 16,
         per_head: false,
+        per_token: false,
     });
     let per_head = Some(PER_HEAD);
     // SnapKV: the mass of the last 4 queries of each step (the prefill
@@ -104,6 +118,18 @@ fn fused_decode_equals_the_reference_over_every_tier_mix() {
         sink: 8,
         window: 16,
         per_head,
+        per_token: false,
+    };
+    // Token-level: rows marked invalid, holed blocks compacted.
+    let per_token = |score| {
+        Some(EvictionConfig::Scored {
+            score,
+            trigger: Trigger::Tokens(48),
+            sink: 8,
+            window: 16,
+            per_head: false,
+            per_token: true,
+        })
     };
     // A threshold low enough that blocks really are aliased.
     let loose = DedupConfig::SimHash(SimHashConfig {
@@ -192,6 +218,20 @@ fn fused_decode_equals_the_reference_over_every_tier_mix() {
             Some(snap(true)),
             None,
         ),
+        (
+            "keydiff-per-token",
+            Kind::Float,
+            None,
+            per_token(Score::KeyDiff),
+            None,
+        ),
+        (
+            "f16+snapkv-per-token",
+            Kind::Half,
+            None,
+            per_token(Score::SnapKv { window: 4 }),
+            None,
+        ),
         // Rotated cold keys: key novelty falls back to the reference.
         (
             "int4+rot+keydiff",
@@ -237,8 +277,11 @@ fn fused_decode_equals_the_reference_over_every_tier_mix() {
         if dd.is_some() {
             assert!(has(&|s| matches!(s, Slot::Alias { .. })), "{name}: aliased");
         }
-        if name.contains("per-head") {
+        if name.contains("per-head") || name.contains("per-token") {
             assert!(entries.iter().any(|e| e.is_packed()), "{name}: packed");
+        }
+        if name.contains("per-token") {
+            assert!(entries.iter().any(|e| e.holes() != 0), "{name}: holes");
         }
     }
 }
@@ -249,7 +292,13 @@ fn fused_decode_equals_the_reference_over_every_tier_mix() {
 /// the packing steps.
 #[test]
 fn packing_in_place_equals_copy_on_write() {
-    let per_head = Some(PER_HEAD);
+    for ev in [PER_HEAD, PER_TOKEN] {
+        packing_in_place_equals_copy_on_write_with(ev);
+    }
+}
+
+fn packing_in_place_equals_copy_on_write_with(ev: EvictionConfig) {
+    let per_head = Some(ev);
     let in_place = cache(Kind::Float, None, per_head, None, None);
     let mut cow = cache(Kind::Float, None, per_head, None, None);
     let mut cfg = cow.config();

@@ -28,10 +28,13 @@
 //!
 //! Head-wise eviction ([`Scored::per_head`], KeyDiff or SnapKV): each lane — one
 //! layer's one KV head — keeps its own pages; the coordinator packs the
-//! pages the lanes keep into fewer blocks.
+//! pages the lanes keep into fewer blocks. Token-level eviction
+//! ([`Scored::per_token`]): single rows are marked invalid and the
+//! coordinator compacts the live rows of holed blocks into fewer blocks.
 //!
 //! Each passes [`testing::check_policy`]; a per-lane policy also
-//! [`testing::check_lane_policy`].
+//! [`testing::check_lane_policy`], a token-level one
+//! [`testing::check_token_policy`].
 
 #![deny(missing_docs)]
 
@@ -157,6 +160,34 @@ pub trait EvictionPolicy: Send {
         out: &mut Vec<usize>,
     ) {
         let _ = (seq, table, pressure, lanes, out);
+    }
+
+    /// Whether the policy names single tokens — rows of blocks — rather
+    /// than whole entries (token-level eviction). Then
+    /// [`observe`](Self::observe) and [`observe_keys`](Self::observe_keys)
+    /// receive `entries × block_size` values, row `r` of entry `i` at `i ×
+    /// block_size + r` (0 for rows attention did not read), and the
+    /// coordinator asks [`token_victims`](Self::token_victims) instead of
+    /// [`victims`](Self::victims).
+    fn token_level(&self) -> bool {
+        false
+    }
+
+    /// For a [`token_level`](Self::token_level) policy: appends `(entry, row)`
+    /// pairs, ascending, of rows to mark invalid before the next step:
+    /// each a live row (not already a hole) of a full, closed hot block of
+    /// at most [`MAX_HOLED_BLOCK`](kvforge_pool::MAX_HOLED_BLOCK) tokens,
+    /// outside what the policy protects. The coordinator marks them (an
+    /// entry left with no live row is dropped) and compacts the live rows
+    /// of holed blocks into fewer blocks whenever that frees one.
+    fn token_victims(
+        &mut self,
+        seq: SeqKey,
+        table: &BlockTable,
+        pressure: Pressure,
+        out: &mut Vec<(usize, u32)>,
+    ) {
+        let _ = (seq, table, pressure, out);
     }
 
     /// Appends the entries of `table` to drop before the next step.

@@ -88,12 +88,26 @@ pub struct Scored {
     sink: u64,
     window: u64,
     stats: BTreeMap<SeqKey, BTreeMap<u64, Stat>>,
-    /// Head-wise: the latest signal of every lane, per entry.
-    lanes: Option<BTreeMap<SeqKey, LaneStats>>,
+    /// What the policy chooses: whole entries, lane pages, single rows.
+    grain: Grain,
+    /// Head-wise or token-level: the latest signal of every lane or row,
+    /// per entry.
+    detail: BTreeMap<SeqKey, LaneStats>,
 }
 
-/// Per entry (by its first position), the latest signal of each lane (key
-/// novelty, or the observation window's attention).
+/// What a [`Scored`] policy names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Grain {
+    /// Whole entries.
+    Page,
+    /// Pages per lane (one layer's one KV head).
+    Head,
+    /// Single rows (tokens) of blocks.
+    Token,
+}
+
+/// Per entry (by its first position), the latest signal of each lane or
+/// row (key novelty, or the observation window's attention).
 type LaneStats = BTreeMap<u64, Box<[f32]>>;
 
 /// The decay of the EMA inside [`Score::Hybrid`].
@@ -146,7 +160,8 @@ impl Scored {
             sink: sink as u64,
             window: window as u64,
             stats: BTreeMap::new(),
-            lanes: None,
+            grain: Grain::Page,
+            detail: BTreeMap::new(),
         })
     }
 
@@ -157,27 +172,41 @@ impl Scored {
     /// lanes keep into fewer blocks. KeyDiff and SnapKV only: the other
     /// scores accumulate over steps, and packing moves pages between
     /// entries.
-    pub fn per_head(mut self) -> Result<Self> {
+    pub fn per_head(self) -> Result<Self> {
+        self.with_grain(Grain::Head, "per-head")
+    }
+
+    /// Token-level eviction: single rows (tokens) of blocks are marked
+    /// invalid, the lowest signal first (key novelty or the observation
+    /// window's attention per token); the coordinator compacts the live
+    /// rows of holed blocks into fewer blocks. KeyDiff and SnapKV only, as
+    /// for [`per_head`](Self::per_head).
+    pub fn per_token(self) -> Result<Self> {
+        self.with_grain(Grain::Token, "token-level")
+    }
+
+    fn with_grain(mut self, grain: Grain, what: &str) -> Result<Self> {
         if !matches!(self.score, Score::KeyDiff | Score::SnapKv { .. }) {
             return Err(EvictError::Config(format!(
-                "per-head eviction ranks by key novelty (KeyDiff) or an observation window (SnapKV), not by {:?}",
+                "{what} eviction ranks by key novelty (KeyDiff) or an observation window (SnapKV), not by {:?}",
                 self.score
             )));
         }
-        self.lanes = Some(BTreeMap::new());
+        self.grain = grain;
         Ok(self)
     }
 
-    /// Per lane: keeps `values` (`entries × lanes`, entry after entry) as
-    /// the latest signal of each live entry, replacing the last. Returns
-    /// whether the policy is per lane.
+    /// Per lane or row: keeps `values` (`entries × lanes` or `entries ×
+    /// block_size`, entry after entry) as the latest signal of each live
+    /// entry, replacing the last. Returns whether the policy keeps such
+    /// detail.
     fn record_lanes(&mut self, seq: SeqKey, table: &BlockTable, values: &[f32]) -> bool {
-        let Some(lanes) = self.lanes.as_mut() else {
+        if self.grain == Grain::Page {
             return false;
-        };
+        }
         let entries = table.entries();
         let n = values.len() / entries.len().max(1);
-        let stats = lanes.entry(seq).or_default();
+        let stats = self.detail.entry(seq).or_default();
         stats.clear();
         if n == 0 || n * entries.len() != values.len() {
             return true;
@@ -227,12 +256,13 @@ impl EvictionPolicy for Scored {
             Score::AttentionEma { decay } => format!("h2o{decay}"),
             Score::Lfu => "lfu".into(),
             Score::Hybrid { alpha, beta, gamma } => format!("hybrid{alpha}/{beta}/{gamma}"),
-            Score::KeyDiff if self.lanes.is_some() => "keydiff-per-head".into(),
             Score::KeyDiff => "keydiff".into(),
-            Score::SnapKv { window } if self.lanes.is_some() => {
-                format!("snapkv{window}-per-head")
-            }
             Score::SnapKv { window } => format!("snapkv{window}"),
+        };
+        let score = match self.grain {
+            Grain::Page => score,
+            Grain::Head => format!("{score}-per-head"),
+            Grain::Token => format!("{score}-per-token"),
         };
         let trigger = match self.trigger {
             Trigger::Tokens(n) => format!("budget{n}"),
@@ -385,7 +415,61 @@ impl EvictionPolicy for Scored {
     }
 
     fn per_lane(&self) -> bool {
-        self.lanes.is_some()
+        self.grain == Grain::Head
+    }
+
+    fn token_level(&self) -> bool {
+        self.grain == Grain::Token
+    }
+
+    fn token_victims(
+        &mut self,
+        seq: SeqKey,
+        table: &BlockTable,
+        p: Pressure,
+        out: &mut Vec<(usize, u32)>,
+    ) {
+        let bs = table.block_size();
+        let rows = match self.need(table, p) {
+            Need::Tokens(n) => n,
+            Need::Bytes(b) if p.hot_block_bytes > 0 => {
+                b.div_ceil(p.hot_block_bytes) * u64::from(bs)
+            }
+            Need::Bytes(_) => 0,
+        };
+        if rows == 0 || bs > kvforge_pool::MAX_HOLED_BLOCK {
+            return;
+        }
+        let recent = table.positions().saturating_sub(self.window);
+        let last = table.entries().len().wrapping_sub(1);
+        let empty = BTreeMap::new();
+        let stats = self.detail.get(&seq).unwrap_or(&empty);
+        // Candidates: the live rows of full, closed hot blocks between the
+        // sink and the window.
+        let mut order: Vec<(f32, usize, u32)> = Vec::new();
+        for (i, e) in table.entries().iter().enumerate() {
+            if !matches!(e.slot(), Slot::Hot(_))
+                || e.tokens() != bs
+                || e.first() < self.sink
+                || e.end() > recent
+                || (table.is_open() && i == last)
+            {
+                continue;
+            }
+            let signal = stats.get(&e.first());
+            for r in 0..bs {
+                if e.holes() >> r & 1 == 0 {
+                    let v = signal.and_then(|v| v.get(r as usize)).copied();
+                    order.push((v.unwrap_or(0.0), i, r));
+                }
+            }
+        }
+        // The lowest signal first; the older on a tie.
+        order.sort_by(|a, b| a.0.total_cmp(&b.0).then((a.1, a.2).cmp(&(b.1, b.2))));
+        let start = out.len();
+        let take = usize::try_from(rows).unwrap_or(usize::MAX).min(order.len());
+        out.extend(order[..take].iter().map(|o| (o.1, o.2)));
+        out[start..].sort_unstable();
     }
 
     fn lane_victims(
@@ -427,11 +511,7 @@ impl EvictionPolicy for Scored {
             return;
         }
         let empty = BTreeMap::new();
-        let stats = self
-            .lanes
-            .as_ref()
-            .and_then(|l| l.get(&seq))
-            .unwrap_or(&empty);
+        let stats = self.detail.get(&seq).unwrap_or(&empty);
         let mut order: Vec<(f32, usize)> = Vec::with_capacity(cands.len());
         for lane in 0..lanes {
             order.clear();
@@ -450,8 +530,6 @@ impl EvictionPolicy for Scored {
 
     fn forget(&mut self, seq: SeqKey) {
         self.stats.remove(&seq);
-        if let Some(l) = self.lanes.as_mut() {
-            l.remove(&seq);
-        }
+        self.detail.remove(&seq);
     }
 }

@@ -111,6 +111,76 @@ pub fn check_lane_policy<P: EvictionPolicy + ?Sized>(p: &mut P, block_size: u32,
     }
 }
 
+/// The token-level contract ([`EvictionPolicy::token_victims`]) on the
+/// same tables (some with holes already), with a different signal per row
+/// fed first (key novelty or attention mass, what the policy wants): the
+/// pairs ascend, each names a live row — not a hole — of a full, closed
+/// hot block that does not hold the newest position; after the coordinator
+/// would mark them (an entry left with no live row dropped), the table
+/// stays valid and asking again names none of them. Panics on the first
+/// violation.
+pub fn check_token_policy<P: EvictionPolicy + ?Sized>(p: &mut P, block_size: u32) {
+    assert!(p.token_level(), "{}: not a token-level policy", p.name());
+    let bs = block_size;
+    for n in 0..48u32 {
+        for used in [0.1, 0.95] {
+            let seq = u64::from(n);
+            let mut t = table(n, bs);
+            // A hole already in every third full hot entry.
+            for i in (0..t.entries().len()).step_by(3) {
+                let _ = t.punch(i, 1);
+            }
+            let pressure = pressure(used);
+            for round in 0..2 {
+                let signal: Vec<f32> = (0..t.entries().len() * bs as usize)
+                    .map(|x| ((x * 7919 + round) % 101) as f32 / 101.0)
+                    .collect();
+                if p.wants_keys() {
+                    p.observe_keys(seq, &t, &signal);
+                }
+                if p.wants_attention() {
+                    p.observe(seq, &t, &signal);
+                }
+                let mut out = Vec::new();
+                p.token_victims(seq, &t, pressure, &mut out);
+                assert!(
+                    out.windows(2).all(|w| w[0] < w[1]),
+                    "{}: ascending: {out:?}",
+                    p.name()
+                );
+                let entries: Vec<usize> = out.iter().map(|v| v.0).collect();
+                let mut named = entries.clone();
+                named.dedup();
+                check_victims(&t, &named);
+                for &(i, r) in &out {
+                    let e = t.entries()[i];
+                    assert!(
+                        matches!(e.slot(), Slot::Hot(_)) && e.tokens() == bs && r < bs,
+                        "{}: ({i}, {r}) is not a row of a full hot block: {e:?}",
+                        p.name()
+                    );
+                    assert_eq!(e.holes() >> r & 1, 0, "{}: ({i}, {r}) is a hole", p.name());
+                }
+                for i in named {
+                    let rows = out
+                        .iter()
+                        .filter(|v| v.0 == i)
+                        .fold(0u64, |m, v| m | 1 << v.1);
+                    let e = t.entries()[i];
+                    if rows.count_ones() == e.live() {
+                        t.set_slot(i, Slot::Dropped)
+                            .expect("a holed-out entry drops");
+                    } else {
+                        t.punch(i, rows).expect("named rows can be marked");
+                    }
+                }
+                t.check().expect("the table stays valid");
+            }
+            p.forget(seq);
+        }
+    }
+}
+
 /// The suite's pressure: `used` of a 64 KiB budget, one new token.
 fn pressure(used: f64) -> Pressure {
     Pressure {

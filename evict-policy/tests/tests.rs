@@ -317,3 +317,55 @@ fn per_head_snapkv_passes_the_lane_suite_and_each_lane_keeps_what_it_attended() 
     p.lane_victims(0, &t, Pressure::new(0.1, 1), 2, &mut out);
     assert_eq!(out, [1, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 7]);
 }
+
+/// Token-level KeyDiff and SnapKV: the contract on every table, and the
+/// rows with the lowest signal go, whichever block they sit in.
+#[test]
+fn token_level_policies_pass_the_token_suite_and_name_the_lowest_rows() {
+    for score in [Score::KeyDiff, SNAP] {
+        for trigger in [Trigger::Tokens(13), Trigger::Tokens(40)] {
+            for bs in [1, 4, 16] {
+                let mut p = scored(score, trigger).per_token().unwrap();
+                testing::check_token_policy(&mut p, bs);
+            }
+        }
+    }
+    let mut p = scored(Score::KeyDiff, Trigger::Tokens(36))
+        .per_token()
+        .unwrap();
+    assert!(p.token_level() && !p.per_lane() && p.wants_keys());
+    assert_eq!(p.name(), "keydiff-per-token-budget36-sink4-window8");
+    let mut t = BlockTable::new(4).unwrap();
+    for i in 0..10 {
+        t.push(Slot::Hot(BlockId::new(i, 1)), 4, false).unwrap();
+    }
+    // 40 live + 1 coming, budget 36: five rows go — the five lowest of
+    // entries 1..=7 (sink 4 and window 8 protect 0, 8 and 9).
+    let mut novelty = vec![0.5f32; 40];
+    for (at, v) in [
+        (5, 0.1),
+        (14, 0.05),
+        (15, 0.2),
+        (22, 0.15),
+        (29, 0.3),
+        (2, 0.0),
+    ] {
+        novelty[at] = v;
+    }
+    p.observe_keys(0, &t, &novelty);
+    let mut out = Vec::new();
+    p.token_victims(0, &t, Pressure::new(0.1, 1), &mut out);
+    assert_eq!(out, [(1, 1), (3, 2), (3, 3), (5, 2), (7, 1)]);
+    // Punched, they are not named again.
+    for (i, rows) in [(1, 0b10), (3, 0b1100), (5, 0b100), (7, 0b10)] {
+        t.punch(i, rows).unwrap();
+    }
+    let mut again = Vec::new();
+    p.token_victims(0, &t, Pressure::new(0.1, 1), &mut again);
+    assert!(again.iter().all(|v| !out.contains(v)), "{again:?}");
+    // Only KeyDiff and SnapKV rank single tokens.
+    let e = scored(Score::Lfu, Trigger::Tokens(20))
+        .per_token()
+        .unwrap_err();
+    assert!(e.to_string().contains("token-level eviction ranks"), "{e}");
+}

@@ -57,7 +57,7 @@ mod tiers;
 pub use error::{PoolError, Result};
 pub use layout::{KvLayout, StorageFormat};
 pub use pool::{BlockPool, MAX_REF_COUNT, PoolConfig};
-pub use table::{BlockTable, Entry, Slot};
+pub use table::{BlockTable, Entry, MAX_HOLED_BLOCK, Slot};
 pub use tiers::{MAX_TIER_BLOCKS, MAX_TIERS, TIER_BITS, TieredPool};
 
 use std::fmt;

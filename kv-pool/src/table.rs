@@ -22,7 +22,11 @@
 //!   each lane (one layer's one KV head) of its block holds a page of
 //!   some position range inside the entries the pack replaced, not
 //!   necessarily its own: its tokens are attended to, never matched
-//!   against token ids.
+//!   against token ids. Token-level eviction packs rows the same way
+//!   ([`BlockTable::repack_rows`]), all lanes alike.
+//! * Holes ([`Entry::holes`], rows token-level eviction marked invalid)
+//!   exist only in full hot entries of at most [`MAX_HOLED_BLOCK`] tokens,
+//!   never cover every row, and keep the entry hot until it is dropped.
 
 use crate::{BlockId, PoolError, Result};
 
@@ -66,6 +70,9 @@ pub struct Entry {
     first: u64,
     tokens: u32,
     packed: bool,
+    /// Rows (token offsets) marked invalid by token-level eviction, bit
+    /// `r` for row `r`.
+    holes: u64,
 }
 
 impl Entry {
@@ -91,6 +98,28 @@ impl Entry {
     pub const fn is_packed(&self) -> bool {
         self.packed
     }
+    /// Rows (token offsets in the block) that token-level eviction marked
+    /// invalid, bit `r` for row `r`: attention skips them.
+    pub const fn holes(&self) -> u64 {
+        self.holes
+    }
+    /// Tokens attention reads: 0 when dropped, else `tokens` less the
+    /// holes.
+    pub const fn live(&self) -> u32 {
+        match self.slot {
+            Slot::Dropped => 0,
+            _ => self.tokens - self.holes.count_ones(),
+        }
+    }
+}
+
+/// The most tokens a block can have for token-level eviction (one bit per
+/// row in [`Entry::holes`]).
+pub const MAX_HOLED_BLOCK: u32 = 64;
+
+/// Bits for rows `0..n` (`n <= 64`).
+const fn rows_mask(n: u32) -> u64 {
+    if n >= 64 { u64::MAX } else { (1u64 << n) - 1 }
 }
 
 /// A sequence's block table: typed entries over its positions.
@@ -131,13 +160,9 @@ impl BlockTable {
         self.entries.last().map_or(0, Entry::end)
     }
 
-    /// Positions attention reads (not dropped).
+    /// Positions attention reads (not dropped, not holes).
     pub fn live_tokens(&self) -> u64 {
-        self.entries
-            .iter()
-            .filter(|e| e.slot.is_live())
-            .map(|e| u64::from(e.tokens))
-            .sum()
+        self.entries.iter().map(|e| u64::from(e.live())).sum()
     }
 
     /// Whether the last entry receives the next tokens.
@@ -180,6 +205,7 @@ impl BlockTable {
             first,
             tokens,
             packed: false,
+            holes: 0,
         });
         self.open = open;
         Ok(())
@@ -220,7 +246,7 @@ impl BlockTable {
             (Slot::Dropped, _) => false,
             (_, Slot::Dropped) => !open,
             (Slot::Hot(_), Slot::Cold(_) | Slot::Alias { .. }) => {
-                !open && e.tokens == self.block_size
+                !open && e.tokens == self.block_size && e.holes == 0
             }
             (Slot::Cold(_) | Slot::Alias { .. }, Slot::Cold(_) | Slot::Alias { .. }) => true,
             _ => false,
@@ -233,8 +259,59 @@ impl BlockTable {
         }
         if slot == Slot::Dropped {
             e.packed = false;
+            e.holes = 0;
         }
         Ok(std::mem::replace(&mut e.slot, slot))
+    }
+
+    /// Marks rows `rows` (bit `r` for row `r`) of entry `i` invalid
+    /// (token-level eviction): attention skips them, the block stays until
+    /// the coordinator compacts the live rows of such entries into fewer
+    /// blocks. Entry `i` must be a full, closed, hot block of at most
+    /// [`MAX_HOLED_BLOCK`] tokens; the rows must exist, not already be
+    /// holes, and leave at least one live row (drop the entry instead).
+    pub fn punch(&mut self, i: usize, rows: u64) -> Result<()> {
+        let last = self.entries.len().checked_sub(1);
+        let open = self.open && Some(i) == last;
+        let bs = self.block_size;
+        let Some(e) = self.entries.get_mut(i) else {
+            return Err(invalid(format!("entry {i} does not exist")));
+        };
+        if !matches!(e.slot, Slot::Hot(_)) || e.tokens != bs || open || bs > MAX_HOLED_BLOCK {
+            return Err(invalid(format!(
+                "entry {i} ({:?}, {} tokens of {bs}) is not a full, closed hot block of at most {MAX_HOLED_BLOCK} tokens",
+                e.slot, e.tokens
+            )));
+        }
+        let all = rows_mask(bs);
+        if rows == 0 || rows & !all != 0 || rows & e.holes != 0 || (rows | e.holes) == all {
+            return Err(invalid(format!(
+                "rows {rows:#x} of entry {i} (holes {:#x}) are not live rows that leave one live",
+                e.holes
+            )));
+        }
+        e.holes |= rows;
+        Ok(())
+    }
+
+    /// Gives the full, closed hot entry `i` another hot block into which
+    /// the caller compacted live rows of this and other entries, `holes`
+    /// marking the rows of it that hold nothing to read (the tail of the
+    /// last compacted block); the entry is marked packed. Returns the old
+    /// slot, whose reference the caller now owns.
+    pub fn repack_rows(&mut self, i: usize, block: BlockId, holes: u64) -> Result<Slot> {
+        let all = rows_mask(self.block_size);
+        if self.block_size > MAX_HOLED_BLOCK || holes & !all != 0 || holes == all {
+            return Err(invalid(format!(
+                "holes {holes:#x} do not fit a block of {} tokens with one live row",
+                self.block_size
+            )));
+        }
+        let old = self.repack(i, block)?;
+        if let Some(e) = self.entries.get_mut(i) {
+            e.holes = holes;
+        }
+        Ok(old)
     }
 
     /// Gives the full, closed, hot entry `i` another hot block whose lanes
@@ -314,6 +391,15 @@ impl BlockTable {
             let merged_drop = e.slot == Slot::Dropped;
             if e.first != pos || e.tokens == 0 || (e.tokens > self.block_size && !merged_drop) {
                 return Err(invalid(format!("entry {i} breaks the tiling: {e:?}")));
+            }
+            let holed_ok = e.holes == 0
+                || (matches!(e.slot, Slot::Hot(_))
+                    && e.tokens == self.block_size
+                    && self.block_size <= MAX_HOLED_BLOCK
+                    && e.holes & !rows_mask(e.tokens) == 0
+                    && e.holes != rows_mask(e.tokens));
+            if !holed_ok {
+                return Err(invalid(format!("entry {i} has impossible holes: {e:?}")));
             }
             if e.packed && (merged_drop || e.tokens != self.block_size) {
                 return Err(invalid(format!(
@@ -404,6 +490,44 @@ mod tests {
         t.set_slot(2, Slot::Dropped).unwrap();
         assert!(!t.entries()[2].is_packed());
         t.check().unwrap();
+    }
+
+    #[test]
+    fn holes_are_rows_of_full_closed_hot_blocks_and_leave_one_live() {
+        let mut t = BlockTable::new(4).unwrap();
+        t.push(Slot::Hot(b(0)), 4, false).unwrap();
+        t.push(Slot::Cold(b(1)), 4, false).unwrap();
+        t.push(Slot::Hot(b(2)), 4, false).unwrap();
+        t.push(Slot::Hot(b(3)), 2, true).unwrap();
+        let before = t.clone();
+        assert!(t.punch(1, 0b1).is_err(), "cold");
+        assert!(t.punch(3, 0b1).is_err(), "open, partial");
+        assert!(t.punch(0, 0).is_err(), "no rows");
+        assert!(t.punch(0, 0b1_0000).is_err(), "row 4 of 4");
+        assert!(t.punch(0, 0b1111).is_err(), "every row: drop it instead");
+        assert!(t.punch(9, 0b1).is_err(), "absent");
+        assert_eq!(t, before);
+        t.punch(0, 0b0101).unwrap();
+        assert!(t.punch(0, 0b0001).is_err(), "already a hole");
+        assert!(t.punch(0, 0b1010).is_err(), "would leave nothing");
+        assert_eq!((t.entries()[0].holes(), t.entries()[0].live()), (0b0101, 2));
+        assert_eq!(t.live_tokens(), 2 + 4 + 4 + 2);
+        assert_eq!(t.positions(), 14, "positions stay");
+        t.check().unwrap();
+        // A holed entry does not go cold; dropped, its holes go with it.
+        assert!(t.set_slot(0, Slot::Cold(b(7))).is_err());
+        assert_eq!(t.set_slot(0, Slot::Dropped).unwrap(), Slot::Hot(b(0)));
+        assert_eq!((t.entries()[0].holes(), t.entries()[0].live()), (0, 0));
+        // Compacted rows: a packed block whose tail holds nothing.
+        assert!(t.repack_rows(2, b(8), 0b1111).is_err(), "nothing live");
+        assert_eq!(t.repack_rows(2, b(8), 0b1100).unwrap(), Slot::Hot(b(2)));
+        assert!(t.entries()[2].is_packed());
+        assert_eq!(t.live_tokens(), 4 + 2 + 2);
+        t.check().unwrap();
+        // Blocks over 64 tokens have no hole bits.
+        let mut big = BlockTable::new(128).unwrap();
+        big.push(Slot::Hot(b(0)), 128, false).unwrap();
+        assert!(big.punch(0, 1).is_err());
     }
 
     #[test]

@@ -257,6 +257,21 @@ impl EvictionSpec {
         )
     }
 
+    /// Whether single tokens are evicted and holed blocks compacted
+    /// (KeyDiff's and SnapKV's `per_token`).
+    pub fn per_token(&self) -> bool {
+        matches!(
+            self,
+            EvictionSpec::Keydiff {
+                per_token: true,
+                ..
+            } | EvictionSpec::Snapkv {
+                per_token: true,
+                ..
+            }
+        )
+    }
+
     /// The scored policies' score and trigger (`None` for the others);
     /// an error names what is wrong with the trigger.
     pub fn scored(&self) -> Option<Result<(Score, Trigger, usize, usize), String>> {
@@ -426,6 +441,11 @@ pub enum EvictionSpec {
         /// into fewer blocks (hot blocks only: no cold tier).
         #[serde(default)]
         per_head: bool,
+        /// Token-level: single tokens are marked invalid and the live rows
+        /// of holed blocks compacted into fewer blocks (hot blocks of at
+        /// most 64 tokens: no cold tier).
+        #[serde(default)]
+        per_token: bool,
         /// Live tokens per sequence at most.
         budget_tokens: Option<usize>,
         /// Watermark that starts eviction.
@@ -447,6 +467,11 @@ pub enum EvictionSpec {
         /// into fewer blocks (hot blocks only: no cold tier).
         #[serde(default)]
         per_head: bool,
+        /// Token-level: single tokens are marked invalid and the live rows
+        /// of holed blocks compacted into fewer blocks (hot blocks of at
+        /// most 64 tokens: no cold tier).
+        #[serde(default)]
+        per_token: bool,
         /// Live tokens per sequence at most.
         budget_tokens: Option<usize>,
         /// Watermark that starts eviction.
@@ -793,6 +818,23 @@ impl Mechanisms {
                     .into(),
             );
         }
+        if let Some(e) = self.eviction.filter(|e| e.per_token()) {
+            if e.per_head() {
+                return Some("eviction is per_head or per_token, not both".into());
+            }
+            if self.cold.is_some() {
+                return Some(
+                    "eviction.per_token compacts hot blocks; it does not combine with a cold tier yet"
+                        .into(),
+                );
+            }
+            if block > kvforge_pool::MAX_HOLED_BLOCK as usize {
+                return Some(format!(
+                    "eviction.per_token marks rows of blocks of at most {} tokens, not {block}",
+                    kvforge_pool::MAX_HOLED_BLOCK
+                ));
+            }
+        }
         match self.eviction {
             Some(EvictionSpec::SinkWindow { window: 0, .. })
             | Some(EvictionSpec::Strided { window: 0, .. }) => {
@@ -1036,6 +1078,23 @@ block_size = 8
                 ),
                 "x.toml:17:1:",
                 "observation window must hold at least one query",
+            ),
+            (
+                GOOD.replace(
+                    SINK_WINDOW,
+                    "\"keydiff\", per_head = true, per_token = true, sink = 16, window = 64, budget_tokens = 200",
+                ),
+                "x.toml:17:1:",
+                "per_head or per_token, not both",
+            ),
+            (
+                GOOD.replace(
+                    SINK_WINDOW,
+                    "\"snapkv\", per_token = true, sink = 16, window = 64, budget_tokens = 200",
+                )
+                .replace("block_size = 8", "block_size = 128"),
+                "x.toml:17:1:",
+                "blocks of at most 64 tokens, not 128",
             ),
             (
                 GOOD.replace("block_size = 8", "block_size = 0"),

@@ -115,7 +115,11 @@ pub fn describe(m: &Mechanisms) -> String {
         Some(spec) => {
             if let Some(Ok((score, trigger, sink, window))) = spec.scored()
                 && let Ok(p) = kvforge_evict::Scored::new(score, trigger, sink, window)
-                && let Ok(p) = if spec.per_head() { p.per_head() } else { Ok(p) }
+                && let Ok(p) = match (spec.per_head(), spec.per_token()) {
+                    (true, _) => p.per_head(),
+                    (_, true) => p.per_token(),
+                    _ => Ok(p),
+                }
             {
                 use kvforge_evict::EvictionPolicy as _;
                 parts.push(format!("evict {}", p.name()));

@@ -627,6 +627,7 @@ fn configure(exp: &Experiment, m: &Mechanisms) -> Result<Configured> {
                 sink,
                 window,
                 per_head: spec.per_head(),
+                per_token: spec.per_token(),
             }),
             Some(Err(e)) => bail!("{e}"),
             None => bail!("eviction policy {spec:?} has no configuration"),

@@ -219,6 +219,7 @@ fn replay(
             sink: a.sink,
             window: a.window,
             per_head: false,
+            per_token: false,
         }),
         kv_budget: budget,
         ..EngineConfig::default()

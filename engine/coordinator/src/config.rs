@@ -113,8 +113,13 @@ pub enum EvictionConfig {
         /// Tokens kept at the end.
         window: usize,
         /// Head-wise: every lane (one layer's one KV head) keeps its own
-        /// pages, packed into fewer blocks (KeyDiff only; hot blocks only).
+        /// pages, packed into fewer blocks (KeyDiff and SnapKV; hot blocks
+        /// only).
         per_head: bool,
+        /// Token-level: single rows of blocks are marked invalid and the
+        /// live rows of holed blocks compacted into fewer blocks (KeyDiff
+        /// and SnapKV; hot blocks of at most 64 tokens only).
+        per_token: bool,
     },
 }
 

@@ -20,7 +20,7 @@ use kvforge_prefix::{
 };
 use kvforge_quant::{TierPlan, TierPolicy};
 
-use crate::plan::{CopyOp, Demotion, Pack, Plan, Write};
+use crate::plan::{CopyOp, Demotion, Pack, Plan, RowPack, Write};
 use crate::{
     CoordError, CoordinatorConfig, DedupConfig, EvictionConfig, IndexKind, LifecycleConfig, Result,
     TurnTail,
@@ -68,6 +68,12 @@ pub struct Counters {
     pub lifecycle_fallbacks: u64,
     /// Blocks written by head-wise eviction's packing (pages copied in).
     pub packed_blocks: u64,
+    /// Rows (tokens) token-level eviction marked invalid or dropped with
+    /// their entry.
+    pub evicted_tokens: u64,
+    /// Blocks token-level eviction's compaction gave back (the live rows
+    /// of holed blocks moved into fewer blocks).
+    pub compacted_blocks: u64,
     /// Of the evicted entries, those taken from idle sequences to make room
     /// for another's step (the budget was full).
     pub evicted_idle_entries: u64,
@@ -103,10 +109,19 @@ struct Pending {
     evicted: usize,
     demotions: usize,
     packed: usize,
+    /// Rows marked invalid (token-level) and blocks compaction gave back.
+    punched: usize,
+    compacted: usize,
 }
 
 /// Marks the policy's `victims` of `table` dropped and adds their blocks
 /// to `release`; an entry the table cannot drop is the policy's error.
+/// The hole mask of a block of `bs` rows whose first `live` rows are live.
+fn holes_from(live: u32, bs: u32) -> u64 {
+    let mask = |n: u32| if n >= 64 { u64::MAX } else { (1u64 << n) - 1 };
+    mask(bs) & !mask(live)
+}
+
 fn drop_victims(
     table: &mut BlockTable,
     victims: &[usize],
@@ -119,6 +134,60 @@ fn drop_victims(
         release.extend(old.block());
     }
     Ok(())
+}
+
+/// Marks the token-level policy's `victims` (`(entry, row)`, ascending)
+/// invalid in `table`: an entry left with no live row is dropped (its
+/// block added to `release`, its index to `drops`). Anything the table
+/// refuses is the policy's error. Returns the rows evicted.
+fn punch_victims(
+    table: &mut BlockTable,
+    victims: &[(usize, u32)],
+    release: &mut Vec<BlockId>,
+    drops: &mut Vec<usize>,
+) -> Result<usize> {
+    let bad = |m: String| CoordError::Policy(format!("the eviction policy {m}"));
+    if !victims.windows(2).all(|w| w[0] < w[1]) {
+        return Err(bad(format!("named rows out of order: {victims:?}")));
+    }
+    let bs = table.block_size();
+    for run in victims.chunk_by(|a, b| a.0 == b.0) {
+        let i = run[0].0;
+        if let Some(&(_, r)) = run.iter().find(|v| v.1 >= bs.min(64)) {
+            return Err(bad(format!("named row {r} of entry {i}, blocks of {bs}")));
+        }
+        let rows = run.iter().fold(0u64, |m, v| m | 1 << v.1);
+        let live = table.entries().get(i).map_or(0, |e| e.live());
+        let holes = table.entries().get(i).map_or(0, |e| e.holes());
+        if rows.count_ones() == live && rows & holes == 0 {
+            let old = table
+                .set_slot(i, Slot::Dropped)
+                .map_err(|e| bad(format!("named every row of entry {i}: {e}")))?;
+            release.extend(old.block());
+            drops.push(i);
+        } else {
+            table
+                .punch(i, rows)
+                .map_err(|e| bad(format!("named rows of entry {i}: {e}")))?;
+        }
+    }
+    Ok(victims.len())
+}
+
+/// Token-level eviction's compaction worked out by `row_packing`.
+struct RowPacking {
+    /// The holed entries, ascending.
+    entries: Vec<usize>,
+    /// Their blocks.
+    blocks: Vec<BlockId>,
+    /// How many of them keep a (compacted) block.
+    keep: usize,
+    /// Their live rows.
+    live: usize,
+    /// Every row of their blocks: the live ones in order, then the holes.
+    order: Vec<(BlockId, u32)>,
+    /// Permute the rows where they are instead of writing fresh blocks.
+    in_place: bool,
 }
 
 /// A head-wise eviction worked out by `lane_packing`.
@@ -259,15 +328,26 @@ impl Coordinator {
                 sink,
                 window,
                 per_head,
+                per_token,
             }) => {
                 let p = Scored::new(score, trigger, sink, window)?;
-                if per_head && cfg.cold.is_some() {
-                    return Err(CoordError::Config(
-                        "per-head eviction packs hot blocks; it does not combine with a cold tier yet"
-                            .into(),
-                    ));
+                let bad = |m: &str| Err(CoordError::Config(m.into()));
+                if per_head && per_token {
+                    return bad("eviction is per head or per token, not both");
                 }
-                Some(Box::new(if per_head { p.per_head()? } else { p }))
+                if (per_head || per_token) && cfg.cold.is_some() {
+                    return bad(
+                        "per-head and token-level eviction pack hot blocks; they do not combine with a cold tier yet",
+                    );
+                }
+                if per_token && bs > kvforge_pool::MAX_HOLED_BLOCK as usize {
+                    return bad("token-level eviction marks rows of blocks of at most 64 tokens");
+                }
+                Some(Box::new(match (per_head, per_token) {
+                    (true, _) => p.per_head()?,
+                    (_, true) => p.per_token()?,
+                    _ => p,
+                }))
             }
         };
         let dedup: Option<Box<dyn Deduplicator>> = match cfg.dedup {
@@ -562,6 +642,7 @@ impl Coordinator {
         };
         let mut release = Vec::new();
         let mut lane_drops = Vec::new();
+        let mut punched = 0;
         // 1. Eviction.
         let pressure = self.pressure(self.tiers.in_use_bytes(), n);
         if let Some(ev) = self.evict.as_mut() {
@@ -569,6 +650,10 @@ impl Coordinator {
             if ev.per_lane() {
                 ev.lane_victims(seq, &next, pressure, self.lanes, &mut self.scratch);
                 lane_drops = std::mem::take(&mut self.scratch);
+            } else if ev.token_level() {
+                let mut rows = Vec::new();
+                ev.token_victims(seq, &next, pressure, &mut rows);
+                punched = punch_victims(&mut next, &rows, &mut release, &mut plan.drops)?;
             } else {
                 ev.victims(seq, &next, pressure, &mut self.scratch);
             }
@@ -576,6 +661,7 @@ impl Coordinator {
             plan.drops.extend_from_slice(&self.scratch);
         }
         let packing = self.lane_packing(&next, &lane_drops)?;
+        let row_packing = self.row_packing(&next);
         // 2. Demotions: reuse another holder's cold copy, or quantize anew.
         let mut demote = Vec::new();
         if let Some(tp) = self.tier_policy.as_ref() {
@@ -584,6 +670,9 @@ impl Coordinator {
         // Entries being packed stay hot this step (a researcher's per-lane
         // policy may run beside a cold tier).
         if let Some(p) = &packing {
+            demote.retain(|i| p.entries.binary_search(i).is_err());
+        }
+        if let Some(p) = &row_packing {
             demote.retain(|i| p.entries.binary_search(i).is_err());
         }
         // A policy's answer is checked before anything is taken.
@@ -651,6 +740,9 @@ impl Coordinator {
             + usize::from(copy_src.is_some())
             + packing
                 .as_ref()
+                .map_or(0, |p| if p.in_place { 0 } else { p.keep })
+            + row_packing
+                .as_ref()
                 .map_or(0, |p| if p.in_place { 0 } else { p.keep });
         let cold_bytes = self.cold_layout().map_or(0, |l| l.block_bytes());
         // The budget holds between steps: blocks this step lets go of for
@@ -672,9 +764,17 @@ impl Coordinator {
                 &p.blocks[..]
             }
         });
+        let compacted_away = row_packing.as_ref().map_or(&[][..], |p| {
+            if p.in_place {
+                &p.blocks[p.keep..]
+            } else {
+                &p.blocks[..]
+            }
+        });
         let freed: u64 = release
             .iter()
             .chain(packed_away)
+            .chain(compacted_away)
             .chain(copy_src.iter().map(|(b, _)| b))
             .chain(fresh.iter().map(|(_, h)| h))
             .chain(plan.demotions.iter().map(|d| &d.hot))
@@ -760,7 +860,6 @@ impl Coordinator {
                     release.extend(next.set_slot(i, Slot::Dropped)?.block());
                 }
             }
-            plan.drops.sort_unstable();
             if p.keep > 0 {
                 plan.pack = Some(Pack {
                     lanes: self.lanes,
@@ -770,6 +869,46 @@ impl Coordinator {
                 });
             }
         }
+        // Token-level eviction: the live rows of the holed entries move
+        // into the first `keep` of them (the last one's tail holes), the
+        // others are dropped.
+        let mut compacted = 0;
+        if let Some(p) = row_packing {
+            let dst = if p.in_place {
+                p.blocks.clone()
+            } else {
+                let (fresh, rest) = hot_new.split_at(p.keep);
+                hot_new = rest;
+                fresh.to_vec()
+            };
+            let tail = p.live - (p.keep - 1) * bs;
+            for (k, &i) in p.entries.iter().enumerate() {
+                if k < p.keep {
+                    let holes = if k + 1 == p.keep {
+                        holes_from(tail as u32, bs as u32)
+                    } else {
+                        0
+                    };
+                    let old = next.repack_rows(i, dst[k], holes)?;
+                    if !p.in_place {
+                        release.extend(old.block());
+                    }
+                } else {
+                    plan.drops.push(i);
+                    release.extend(next.set_slot(i, Slot::Dropped)?.block());
+                }
+            }
+            compacted = p.entries.len() - p.keep;
+            let mut src = p.order;
+            src.truncate(dst.len() * bs);
+            plan.rows = Some(RowPack {
+                block_size: bs as u32,
+                dst,
+                src,
+                in_place: p.in_place,
+            });
+        }
+        plan.drops.sort_unstable();
         // 4. The copy, then writes: the rest of the open block, then the
         // new blocks.
         if let Some((src, tokens)) = copy_src {
@@ -813,8 +952,58 @@ impl Coordinator {
             evicted: plan.drops.len(),
             demotions: plan.demotions.len(),
             packed: plan.pack.as_ref().map_or(0, |p| p.dst.len()),
+            punched,
+            compacted,
         });
         Ok(plan)
+    }
+
+    /// Token-level eviction's compaction, when the live rows of the holed
+    /// entries fit in fewer blocks than they hold: which entries, how many
+    /// keep a block, and the order of their rows (in place when nothing
+    /// else can see the blocks, as for head-wise packing).
+    fn row_packing(&self, table: &BlockTable) -> Option<RowPacking> {
+        let bs = table.block_size();
+        let last = table.entries().len().wrapping_sub(1);
+        let mut entries = Vec::new();
+        let mut blocks = Vec::new();
+        let mut live = 0usize;
+        for (i, e) in table.entries().iter().enumerate() {
+            if let Slot::Hot(b) = e.slot()
+                && e.holes() != 0
+                && e.tokens() == bs
+                && !(table.is_open() && i == last)
+            {
+                entries.push(i);
+                blocks.push(b);
+                live += e.live() as usize;
+            }
+        }
+        let keep = live.div_ceil(bs as usize);
+        if keep >= entries.len() {
+            return None;
+        }
+        let in_place = self.index.is_none()
+            && blocks
+                .iter()
+                .all(|&b| self.tiers.ref_count(b).is_ok_and(|c| c == 1));
+        let rows = |hole: bool| {
+            entries.iter().zip(&blocks).flat_map(move |(&i, &b)| {
+                let h = table.entries()[i].holes();
+                (0..bs)
+                    .filter(move |r| (h >> r & 1 == 1) == hole)
+                    .map(move |r| (b, r))
+            })
+        };
+        let order: Vec<(BlockId, u32)> = rows(false).chain(rows(true)).collect();
+        Some(RowPacking {
+            entries,
+            blocks,
+            keep,
+            live,
+            order,
+            in_place,
+        })
     }
 
     /// What a policy is told when `in_use` bytes are (or would be) in use
@@ -833,9 +1022,9 @@ impl Coordinator {
     /// the budget: the eviction policy names victims in the other idle
     /// sequences (no step planned, no turn in flight), least recently
     /// stepped first, as if the bytes in use were `want`; they are dropped
-    /// and released at once, until the step fits. Per-lane policies (whose
-    /// victims need the engine's packing) and policies that name nothing
-    /// free nothing here.
+    /// and released at once, until the step fits. Per-lane and token-level
+    /// policies (whose victims need the engine's packing) and policies
+    /// that name nothing free nothing here.
     fn evict_others(&mut self, stepping: SeqId, want: u64) -> Result<()> {
         let mut order: Vec<(u64, SeqId)> = self
             .seqs
@@ -853,7 +1042,7 @@ impl Coordinator {
             let (Some(ev), Some(s)) = (self.evict.as_mut(), self.seqs.get_mut(&id)) else {
                 break;
             };
-            if ev.per_lane() {
+            if ev.per_lane() || ev.token_level() {
                 break;
             }
             self.scratch.clear();
@@ -1108,7 +1297,13 @@ impl Coordinator {
         };
         let s = self.seqs.get(&seq).ok_or(CoordError::UnknownSeq(seq))?;
         let t = s.pending.as_ref().map_or(&s.table, |p| &p.next);
-        let per_entry = if ev.per_lane() { self.lanes } else { 1 };
+        let per_entry = if ev.per_lane() {
+            self.lanes
+        } else if ev.token_level() {
+            t.block_size() as usize
+        } else {
+            1
+        };
         if values.len() != t.entries().len() * per_entry {
             let what = if keys {
                 "key novelty for another number of entries"
@@ -1136,6 +1331,12 @@ impl Coordinator {
         self.evict.as_ref().is_some_and(|e| e.per_lane())
     }
 
+    /// Whether the eviction policy names single tokens: it then wants its
+    /// signals per row of the table (`entries × block_size`).
+    pub fn token_level(&self) -> bool {
+        self.evict.as_ref().is_some_and(|e| e.token_level())
+    }
+
     /// Whether the eviction policy wants attention mass (per entry and
     /// lane for a [`per_lane`](Self::per_lane) policy).
     pub fn wants_attention(&self) -> bool {
@@ -1157,6 +1358,8 @@ impl Coordinator {
         self.counters.evicted_entries += p.evicted as u64;
         self.counters.demoted_blocks += p.demotions as u64;
         self.counters.packed_blocks += p.packed as u64;
+        self.counters.evicted_tokens += p.punched as u64;
+        self.counters.compacted_blocks += p.compacted as u64;
         let steps = self.counters.steps;
         let s = self.seqs.get_mut(&seq).ok_or(CoordError::UnknownSeq(seq))?;
         s.table = p.next;

@@ -70,7 +70,7 @@ pub use kvforge_evict::{Score, Trigger};
 pub use kvforge_lifecycle::{Label, LabelSource, Segment};
 pub use kvforge_lsh::{Content, SimHashConfig};
 pub use kvforge_pool::{BlockId, BlockTable, Entry, Slot, TieredPool};
-pub use plan::{CopyOp, Demotion, Pack, Plan, Write};
+pub use plan::{CopyOp, Demotion, Pack, Plan, RowPack, Write};
 
 /// The README's example, compiled and run as a doctest.
 #[doc = include_str!("../README.md")]

@@ -64,7 +64,29 @@ pub struct Pack {
     pub in_place: bool,
 }
 
-/// One step of one sequence: carry out `copies`, `pack`, then `demotions`, then
+/// Token-level eviction's compaction: row `r` of block `dst[k]` takes row
+/// `src[k × block_size + r].1` of block `src[k × block_size + r].0` (all
+/// layers and KV heads alike) — the live rows of the compacted entries in
+/// position order, then their holes. All sources are read before any
+/// destination is written.
+///
+/// Copy-on-write (`in_place == false`): `dst` are fresh blocks. In place:
+/// `dst` are the compacted entries' own blocks, all of them, and `src` is a
+/// permutation of all their rows, so the engine can undo it exactly by
+/// moving every row back when the step is aborted.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RowPack {
+    /// Tokens per block.
+    pub block_size: u32,
+    /// The blocks written.
+    pub dst: Vec<BlockId>,
+    /// Where each of their rows is read from (still held during the step).
+    pub src: Vec<(BlockId, u32)>,
+    /// The rows are permuted where they are (no other holder, no index).
+    pub in_place: bool,
+}
+
+/// One step of one sequence: carry out `copies`, `pack` / `rows`, then `demotions`, then
 /// write the new tokens' K/V at `writes` while attending over
 /// [`Coordinator::view`](crate::Coordinator::view); then
 /// [`commit`](crate::Coordinator::commit), or
@@ -83,6 +105,8 @@ pub struct Plan {
     pub drops: Vec<usize>,
     /// Pages packed by head-wise eviction, before the step.
     pub pack: Option<Pack>,
+    /// Rows compacted by token-level eviction, before the step.
+    pub rows: Option<RowPack>,
 }
 
 impl Plan {

@@ -296,6 +296,7 @@ fn scored_eviction_keeps_the_entry_attention_favours() {
         sink: 4,
         window: 4,
         per_head: false,
+        per_token: false,
     });
     let mut c = Coordinator::new(cfg).unwrap();
     assert!(c.wants_attention());
@@ -330,6 +331,7 @@ fn keydiff_eviction_keeps_the_entry_whose_keys_stand_out() {
         sink: 4,
         window: 4,
         per_head: false,
+        per_token: false,
     });
     let mut c = Coordinator::new(cfg).unwrap();
     assert!(c.wants_keys() && !c.wants_attention());
@@ -371,6 +373,7 @@ fn per_head_in(
         sink,
         window: 4,
         per_head: true,
+        per_token: false,
     });
     let mut c = Coordinator::new(cfg).unwrap();
     assert!(c.per_lane() && c.wants_keys());
@@ -555,9 +558,189 @@ fn a_per_lane_answer_that_breaks_the_contract_is_refused_and_changes_nothing() {
         sink: 4,
         window: 16,
         per_head: true,
+        per_token: false,
     });
     let e = Coordinator::new(cfg).unwrap_err().to_string();
-    assert!(e.contains("does not combine with a cold tier"), "{e}");
+    assert!(e.contains("do not combine with a cold tier"), "{e}");
+}
+
+/// Token-level KeyDiff (sink 4, window 4, budget 18) after one step of
+/// 24 tokens (entries 0..=5 of 4) whose novelty per row makes rows 0..=2
+/// of entry 1, 1 and 3 of entry 2, 0 of entry 3 and 2 of entry 4 the
+/// least distinctive: the next token needs 7 rows out.
+fn token_case(mut cfg: CoordinatorConfig) -> (Coordinator, SeqId, Vec<BlockId>) {
+    cfg.eviction = Some(EvictionConfig::Scored {
+        score: Score::KeyDiff,
+        trigger: Trigger::Tokens(18),
+        sink: 4,
+        window: 4,
+        per_head: false,
+        per_token: true,
+    });
+    let mut c = Coordinator::new(cfg).unwrap();
+    assert!(c.token_level() && c.wants_keys() && !c.per_lane());
+    let s = c.open_empty();
+    c.plan(s, 24).unwrap();
+    let low = [(1, 0), (1, 1), (1, 2), (2, 1), (2, 3), (3, 0), (4, 2)];
+    let nv: Vec<f32> = (0..6 * 4)
+        .map(|x| {
+            if low.contains(&(x / 4, x % 4)) {
+                0.01 * x as f32
+            } else {
+                0.9
+            }
+        })
+        .collect();
+    // One value per entry is not enough for a token-level policy.
+    assert!(c.observe_keys(s, &nv[..6]).is_err());
+    c.observe_keys(s, &nv).unwrap();
+    c.commit(s).unwrap();
+    let blocks: Vec<BlockId> = (1..5)
+        .map(|i| c.table(s).unwrap().entries()[i].slot().block().unwrap())
+        .collect();
+    (c, s, blocks)
+}
+
+/// Without an index, the holed blocks' rows are permuted where they are:
+/// the 9 live rows of entries 1..=4 fill entries 1, 2 and 3 (the last with
+/// 3 holes), entry 4 is dropped and its block comes back to the pool.
+#[test]
+fn token_level_eviction_marks_rows_and_compacts_them_into_fewer_blocks() {
+    let (mut c, s, blocks) = token_case(CoordinatorConfig::new(layout(), 64));
+    let (b1, b2, b3, b4) = (blocks[0], blocks[1], blocks[2], blocks[3]);
+    let in_use = c.pools().stats().in_use;
+    let before = state(&c, &[s]);
+    c.plan(s, 1).unwrap();
+    c.abort(s).unwrap();
+    assert_eq!(
+        state(&c, &[s]),
+        before,
+        "an aborted compaction changes nothing"
+    );
+    let p = c.plan(s, 1).unwrap();
+    let rows = p.rows.clone().unwrap();
+    assert!(rows.in_place && p.pack.is_none());
+    assert_eq!(rows.dst, blocks);
+    #[rustfmt::skip]
+    let want = [
+        (b1, 3), (b2, 0), (b2, 2), (b3, 1),
+        (b3, 2), (b3, 3), (b4, 0), (b4, 1),
+        (b4, 3), (b1, 0), (b1, 1), (b1, 2),
+        (b2, 1), (b2, 3), (b3, 0), (b4, 2),
+    ];
+    assert_eq!(rows.src, want);
+    assert_eq!(p.drops, [4]);
+    c.commit(s).unwrap();
+    let t = c.table(s).unwrap();
+    t.check().unwrap();
+    let e = t.entries();
+    assert!(e[1].is_packed() && e[2].is_packed() && e[3].is_packed());
+    assert_eq!((e[1].holes(), e[2].holes(), e[3].holes()), (0, 0, 0b1110));
+    assert_eq!(e[4].slot(), Slot::Dropped);
+    assert_eq!((t.live_tokens(), t.positions()), (18, 25));
+    // One block back to the pool, one taken for the new token.
+    assert_eq!(c.pools().stats().in_use, in_use);
+    assert_eq!(c.pools().ref_count(b4).unwrap_or(0), 0, "released");
+    let n = c.counters();
+    assert_eq!((n.evicted_tokens, n.compacted_blocks), (7, 1));
+    // A compacted block is never registered as a prefix.
+    let tokens: Vec<u32> = (0..25).collect();
+    assert_eq!(c.register(s, &tokens, &ExtraKeys::default()).unwrap(), 0);
+    c.close(s).unwrap();
+    assert_eq!(c.pools().stats().in_use, 0);
+}
+
+/// With a prefix index the rows are copied into fresh blocks, the holed
+/// ones released.
+#[test]
+fn token_level_compaction_copies_when_an_index_could_see_the_blocks() {
+    let (mut c, s, blocks) = token_case(config(64));
+    let in_use = c.pools().stats().in_use;
+    let p = c.plan(s, 1).unwrap();
+    let rows = p.rows.clone().unwrap();
+    assert!(!rows.in_place);
+    assert_eq!(rows.dst.len(), 3);
+    assert!(rows.dst.iter().all(|b| !blocks.contains(b)));
+    assert_eq!(rows.src.len(), 12);
+    assert_eq!(rows.src[..2], [(blocks[0], 3), (blocks[1], 0)]);
+    c.commit(s).unwrap();
+    c.table(s).unwrap().check().unwrap();
+    // Four holed blocks went, three compacted ones and the new token's came.
+    assert_eq!(c.pools().stats().in_use, in_use - 4 + 3 + 1);
+    for b in blocks {
+        assert_eq!(c.pools().ref_count(b).unwrap_or(0), 0);
+    }
+    c.close(s).unwrap();
+    assert_eq!(c.pools().stats().in_use, 0);
+}
+
+#[test]
+fn a_token_level_answer_that_breaks_the_contract_is_refused_and_changes_nothing() {
+    struct Bad(Vec<(usize, u32)>);
+    impl kvforge_evict::EvictionPolicy for Bad {
+        fn name(&self) -> String {
+            "bad".into()
+        }
+        fn token_level(&self) -> bool {
+            true
+        }
+        fn token_victims(
+            &mut self,
+            _: u64,
+            _: &kvforge_pool::BlockTable,
+            _: kvforge_evict::Pressure,
+            out: &mut Vec<(usize, u32)>,
+        ) {
+            out.extend_from_slice(&self.0);
+        }
+        fn victims(
+            &mut self,
+            _: u64,
+            _: &kvforge_pool::BlockTable,
+            _: kvforge_evict::Pressure,
+            _: &mut Vec<usize>,
+        ) {
+        }
+    }
+    for (answer, msg) in [
+        (vec![(2, 1), (1, 0)], "out of order"),
+        (vec![(1, 0), (1, 0)], "out of order"),
+        (vec![(1, 4)], "named row 4 of entry 1"),
+        (vec![(3, 0)], "not a full, closed hot block"),
+        (vec![(9, 0)], "does not exist"),
+    ] {
+        let mut c = Coordinator::new(config(64)).unwrap();
+        let s = c.open_empty();
+        step(&mut c, s, 14);
+        c.set_eviction_policy(Some(Box::new(Bad(answer))));
+        let before = state(&c, &[s]);
+        let e = c.plan(s, 1).unwrap_err().to_string();
+        assert!(e.contains(msg), "{e}");
+        assert_eq!(state(&c, &[s]), before);
+        c.close(s).unwrap();
+    }
+    // Every row of an entry: it is dropped, not holed.
+    let mut c = Coordinator::new(config(64)).unwrap();
+    let s = c.open_empty();
+    step(&mut c, s, 14);
+    let all: Vec<(usize, u32)> = (0..4).map(|r| (1, r)).collect();
+    c.set_eviction_policy(Some(Box::new(Bad(all))));
+    assert_eq!(step(&mut c, s, 1).drops, [1]);
+    c.close(s).unwrap();
+    let token = |per_head, cfg: CoordinatorConfig| {
+        let mut cfg = cfg;
+        cfg.eviction = Some(EvictionConfig::Scored {
+            score: Score::KeyDiff,
+            trigger: Trigger::Tokens(64),
+            sink: 4,
+            window: 16,
+            per_head,
+            per_token: true,
+        });
+        Coordinator::new(cfg).unwrap_err().to_string()
+    };
+    assert!(token(false, all_on(64)).contains("do not combine with a cold tier"));
+    assert!(token(true, config(64)).contains("per head or per token, not both"));
 }
 
 #[test]
@@ -1255,6 +1438,7 @@ fn a_full_budget_takes_entries_from_idle_sequences() {
         sink: 4,
         window: 4,
         per_head: false,
+        per_token: false,
     }));
     let (a, idle, b) = (c.open_empty(), c.open_empty(), c.open_empty());
     step(&mut c, idle, 4); // stepped first: the least recent, but nothing to give
