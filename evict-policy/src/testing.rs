@@ -67,15 +67,7 @@ pub fn check_lane_policy<P: EvictionPolicy + ?Sized>(p: &mut P, block_size: u32,
             let mut t = table(n, bs);
             let pressure = pressure(used);
             for round in 0..2 {
-                let signal: Vec<f32> = (0..t.entries().len() * lanes)
-                    .map(|x| ((x * 7919 + round) % 101) as f32 / 101.0)
-                    .collect();
-                if p.wants_keys() {
-                    p.observe_keys(seq, &t, &signal);
-                }
-                if p.wants_attention() {
-                    p.observe(seq, &t, &signal);
-                }
+                feed(p, seq, &t, lanes, round);
                 let mut out = Vec::new();
                 p.lane_victims(seq, &t, pressure, lanes, &mut out);
                 assert_eq!(out.len() % lanes, 0, "{}: {out:?}", p.name());
@@ -132,15 +124,7 @@ pub fn check_token_policy<P: EvictionPolicy + ?Sized>(p: &mut P, block_size: u32
             }
             let pressure = pressure(used);
             for round in 0..2 {
-                let signal: Vec<f32> = (0..t.entries().len() * bs as usize)
-                    .map(|x| ((x * 7919 + round) % 101) as f32 / 101.0)
-                    .collect();
-                if p.wants_keys() {
-                    p.observe_keys(seq, &t, &signal);
-                }
-                if p.wants_attention() {
-                    p.observe(seq, &t, &signal);
-                }
+                feed(p, seq, &t, bs as usize, round);
                 let mut out = Vec::new();
                 p.token_victims(seq, &t, pressure, &mut out);
                 assert!(
@@ -178,6 +162,20 @@ pub fn check_token_policy<P: EvictionPolicy + ?Sized>(p: &mut P, block_size: u32
             }
             p.forget(seq);
         }
+    }
+}
+
+/// Feeds `per` different values per entry of `t` (per lane or per row),
+/// as key novelty and as attention mass, whichever the policy wants.
+fn feed<P: EvictionPolicy + ?Sized>(p: &mut P, seq: u64, t: &BlockTable, per: usize, round: usize) {
+    let signal: Vec<f32> = (0..t.entries().len() * per)
+        .map(|x| ((x * 7919 + round) % 101) as f32 / 101.0)
+        .collect();
+    if p.wants_keys() {
+        p.observe_keys(seq, t, &signal);
+    }
+    if p.wants_attention() {
+        p.observe(seq, t, &signal);
     }
 }
 

@@ -174,36 +174,91 @@ fn punch_victims(
     Ok(victims.len())
 }
 
-/// Token-level eviction's compaction worked out by `row_packing`.
-struct RowPacking {
-    /// The holed entries, ascending.
-    entries: Vec<usize>,
-    /// Their blocks.
-    blocks: Vec<BlockId>,
-    /// How many of them keep a (compacted) block.
-    keep: usize,
-    /// Their live rows.
-    live: usize,
-    /// Every row of their blocks: the live ones in order, then the holes.
-    order: Vec<(BlockId, u32)>,
-    /// Permute the rows where they are instead of writing fresh blocks.
-    in_place: bool,
-}
-
-/// A head-wise eviction worked out by `lane_packing`.
-struct Packing {
-    /// The entries any lane stops reading, ascending.
+/// The entries a head-wise pack or a token-level compaction rewrites:
+/// the first `keep` take the written blocks, the others are dropped.
+struct Rewrite {
+    /// The entries, ascending.
     entries: Vec<usize>,
     /// Their blocks.
     blocks: Vec<BlockId>,
     /// How many of them keep a (packed) block.
     keep: usize,
+    /// Permute their own blocks instead of writing fresh ones.
+    in_place: bool,
+}
+
+impl Rewrite {
+    /// Fresh hot blocks it writes into.
+    fn fresh(&self) -> usize {
+        if self.in_place { 0 } else { self.keep }
+    }
+
+    /// Blocks it lets go of at the commit.
+    fn away(&self) -> &[BlockId] {
+        if self.in_place {
+            &self.blocks[self.keep..]
+        } else {
+            &self.blocks
+        }
+    }
+
+    /// Applies it to `next`: entry `k < keep` takes the `k`-th written
+    /// block — its own (in place) or a fresh one taken from `hot_new` —
+    /// with `holes(k)` (`None`: a head-wise pack), the others are dropped;
+    /// the blocks let go of go to `release`, the dropped entries to
+    /// `drops`. Returns the written blocks.
+    fn apply(
+        &self,
+        next: &mut BlockTable,
+        hot_new: &mut &[BlockId],
+        holes: impl Fn(usize) -> Option<u64>,
+        release: &mut Vec<BlockId>,
+        drops: &mut Vec<usize>,
+    ) -> Result<Vec<BlockId>> {
+        let dst = if self.in_place {
+            self.blocks.clone()
+        } else {
+            let (fresh, rest) = hot_new.split_at(self.keep);
+            *hot_new = rest;
+            fresh.to_vec()
+        };
+        for (k, &i) in self.entries.iter().enumerate() {
+            if k < self.keep {
+                let old = match holes(k) {
+                    None => next.repack(i, dst[k])?,
+                    Some(h) => next.repack_rows(i, dst[k], h)?,
+                };
+                if !self.in_place {
+                    release.extend(old.block());
+                }
+            } else {
+                drops.push(i);
+                release.extend(next.set_slot(i, Slot::Dropped)?.block());
+            }
+        }
+        Ok(dst)
+    }
+}
+
+/// Token-level eviction's compaction worked out by `row_packing`.
+struct RowPacking {
+    /// The holed entries; in place, the rows are permuted where they are.
+    rw: Rewrite,
+    /// Their live rows.
+    live: usize,
+    /// Every row of their blocks: the live ones in order, then the holes.
+    order: Vec<(BlockId, u32)>,
+}
+
+/// A head-wise eviction worked out by `lane_packing`.
+struct Packing {
+    /// The entries any lane stops reading; in place, the union's own
+    /// blocks are permuted.
+    rw: Rewrite,
     /// For packed block `k` and lane `l`, at `k × lanes + l`: the block
     /// whose page of lane `l` it takes (in place: for every block of the
     /// union, the dropped pages after the kept ones).
     src: Vec<BlockId>,
-    /// Permute the union's own blocks instead of writing fresh ones.
-    in_place: bool,
 }
 
 struct SeqState {
@@ -662,6 +717,11 @@ impl Coordinator {
         }
         let packing = self.lane_packing(&next, &lane_drops)?;
         let row_packing = self.row_packing(&next);
+        // At most one of them: a policy is per lane, per token or neither.
+        let rewrite = packing
+            .as_ref()
+            .map(|p| &p.rw)
+            .or(row_packing.as_ref().map(|p| &p.rw));
         // 2. Demotions: reuse another holder's cold copy, or quantize anew.
         let mut demote = Vec::new();
         if let Some(tp) = self.tier_policy.as_ref() {
@@ -669,11 +729,8 @@ impl Coordinator {
         }
         // Entries being packed stay hot this step (a researcher's per-lane
         // policy may run beside a cold tier).
-        if let Some(p) = &packing {
-            demote.retain(|i| p.entries.binary_search(i).is_err());
-        }
-        if let Some(p) = &row_packing {
-            demote.retain(|i| p.entries.binary_search(i).is_err());
+        if let Some(rw) = rewrite {
+            demote.retain(|i| rw.entries.binary_search(i).is_err());
         }
         // A policy's answer is checked before anything is taken.
         let last = next.entries().len().wrapping_sub(1);
@@ -738,12 +795,7 @@ impl Coordinator {
         let in_open = n.min(room);
         let need_hot = (n - in_open).div_ceil(bs)
             + usize::from(copy_src.is_some())
-            + packing
-                .as_ref()
-                .map_or(0, |p| if p.in_place { 0 } else { p.keep })
-            + row_packing
-                .as_ref()
-                .map_or(0, |p| if p.in_place { 0 } else { p.keep });
+            + rewrite.map_or(0, Rewrite::fresh);
         let cold_bytes = self.cold_layout().map_or(0, |l| l.block_bytes());
         // The budget holds between steps: blocks this step lets go of for
         // good (dropped or demoted, no other holder) make room. Until the
@@ -757,24 +809,9 @@ impl Coordinator {
                 cold_bytes
             }
         };
-        let packed_away = packing.as_ref().map_or(&[][..], |p| {
-            if p.in_place {
-                &p.blocks[p.keep..]
-            } else {
-                &p.blocks[..]
-            }
-        });
-        let compacted_away = row_packing.as_ref().map_or(&[][..], |p| {
-            if p.in_place {
-                &p.blocks[p.keep..]
-            } else {
-                &p.blocks[..]
-            }
-        });
         let freed: u64 = release
             .iter()
-            .chain(packed_away)
-            .chain(compacted_away)
+            .chain(rewrite.map_or(&[][..], Rewrite::away))
             .chain(copy_src.iter().map(|(b, _)| b))
             .chain(fresh.iter().map(|(_, h)| h))
             .chain(plan.demotions.iter().map(|d| &d.hot))
@@ -842,30 +879,20 @@ impl Coordinator {
         // Head-wise eviction: the first `keep` entries of the union take
         // the packed blocks, the others are dropped.
         if let Some(p) = packing {
-            let dst = if p.in_place {
-                p.blocks.clone()
-            } else {
-                let (fresh, rest) = hot_new.split_at(p.keep);
-                hot_new = rest;
-                fresh.to_vec()
-            };
-            for (k, &i) in p.entries.iter().enumerate() {
-                if k < p.keep {
-                    let old = next.repack(i, dst[k])?;
-                    if !p.in_place {
-                        release.extend(old.block());
-                    }
-                } else {
-                    plan.drops.push(i);
-                    release.extend(next.set_slot(i, Slot::Dropped)?.block());
-                }
-            }
-            if p.keep > 0 {
+            let rw = &p.rw;
+            let dst = rw.apply(
+                &mut next,
+                &mut hot_new,
+                |_| None,
+                &mut release,
+                &mut plan.drops,
+            )?;
+            if rw.keep > 0 {
                 plan.pack = Some(Pack {
                     lanes: self.lanes,
                     dst,
                     src: p.src,
-                    in_place: p.in_place,
+                    in_place: rw.in_place,
                 });
             }
         }
@@ -874,38 +901,30 @@ impl Coordinator {
         // others are dropped.
         let mut compacted = 0;
         if let Some(p) = row_packing {
-            let dst = if p.in_place {
-                p.blocks.clone()
-            } else {
-                let (fresh, rest) = hot_new.split_at(p.keep);
-                hot_new = rest;
-                fresh.to_vec()
-            };
-            let tail = p.live - (p.keep - 1) * bs;
-            for (k, &i) in p.entries.iter().enumerate() {
-                if k < p.keep {
-                    let holes = if k + 1 == p.keep {
-                        holes_from(tail as u32, bs as u32)
-                    } else {
-                        0
-                    };
-                    let old = next.repack_rows(i, dst[k], holes)?;
-                    if !p.in_place {
-                        release.extend(old.block());
-                    }
+            let rw = &p.rw;
+            let tail = (p.live - (rw.keep - 1) * bs) as u32;
+            let holes = |k: usize| {
+                Some(if k + 1 == rw.keep {
+                    holes_from(tail, bs as u32)
                 } else {
-                    plan.drops.push(i);
-                    release.extend(next.set_slot(i, Slot::Dropped)?.block());
-                }
-            }
-            compacted = p.entries.len() - p.keep;
+                    0
+                })
+            };
+            let dst = rw.apply(
+                &mut next,
+                &mut hot_new,
+                holes,
+                &mut release,
+                &mut plan.drops,
+            )?;
+            compacted = rw.entries.len() - rw.keep;
             let mut src = p.order;
             src.truncate(dst.len() * bs);
             plan.rows = Some(RowPack {
                 block_size: bs as u32,
                 dst,
                 src,
-                in_place: p.in_place,
+                in_place: rw.in_place,
             });
         }
         plan.drops.sort_unstable();
@@ -997,12 +1016,14 @@ impl Coordinator {
         };
         let order: Vec<(BlockId, u32)> = rows(false).chain(rows(true)).collect();
         Some(RowPacking {
-            entries,
-            blocks,
-            keep,
+            rw: Rewrite {
+                entries,
+                blocks,
+                keep,
+                in_place,
+            },
             live,
             order,
-            in_place,
         })
     }
 
@@ -1134,11 +1155,13 @@ impl Coordinator {
             }
         }
         Ok(Some(Packing {
-            entries: union,
-            blocks,
-            keep,
+            rw: Rewrite {
+                entries: union,
+                blocks,
+                keep,
+                in_place,
+            },
             src,
-            in_place,
         }))
     }
 
