@@ -4,7 +4,8 @@
 //! The table does not change between calls, so every call ranks all
 //! entries and names about 128 victims: an upper bound on a steady decode
 //! step, which names one. Compare with a decode step of the engine at that
-//! context. Head-wise KeyDiff ranks each of 90 lanes on its own.
+//! context. Head-wise KeyDiff ranks each of 90 lanes on its own;
+//! token-level KeyDiff ranks the 4096 rows.
 
 use criterion::{BenchmarkId, Criterion};
 use kvforge_evict::{EvictionPolicy, Pressure, Score, Scored, Trigger};
@@ -62,6 +63,29 @@ fn evict(c: &mut Criterion) {
                 p.observe_keys(0, &t, &novelty);
                 out.clear();
                 p.lane_victims(0, &t, Pressure::new(0.5, 1), lanes, &mut out);
+                out.len()
+            })
+        });
+    }
+    // Token-level KeyDiff: one novelty per row (4096) in, rows out — 2049
+    // under the 2048-token budget (the upper bound), one in a steady step.
+    let rows: Vec<f32> = (0..4096)
+        .map(|i| ((i * 7919) % 1009) as f32 / 1009.0)
+        .collect();
+    for (name, budget) in [
+        ("keydiff-per-token", 2048),
+        ("keydiff-per-token-steady", 4096),
+    ] {
+        let mut p = Scored::new(Score::KeyDiff, Trigger::Tokens(budget), 32, 256)
+            .unwrap()
+            .per_token()
+            .unwrap();
+        let mut out = Vec::new();
+        g.bench_function(BenchmarkId::new("observe+victims/4096", name), |b| {
+            b.iter(|| {
+                p.observe_keys(0, &t, &rows);
+                out.clear();
+                p.token_victims(0, &t, Pressure::new(0.5, 1), &mut out);
                 out.len()
             })
         });
