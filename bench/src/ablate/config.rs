@@ -914,6 +914,11 @@ block_size = 8
 "#;
 
     const SINK_WINDOW: &str = "\"sink-window\", sink = 16, window = 64";
+    /// `src` without GOOD's cold tier and sharing (which needs it).
+    fn no_cold(src: String) -> String {
+        src.replace("cold = { format = \"int4\", window = 32, sink = 16 }\n", "")
+            .replace("share = { policy = \"exact\" }\n", "")
+    }
 
     fn err(src: &str) -> String {
         Experiment::parse(src, Path::new("x.toml"))
@@ -1080,18 +1085,18 @@ block_size = 8
                 "observation window must hold at least one query",
             ),
             (
-                GOOD.replace(
+                no_cold(GOOD.replace(
                     SINK_WINDOW,
                     "\"keydiff\", per_head = true, per_token = true, sink = 16, window = 64, budget_tokens = 200",
-                ),
+                )),
                 "x.toml:17:1:",
                 "per_head or per_token, not both",
             ),
             (
-                GOOD.replace(
+                no_cold(GOOD.replace(
                     SINK_WINDOW,
                     "\"snapkv\", per_token = true, sink = 16, window = 64, budget_tokens = 200",
-                )
+                ))
                 .replace("block_size = 8", "block_size = 128"),
                 "x.toml:17:1:",
                 "blocks of at most 64 tokens, not 128",
