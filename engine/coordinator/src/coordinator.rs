@@ -114,14 +114,14 @@ struct Pending {
     compacted: usize,
 }
 
-/// Marks the policy's `victims` of `table` dropped and adds their blocks
-/// to `release`; an entry the table cannot drop is the policy's error.
 /// The hole mask of a block of `bs` rows whose first `live` rows are live.
 fn holes_from(live: u32, bs: u32) -> u64 {
     let mask = |n: u32| if n >= 64 { u64::MAX } else { (1u64 << n) - 1 };
     mask(bs) & !mask(live)
 }
 
+/// Marks the policy's `victims` of `table` dropped and adds their blocks
+/// to `release`; an entry the table cannot drop is the policy's error.
 fn drop_victims(
     table: &mut BlockTable,
     victims: &[usize],
@@ -157,8 +157,21 @@ fn punch_victims(
             return Err(bad(format!("named row {r} of entry {i}, blocks of {bs}")));
         }
         let rows = run.iter().fold(0u64, |m, v| m | 1 << v.1);
-        let live = table.entries().get(i).map_or(0, |e| e.live());
-        let holes = table.entries().get(i).map_or(0, |e| e.holes());
+        let last = table.entries().len().wrapping_sub(1);
+        let (live, holes) = match table.entries().get(i) {
+            Some(e)
+                if matches!(e.slot(), Slot::Hot(_))
+                    && e.tokens() == bs
+                    && !(table.is_open() && i == last) =>
+            {
+                (e.live(), e.holes())
+            }
+            _ => {
+                return Err(bad(format!(
+                    "named rows of entry {i}, which is not a full, closed hot block"
+                )));
+            }
+        };
         if rows.count_ones() == live && rows & holes == 0 {
             let old = table
                 .set_slot(i, Slot::Dropped)
