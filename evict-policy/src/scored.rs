@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use kvforge_pool::{BlockTable, Slot};
+use kvforge_pool::{BlockTable, Entry, Slot};
 
 use crate::{EvictError, EvictionPolicy, Pressure, Result, SeqKey};
 
@@ -218,6 +218,21 @@ impl Scored {
             }
         }
         true
+    }
+
+    /// The entries head-wise packing and token-level compaction may take:
+    /// full, closed hot blocks between the sink and the recent window.
+    fn packable<'a>(&self, table: &'a BlockTable) -> impl Iterator<Item = (usize, &'a Entry)> {
+        let recent = table.positions().saturating_sub(self.window);
+        let last = table.entries().len().wrapping_sub(1);
+        let (sink, bs, open) = (self.sink, table.block_size(), table.is_open());
+        table.entries().iter().enumerate().filter(move |&(i, e)| {
+            matches!(e.slot(), Slot::Hot(_))
+                && e.tokens() == bs
+                && e.first() >= sink
+                && e.end() <= recent
+                && !(open && i == last)
+        })
     }
 
     fn decay(&self) -> f32 {
@@ -440,22 +455,12 @@ impl EvictionPolicy for Scored {
         if rows == 0 || bs > kvforge_pool::MAX_HOLED_BLOCK {
             return;
         }
-        let recent = table.positions().saturating_sub(self.window);
-        let last = table.entries().len().wrapping_sub(1);
         let empty = BTreeMap::new();
         let stats = self.detail.get(&seq).unwrap_or(&empty);
         // Candidates: the live rows of full, closed hot blocks between the
         // sink and the window.
         let mut order: Vec<(f32, usize, u32)> = Vec::new();
-        for (i, e) in table.entries().iter().enumerate() {
-            if !matches!(e.slot(), Slot::Hot(_))
-                || e.tokens() != bs
-                || e.first() < self.sink
-                || e.end() > recent
-                || (table.is_open() && i == last)
-            {
-                continue;
-            }
+        for (i, e) in self.packable(table) {
             let signal = stats.get(&e.first());
             for r in 0..bs {
                 if e.holes() >> r & 1 == 0 {
@@ -489,23 +494,9 @@ impl EvictionPolicy for Scored {
         if blocks == 0 || lanes == 0 {
             return;
         }
-        let recent = table.positions().saturating_sub(self.window);
-        let last = table.entries().len().wrapping_sub(1);
         // Candidates: full, closed hot blocks between the sink and the
         // window (packing copies hot pages).
-        let cands: Vec<(usize, u64)> = table
-            .entries()
-            .iter()
-            .enumerate()
-            .filter(|(i, e)| {
-                matches!(e.slot(), Slot::Hot(_))
-                    && u64::from(e.tokens()) == bs
-                    && e.first() >= self.sink
-                    && e.end() <= recent
-                    && !(table.is_open() && *i == last)
-            })
-            .map(|(i, e)| (i, e.first()))
-            .collect();
+        let cands: Vec<(usize, u64)> = self.packable(table).map(|(i, e)| (i, e.first())).collect();
         let d = (blocks as usize).min(cands.len());
         if d == 0 {
             return;
