@@ -190,10 +190,19 @@ impl StepView {
         })
     }
 
+    /// The device indexes of every live key in position order, when every
+    /// live key is hot (one run of hot slots): a kernel's key table.
+    pub(crate) fn hot_slots(&self) -> Option<&Tensor> {
+        match self.runs.as_slice() {
+            [Run::Hot { slots, .. }] => Some(slots),
+            _ => None,
+        }
+    }
+
     /// Folds one value per live key (in position order) into one per row
     /// of the table (`entries × block_size`, row `r` of entry `i` at `i ×
     /// block_size + r`; 0 for rows not read): a token-level policy's input.
-    fn per_row(&self, per_key: &[f32]) -> Vec<f32> {
+    pub(crate) fn per_row(&self, per_key: &[f32]) -> Vec<f32> {
         let mut out = vec![0f32; self.entry_keys.len() * self.block_size];
         for (&at, &x) in self.key_rows.iter().zip(per_key) {
             out[at as usize] += x;
@@ -219,7 +228,7 @@ impl StepView {
     /// Folds one value per live key (in position order) into one per table
     /// entry: their sum, or with `mean` their mean (0 for an entry without
     /// live keys).
-    fn per_entry(&self, per_key: &[f32], mean: bool) -> Vec<f32> {
+    pub(crate) fn per_entry(&self, per_key: &[f32], mean: bool) -> Vec<f32> {
         let mut out = Vec::with_capacity(self.entry_keys.len());
         let mut at = 0usize;
         for &len in &self.entry_keys {
@@ -493,7 +502,7 @@ fn entry_mass(
 /// Per-key values of every KV head (`[kv_heads][keys]`, head-major) folded
 /// into table entries, entry-major (`entry × kv_heads + head`); `mean`
 /// averages over an entry's keys instead of summing.
-fn interleave_heads(view: &StepView, per_key: &[f32], mean: bool) -> Vec<f32> {
+pub(crate) fn interleave_heads(view: &StepView, per_key: &[f32], mean: bool) -> Vec<f32> {
     let keys = view.keys.max(1) as usize;
     let h = per_key.len() / keys;
     let mut out = vec![0f32; view.entries() * h];

@@ -8,16 +8,29 @@
 //! canonical block, and the attention mass per entry (or per entry and KV
 //! head) comes from the same
 //! pass, and so does KeyDiff's key novelty (per-entry sums of unit keys
-//! against the mean key). Everything else — prefill chunks (several
-//! queries, a causal mask), CUDA tensors, other dtypes, key novelty over
-//! Hadamard-rotated cold keys, and signals per token (token-level
+//! against the mean key).
+//!
+//! A decode step on a GPU whose live keys are all hot (f32, f16 or bf16)
+//! runs the CUDA twin (`kvforge_kernels::cuda`, compiled by NVRTC the
+//! first time, launched on libtorch's stream over the tensors it owns);
+//! the attention mass (per entry, KV head or row) comes from a softmax
+//! over the logits the kernel writes. A GPU without NVRTC or a driver the
+//! kernels can use falls back to the reference, with one warning.
+//!
+//! Everything else — prefill chunks (several queries, a causal mask),
+//! cold blocks on a GPU, other dtypes, key novelty over Hadamard-rotated
+//! cold keys or on a GPU, and CPU signals per token (token-level
 //! eviction) — goes to [`ReferenceBackend`].
 
+use std::sync::OnceLock;
+
+use kvforge_kernels::cuda::{self, CudaDecode, DeviceStep, HotKind};
 use kvforge_kernels::{Dims, Isa, Page, PagedDecode, Span};
 use tch::{Device, Kind, Tensor};
 
 use crate::attention::{
     Attended, AttentionBackend, KvTensors, Observe, PageRef, ReferenceBackend, StepView,
+    interleave_heads,
 };
 use crate::{EngineError, Result};
 
@@ -113,6 +126,9 @@ impl AttentionBackend for FusedBackend {
         kv: &KvTensors<'_>,
         observe: Observe,
     ) -> Result<Attended> {
+        if let Some(done) = attend_cuda(layer, q, view, kv, observe)? {
+            return Ok(done);
+        }
         if !Self::fits(q, kv, layer, observe) {
             return ReferenceBackend.attend(layer, q, view, kv, observe);
         }
@@ -203,4 +219,149 @@ fn kernel(e: kvforge_kernels::KernelError) -> EngineError {
         kvforge_kernels::KernelError::Unsupported(s) => EngineError::Unsupported(s),
         other => EngineError::Request(other.to_string()),
     }
+}
+
+/// The CUDA kernels of each GPU, compiled and loaded on first use; the
+/// reason when they cannot be (reported once, then the reference runs).
+static CUDA: [OnceLock<std::result::Result<CudaDecode, String>>; 16] =
+    [const { OnceLock::new() }; 16];
+
+fn cuda_kernels(ordinal: usize) -> Option<&'static CudaDecode> {
+    let cell = CUDA.get(ordinal)?;
+    cell.get_or_init(|| {
+        CudaDecode::new(ordinal).map_err(|e| {
+            tracing::warn!("cuda:{ordinal}: {e}; decode attention runs through the reference");
+            e.to_string()
+        })
+    })
+    .as_ref()
+    .ok()
+}
+
+/// A decode step on a GPU through the CUDA kernel, when it handles the
+/// step (one query, every live key hot in f32 / f16 / bf16, a head dim
+/// and grouping it has a kernel for, no key novelty asked); `None` sends
+/// the step to the reference.
+fn attend_cuda(
+    layer: usize,
+    q: &Tensor,
+    view: &StepView,
+    kv: &KvTensors<'_>,
+    observe: Observe,
+) -> Result<Option<Attended>> {
+    let (Some(k), Some(v)) = (kv.k.get(layer), kv.v.get(layer)) else {
+        return Ok(None);
+    };
+    let Device::Cuda(ordinal) = k.device() else {
+        return Ok(None);
+    };
+    let hot = match k.kind() {
+        Kind::Float => HotKind::F32,
+        Kind::Half => HotKind::F16,
+        Kind::BFloat16 => HotKind::Bf16,
+        _ => return Ok(None),
+    };
+    let (qs, ks) = (q.size(), k.size());
+    let dims = Dims {
+        heads: qs[1] as usize,
+        kv_heads: ks[1] as usize,
+        head_dim: ks[2] as usize,
+    };
+    let supported = qs[0] == 1
+        && qs[2] == ks[2]
+        && q.device() == k.device()
+        && !observe.key_novelty
+        && v.kind() == k.kind()
+        && k.is_contiguous()
+        && v.is_contiguous()
+        && dims.kv_heads > 0
+        && dims.heads % dims.kv_heads == 0
+        && dims.heads / dims.kv_heads <= cuda::MAX_GROUP
+        && cuda::HEAD_DIMS.contains(&dims.head_dim);
+    let Some(slots) = view.hot_slots().filter(|_| supported) else {
+        return Ok(None);
+    };
+    let Some(kern) = cuda_kernels(ordinal) else {
+        return Ok(None);
+    };
+    // The kernel reads the pools at these slots: check them on the host,
+    // where the table was resolved, before anything is launched.
+    let pool = ks[0] as usize;
+    for (page, _) in &view.pages {
+        if let PageRef::Hot { slot, len } = page {
+            if slot.checked_add(*len).is_none_or(|end| end > pool) {
+                return Err(EngineError::Request(format!(
+                    "the block table points at slots {slot}..{} of a pool of {pool}",
+                    slot.saturating_add(*len)
+                )));
+            }
+        }
+    }
+    let dev = k.device();
+    let keys = view.keys();
+    let q32 = q.f_to_kind(Kind::Float)?.f_contiguous()?;
+    let out = Tensor::f_empty([qs[1], qs[2]], (Kind::Float, dev))?;
+    let floats = kern.scratch_floats(dims, keys);
+    let scratch = Tensor::f_empty([floats as i64], (Kind::Float, dev))?;
+    let scores = observe
+        .mass
+        .then(|| Tensor::f_empty([qs[1], keys as i64], (Kind::Float, dev)))
+        .transpose()?;
+    let ptr = |t: &Tensor| t.data_ptr() as u64;
+    let step = DeviceStep {
+        dims,
+        hot,
+        k_pool: ptr(k),
+        v_pool: ptr(v),
+        table: ptr(slots),
+        keys,
+        cold: None,
+        q: ptr(&q32),
+        out: ptr(&out),
+        scratch: ptr(&scratch),
+        scratch_floats: floats,
+        scores: scores.as_ref().map_or(0, ptr),
+    };
+    // SAFETY: every address is a live, contiguous tensor on this GPU of the
+    // size `DeviceStep` documents (the pools `[slots][kv_heads][head_dim]`,
+    // `slots` one i64 per live key, `out` and `q32` `[heads][head_dim]`
+    // f32, `scratch` as sized, `scores` `[heads][keys]`); every slot is
+    // inside the pool (checked above; `slots` was built from the same
+    // pages). The launches go to libtorch's stream (the legacy default
+    // one), so they run after the writes that produced these tensors and
+    // before anything later reads `out` or `scores`; the tensors are
+    // freed to libtorch's caching allocator, whose reuse is ordered on
+    // that stream.
+    unsafe { kern.run(&step) }.map_err(kernel)?;
+    let mass = match scores {
+        None => None,
+        Some(scores) => {
+            let w = scores.f_softmax(-1, Kind::Float)?; // [heads, keys]
+            Some(if observe.per_head {
+                let g = (dims.heads / dims.kv_heads) as i64;
+                let w = w
+                    .f_view([dims.kv_heads as i64, g, keys as i64])?
+                    .f_sum_dim_intlist([1i64].as_slice(), false, Kind::Float)?
+                    .f_contiguous()?
+                    .f_to_device(Device::Cpu)?;
+                interleave_heads(view, &Vec::<f32>::try_from(w.f_flatten(0, -1)?)?, false)
+            } else {
+                let w = w
+                    .f_sum_dim_intlist([0i64].as_slice(), false, Kind::Float)?
+                    .f_to_device(Device::Cpu)?;
+                let w = Vec::<f32>::try_from(w)?;
+                if observe.per_token {
+                    view.per_row(&w)
+                } else {
+                    view.per_entry(&w, false)
+                }
+            })
+        }
+    };
+    let out = out.f_view([1, qs[1], qs[2]])?.f_to_kind(q.kind())?;
+    Ok(Some(Attended {
+        out,
+        mass,
+        key_novelty: None,
+    }))
 }

@@ -36,6 +36,8 @@
 #![deny(missing_docs)]
 
 mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 use half::f16;
 use kvforge_quant::{GroupQuantizer, QuantConfig, QuantError, QuantizedBlock, Quantizer};

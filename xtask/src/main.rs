@@ -162,8 +162,15 @@ fn ci(root: &Path) -> Result<()> {
     ]);
     step("cargo clippy -D warnings", clippy)?;
 
+    // The CUDA kernels compile with NVRTC (from the venv's torch wheels)
+    // and run under the CPU emulator in every CI run: a missing library or
+    // compiler fails the tests instead of skipping them.
+    let nvrtc = nvrtc_dir(root)?;
     let mut test = cargo();
-    test.current_dir(root).args(["test", "--workspace"]);
+    test.current_dir(root)
+        .env("LD_LIBRARY_PATH", prepend_path(&nvrtc, "LD_LIBRARY_PATH"))
+        .env("KVFORGE_REQUIRE_NVRTC", "1")
+        .args(["test", "--workspace"]);
     step("cargo test --workspace", test)?;
 
     // The loom model needs its own cfg, hence its own target directory.
@@ -178,6 +185,34 @@ fn ci(root: &Path) -> Result<()> {
     fuzz_after_setup(root, 20_000)?;
     say("\nci: all checks passed");
     Ok(())
+}
+
+/// The directory of the venv's `libnvrtc.so.*` (torch's CUDA wheels
+/// bring it; no GPU needed to compile with it).
+pub(crate) fn nvrtc_dir(root: &Path) -> Result<PathBuf> {
+    let nvidia = root.join(".venv/libtorch/../nvidia");
+    let entries = std::fs::read_dir(&nvidia)
+        .with_context(|| format!("no {} (setup installs torch with it)", nvidia.display()))?;
+    for e in entries.flatten() {
+        let lib = e.path().join("lib");
+        let found = std::fs::read_dir(&lib).is_ok_and(|mut d| {
+            d.any(|f| f.is_ok_and(|f| f.file_name().to_string_lossy().starts_with("libnvrtc.so")))
+        });
+        if found {
+            return Ok(lib);
+        }
+    }
+    bail!("no libnvrtc.so under {}/*/lib", nvidia.display())
+}
+
+/// `dir` in front of the environment variable `var`'s search path.
+fn prepend_path(dir: &Path, var: &str) -> std::ffi::OsString {
+    let mut out = dir.as_os_str().to_owned();
+    if let Some(old) = std::env::var_os(var).filter(|v| !v.is_empty()) {
+        out.push(":");
+        out.push(old);
+    }
+    out
 }
 
 /// Runs `kvforge bench` in several precisions and the transformers script on

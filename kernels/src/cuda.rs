@@ -1,0 +1,583 @@
+//! The paged decode kernel on CUDA: CUDA C compiled at run time by NVRTC
+//! and launched through the driver API (`cudarc`, loaded dynamically, so
+//! building needs no CUDA and a machine without it gets an error, never a
+//! panic).
+//!
+//! The kernel (`paged_decode.cu`) attends one decode step over a table of
+//! keys: `table[j] ≥ 0` is a row of the hot pool (f32, f16 or bf16 rows
+//! `[kv_heads][head_dim]`), `table[j] < 0` row `-1 - table[j]` of the cold
+//! pool (same-shape blocks quantized by `kvforge-quant`, laid out by
+//! [`ColdPoolHost`]). Flash-decoding: one launch attends runs of keys per
+//! KV head (a warp per key, an online softmax per warp), a second merges
+//! the runs. On request it also writes every scaled logit (`[heads][keys]`)
+//! — a softmax over them is the attention mass per key.
+//!
+//! Buffers are the caller's (in the engine, tensors that libtorch owns, in
+//! the same primary context); launches go to the legacy default stream,
+//! the one libtorch uses unless told otherwise, so they are ordered with
+//! the caller's work without a synchronization.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg, sys};
+use cudarc::nvrtc::{CompileError, CompileOptions};
+use half::f16;
+use kvforge_quant::{Axis, QuantConfig, QuantizedBlock};
+
+use crate::{Dims, KernelError, Result};
+
+#[path = "cuda_testing.rs"]
+pub mod testing;
+
+/// The kernels' CUDA C source.
+pub const SOURCE: &str = include_str!("paged_decode.cu");
+
+/// Head dims with a kernel.
+pub const HEAD_DIMS: [usize; 3] = [64, 128, 256];
+
+/// The most query heads per KV head the kernel handles.
+pub const MAX_GROUP: usize = 8;
+
+/// Threads per block of the part kernel (4 warps).
+const THREADS: u32 = 128;
+
+/// The fewest keys one block attends before the context is split further.
+const MIN_SPLIT: usize = 64;
+
+/// How the hot pool's rows are stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum HotKind {
+    /// f32.
+    F32,
+    /// IEEE half.
+    F16,
+    /// bfloat16.
+    Bf16,
+}
+
+impl HotKind {
+    fn tag(self) -> &'static str {
+        match self {
+            HotKind::F32 => "f32",
+            HotKind::F16 => "f16",
+            HotKind::Bf16 => "bf16",
+        }
+    }
+}
+
+/// The name of the part kernel for `kind` and `head_dim`.
+fn part_name(kind: HotKind, head_dim: usize) -> String {
+    format!("paged_decode_part_{}_d{head_dim}", kind.tag())
+}
+
+/// Every entry point of [`SOURCE`].
+pub fn entry_points() -> Vec<String> {
+    let mut names = Vec::new();
+    for kind in [HotKind::F32, HotKind::F16, HotKind::Bf16] {
+        for d in HEAD_DIMS {
+            names.push(part_name(kind, d));
+        }
+    }
+    names.push("paged_decode_merge".into());
+    names
+}
+
+/// Whether NVRTC (`libnvrtc`) can be loaded.
+pub fn nvrtc_present() -> bool {
+    // SAFETY: only tries to `dlopen` the library by its candidate names.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// Whether the CUDA driver (`libcuda`) can be loaded.
+pub fn driver_present() -> bool {
+    // SAFETY: as above.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// Compiles [`SOURCE`] with NVRTC for `arch` (`compute_90`, …) and checks
+/// that the PTX holds every entry point. Needs NVRTC, not a GPU.
+pub fn compile(arch: &str) -> Result<String> {
+    if !nvrtc_present() {
+        return Err(KernelError::Unsupported(
+            "NVRTC (libnvrtc) is not on the library path: CUDA kernels cannot be compiled".into(),
+        ));
+    }
+    let opts = CompileOptions {
+        options: vec![format!("--gpu-architecture={arch}")],
+        name: Some("paged_decode.cu".into()),
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts).map_err(|e| {
+        let why = match e {
+            CompileError::CompileError { log, .. } => log.to_string_lossy().into_owned(),
+            other => format!("{other:?}"),
+        };
+        KernelError::Unsupported(format!("NVRTC rejected the CUDA kernels: {why}"))
+    })?;
+    let text = ptx.to_src();
+    for name in entry_points() {
+        if !text.contains(&format!(".entry {name}(")) {
+            return Err(KernelError::Unsupported(format!(
+                "the compiled PTX has no entry point {name}"
+            )));
+        }
+    }
+    Ok(text)
+}
+
+/// One quantized half (keys or values) of a device cold pool.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceQuant {
+    /// Packed codes, `[blocks][block_tokens × kv_heads × head_dim × bits / 8]`.
+    pub codes: u64,
+    /// f16 group scales, `[blocks][groups]`.
+    pub scales: u64,
+    /// f16 group minima (affine formats; 0 for INT8).
+    pub mins: u64,
+    /// How the blocks were quantized.
+    pub config: QuantConfig,
+}
+
+/// A cold pool on the device: `blocks` same-shape blocks.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceCold {
+    /// The keys' pool.
+    pub keys: DeviceQuant,
+    /// The values' pool.
+    pub values: DeviceQuant,
+    /// Rows per block.
+    pub block_tokens: usize,
+}
+
+/// The buffers of one decode step, as device addresses (`u64`), and their
+/// sizes. Every address is in the context of the [`CudaDecode`] that runs
+/// it.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceStep {
+    /// Head counts and size.
+    pub dims: Dims,
+    /// How the hot pool is stored.
+    pub hot: HotKind,
+    /// Hot keys, `[slots][kv_heads][head_dim]` (0 if the table has no hot
+    /// row).
+    pub k_pool: u64,
+    /// Hot values, same layout.
+    pub v_pool: u64,
+    /// `[keys]` i64: per key, its hot slot, or `-1 - r` for row `r` of the
+    /// cold pool (block `r / block_tokens`, row `r % block_tokens`).
+    pub table: u64,
+    /// Keys attended, at least one.
+    pub keys: usize,
+    /// The cold pool, if the table has cold rows.
+    pub cold: Option<DeviceCold>,
+    /// `[heads][head_dim]` f32, already rotated by RoPE.
+    pub q: u64,
+    /// `[heads][head_dim]` f32 output.
+    pub out: u64,
+    /// f32 scratch of [`CudaDecode::scratch_floats`] elements.
+    pub scratch: u64,
+    /// Its length.
+    pub scratch_floats: usize,
+    /// `[heads][keys]` f32 to receive every scaled logit, or 0.
+    pub scores: u64,
+}
+
+/// The compiled kernels, loaded in a device's primary context.
+pub struct CudaDecode {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    parts: Vec<((HotKind, usize), CudaFunction)>,
+    merge: CudaFunction,
+    sms: usize,
+    arch: String,
+}
+
+impl std::fmt::Debug for CudaDecode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDecode")
+            .field("ordinal", &self.ctx.ordinal())
+            .field("arch", &self.arch)
+            .field("sms", &self.sms)
+            .finish()
+    }
+}
+
+fn driver(what: &str) -> impl Fn(cudarc::driver::DriverError) -> KernelError + '_ {
+    move |e| KernelError::Unsupported(format!("CUDA {what}: {e}"))
+}
+
+impl CudaDecode {
+    /// Compiles the kernels for GPU `ordinal`'s architecture and loads them
+    /// into its primary context (libtorch's). An error, never a panic,
+    /// when the driver, NVRTC or the device is missing.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        if !driver_present() {
+            return Err(KernelError::Unsupported(
+                "no CUDA driver (libcuda) on this machine".into(),
+            ));
+        }
+        let count = CudaContext::device_count().map_err(driver("device count"))?;
+        if ordinal >= usize::try_from(count).unwrap_or(0) {
+            return Err(KernelError::Unsupported(format!(
+                "cuda:{ordinal} requested but {count} GPU(s) present"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(driver("context"))?;
+        let attr = |a| ctx.attribute(a).map_err(driver("device attribute"));
+        let major = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+        let minor = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+        let sms = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+        let arch = format!("compute_{major}{minor}");
+        let ptx = compile(&arch)?;
+        let module = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+            .map_err(driver("module load"))?;
+        let mut parts = Vec::new();
+        for kind in [HotKind::F32, HotKind::F16, HotKind::Bf16] {
+            for d in HEAD_DIMS {
+                let f = module
+                    .load_function(&part_name(kind, d))
+                    .map_err(driver("function"))?;
+                parts.push(((kind, d), f));
+            }
+        }
+        let merge = module
+            .load_function("paged_decode_merge")
+            .map_err(driver("function"))?;
+        Ok(CudaDecode {
+            stream: ctx.default_stream(),
+            ctx,
+            parts,
+            merge,
+            sms: usize::try_from(sms).unwrap_or(1).max(1),
+            arch,
+        })
+    }
+
+    /// The context the kernels live in (the device's primary context).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The stream launches go to (the legacy default stream).
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The architecture the kernels were compiled for (`compute_90`).
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    /// Waits for every launch so far.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(driver("synchronize"))
+    }
+
+    /// Keys per block run: enough runs for two blocks per multiprocessor,
+    /// at least [`MIN_SPLIT`] keys each.
+    fn split_len(&self, dims: Dims, keys: usize) -> usize {
+        let runs = (2 * self.sms).div_ceil(dims.kv_heads).max(1);
+        keys.div_ceil(runs).max(MIN_SPLIT)
+    }
+
+    /// f32 scratch a step over `keys` keys needs.
+    pub fn scratch_floats(&self, dims: Dims, keys: usize) -> usize {
+        let splits = keys.div_ceil(self.split_len(dims, keys)).max(1);
+        splits * dims.heads * (2 + dims.head_dim)
+    }
+
+    /// Checks everything about `step` that can be checked without reading
+    /// device memory: [`DeviceStep::validate`] and the scratch size.
+    pub fn check(&self, step: &DeviceStep) -> Result<()> {
+        step.validate()?;
+        let need = self.scratch_floats(step.dims, step.keys);
+        if step.scratch_floats < need {
+            return Err(KernelError::Shape(format!(
+                "a scratch of {} floats; this step needs {need}",
+                step.scratch_floats
+            )));
+        }
+        Ok(())
+    }
+
+    /// Attends one decode step.
+    ///
+    /// # Safety
+    ///
+    /// Every address of `step` is a live allocation of this context of at
+    /// least the size its field documents; every table entry names a slot
+    /// inside the hot pool or a row inside the cold pool; nothing else
+    /// writes `q`, the pools or the table, or reads `out`, `scratch` or
+    /// `scores`, until the launches have run (they are queued on the
+    /// legacy default stream).
+    pub unsafe fn run(&self, step: &DeviceStep) -> Result<()> {
+        self.check(step)?;
+        let d = step.dims;
+        let f = self
+            .parts
+            .iter()
+            .find(|(key, _)| *key == (step.hot, d.head_dim))
+            .map(|(_, f)| f)
+            .ok_or_else(|| {
+                KernelError::Unsupported(format!("no CUDA kernel for head dim {}", d.head_dim))
+            })?;
+        let split_len = self.split_len(d, step.keys);
+        let splits = step.keys.div_ceil(split_len);
+        let int = |x: usize, what: &str| {
+            i32::try_from(x).map_err(|_| KernelError::Shape(format!("{what} {x} exceeds i32")))
+        };
+        let (keys, heads, kv_heads) = (
+            int(step.keys, "keys")?,
+            int(d.heads, "heads")?,
+            int(d.kv_heads, "KV heads")?,
+        );
+        let (split_len_i, splits_i, head_dim) = (
+            int(split_len, "split")?,
+            int(splits, "splits")?,
+            int(d.head_dim, "head dim")?,
+        );
+        let scale = 1.0 / (d.head_dim as f32).sqrt();
+        let part_ml = step.scratch;
+        let part_acc = step.scratch + (2 * splits * d.heads * 4) as u64;
+        let none = DeviceQuant {
+            codes: 0,
+            scales: 0,
+            mins: 0,
+            config: QuantConfig::new(8, 32, Axis::PerToken)?,
+        };
+        let (ck, cv, cold_tokens) = match step.cold {
+            Some(c) => (c.keys, c.values, int(c.block_tokens, "cold block tokens")?),
+            None => (none, none, 1),
+        };
+        let quant = |c: &QuantConfig| -> Result<(i32, i32, i32)> {
+            Ok((
+                int(c.bits() as usize, "bits")?,
+                int(c.group_size(), "group")?,
+                i32::from(c.axis() == Axis::PerChannel),
+            ))
+        };
+        let ((kb, kg, kp), (vb, vg, vp)) = (quant(&ck.config)?, quant(&cv.config)?);
+        let cfg = LaunchConfig {
+            grid_dim: (d.kv_heads as u32, splits as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&step.q)
+            .arg(&step.k_pool)
+            .arg(&step.v_pool)
+            .arg(&step.table)
+            .arg(&keys)
+            .arg(&heads)
+            .arg(&kv_heads)
+            .arg(&split_len_i)
+            .arg(&scale)
+            .arg(&part_ml)
+            .arg(&part_acc)
+            .arg(&step.scores)
+            .arg(&ck.codes)
+            .arg(&ck.scales)
+            .arg(&ck.mins)
+            .arg(&kb)
+            .arg(&kg)
+            .arg(&kp)
+            .arg(&cv.codes)
+            .arg(&cv.scales)
+            .arg(&cv.mins)
+            .arg(&vb)
+            .arg(&vg)
+            .arg(&vp)
+            .arg(&cold_tokens);
+        // SAFETY: the arguments match the kernel's parameters one for one
+        // (types and order, see `paged_decode.cu`); the buffers are the
+        // caller's contract.
+        unsafe { b.launch(cfg) }.map_err(driver("launch"))?;
+        let stats = 0u64;
+        let cfg = LaunchConfig {
+            grid_dim: (d.heads as u32, 1, 1),
+            block_dim: (d.head_dim.min(256) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(&self.merge);
+        b.arg(&part_ml)
+            .arg(&part_acc)
+            .arg(&splits_i)
+            .arg(&heads)
+            .arg(&head_dim)
+            .arg(&step.out)
+            .arg(&stats);
+        // SAFETY: as above.
+        unsafe { b.launch(cfg) }.map_err(driver("launch"))?;
+        Ok(())
+    }
+}
+
+impl DeviceStep {
+    /// Checks what needs no device and no memory read: dimensions a kernel
+    /// exists for, at least one key, no missing buffer, a cold layout the
+    /// kernel decodes. The table's contents are the caller's to check.
+    pub fn validate(&self) -> Result<()> {
+        check_step(self)
+    }
+}
+
+fn check_step(step: &DeviceStep) -> Result<()> {
+    let d = step.dims;
+    d.check()?;
+    if !HEAD_DIMS.contains(&d.head_dim) {
+        return Err(KernelError::Unsupported(format!(
+            "no CUDA kernel for head dim {} (kernels exist for {HEAD_DIMS:?})",
+            d.head_dim
+        )));
+    }
+    if d.heads / d.kv_heads > MAX_GROUP {
+        return Err(KernelError::Unsupported(format!(
+            "{} query heads per KV head; the CUDA kernel handles up to {MAX_GROUP}",
+            d.heads / d.kv_heads
+        )));
+    }
+    if step.keys == 0 {
+        return Err(KernelError::Shape("no keys to attend over".into()));
+    }
+    let null = |what: &str, p: u64| {
+        if p == 0 {
+            Err(KernelError::Shape(format!("no {what} buffer")))
+        } else {
+            Ok(())
+        }
+    };
+    null("query", step.q)?;
+    null("output", step.out)?;
+    null("table", step.table)?;
+    null("scratch", step.scratch)?;
+    if let Some(c) = step.cold {
+        check_cold(c, d)?;
+    } else {
+        null("hot key", step.k_pool)?;
+        null("hot value", step.v_pool)?;
+    }
+    Ok(())
+}
+
+fn check_cold(c: DeviceCold, d: Dims) -> Result<()> {
+    let shape = kvforge_quant::BlockShape {
+        tokens: c.block_tokens,
+        heads: d.kv_heads,
+        head_dim: d.head_dim,
+    };
+    for (what, q) in [("keys", c.keys), ("values", c.values)] {
+        check_layout(&q.config, shape)
+            .map_err(|e| KernelError::Unsupported(format!("cold {what} on CUDA: {e}")))?;
+        if q.codes == 0 || q.scales == 0 || (q.config.bits() != 8 && q.mins == 0) {
+            return Err(KernelError::Shape(format!("cold {what}: a missing buffer")));
+        }
+    }
+    Ok(())
+}
+
+/// What the CUDA dequantization assumes of a block's layout.
+fn check_layout(cfg: &QuantConfig, shape: kvforge_quant::BlockShape) -> Result<()> {
+    let c = shape.heads * shape.head_dim;
+    let g = cfg.group_size();
+    let ok = match cfg.axis() {
+        Axis::PerChannel => shape.tokens % g == 0 && c * cfg.bits() as usize % 8 == 0,
+        Axis::PerToken => shape.head_dim % g == 0,
+    };
+    if ok && shape.tokens > 0 {
+        Ok(())
+    } else {
+        Err(KernelError::Shape(format!(
+            "{} groups of {g} do not tile blocks of {} tokens × {c} channels",
+            if cfg.axis() == Axis::PerChannel {
+                "per-channel"
+            } else {
+                "per-token"
+            },
+            shape.tokens
+        )))
+    }
+}
+
+/// Cold blocks of one layer's keys or values, laid back to back as the
+/// CUDA kernel reads them (upload each vector as is).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ColdPoolHost {
+    /// Codes, block after block.
+    pub codes: Vec<u8>,
+    /// Group scales, block after block.
+    pub scales: Vec<f16>,
+    /// Group minima, block after block (empty for INT8).
+    pub mins: Vec<f16>,
+}
+
+impl ColdPoolHost {
+    /// Lays out `blocks`, which must share one shape and configuration.
+    pub fn from_blocks(blocks: &[&QuantizedBlock]) -> Result<Self> {
+        let Some(first) = blocks.first() else {
+            return Ok(ColdPoolHost::default());
+        };
+        check_layout(&first.config, first.shape)?;
+        let mut pool = ColdPoolHost::default();
+        for (i, b) in blocks.iter().enumerate() {
+            if b.shape != first.shape || b.config != first.config {
+                return Err(KernelError::Shape(format!(
+                    "cold block {i} is {:?} / {:?}, the pool's first {:?} / {:?}",
+                    b.shape, b.config, first.shape, first.config
+                )));
+            }
+            let groups = first.shape.len() / first.config.group_size();
+            let mins = if first.config.bits() == 8 { 0 } else { groups };
+            if b.packed.len() != first.shape.len() * first.config.bits() as usize / 8
+                || b.scales.len() != groups
+                || b.mins.len() != mins
+            {
+                return Err(KernelError::Shape(format!(
+                    "cold block {i}: codes or group parameters truncated"
+                )));
+            }
+            pool.codes.extend_from_slice(&b.packed);
+            pool.scales.extend_from_slice(&b.scales);
+            pool.mins.extend_from_slice(&b.mins);
+        }
+        Ok(pool)
+    }
+
+    /// Element (row `t` of block `b`, channel `c`) as the CUDA kernel's
+    /// `cold_at` computes it — its index arithmetic, line for line, so the
+    /// CPU tests can check it against `kvforge-quant`'s decoder.
+    pub fn element(
+        &self,
+        cfg: &QuantConfig,
+        block_tokens: usize,
+        channels: usize,
+        b: usize,
+        t: usize,
+        c: usize,
+    ) -> f32 {
+        let (bits, group) = (cfg.bits() as usize, cfg.group_size());
+        let block_bytes = block_tokens * channels * bits / 8;
+        let block_groups = block_tokens * channels / group;
+        let (byte, plane, gi) = if cfg.axis() == Axis::PerChannel {
+            let row_bytes = channels * bits / 8;
+            (
+                t * row_bytes + c % row_bytes,
+                c / row_bytes,
+                c * (block_tokens / group) + t / group,
+            )
+        } else {
+            let idx = t * channels + c;
+            let bpg = group * bits / 8;
+            let gi = idx / group;
+            let within = idx % group;
+            (gi * bpg + within % bpg, within / bpg, gi)
+        };
+        let code = self.codes[b * block_bytes + byte];
+        let s = self.scales[b * block_groups + gi].to_f32();
+        if bits == 8 {
+            return f32::from(code as i8) * s;
+        }
+        let q = (code >> (plane * bits)) & ((1u8 << bits) - 1);
+        f32::from(q) * s + self.mins[b * block_groups + gi].to_f32()
+    }
+}
