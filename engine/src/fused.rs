@@ -226,8 +226,10 @@ fn kernel(e: kvforge_kernels::KernelError) -> EngineError {
 static CUDA: [OnceLock<std::result::Result<CudaDecode, String>>; 16] =
     [const { OnceLock::new() }; 16];
 
-fn cuda_kernels(ordinal: usize) -> Option<&'static CudaDecode> {
-    let cell = CUDA.get(ordinal)?;
+fn cuda_init(ordinal: usize) -> std::result::Result<&'static CudaDecode, String> {
+    let cell = CUDA
+        .get(ordinal)
+        .ok_or_else(|| format!("cuda:{ordinal}: the CUDA kernels serve GPUs 0 to 15"))?;
     cell.get_or_init(|| {
         CudaDecode::new(ordinal).map_err(|e| {
             tracing::warn!("cuda:{ordinal}: {e}; decode attention runs through the reference");
@@ -235,7 +237,20 @@ fn cuda_kernels(ordinal: usize) -> Option<&'static CudaDecode> {
         })
     })
     .as_ref()
-    .ok()
+    .map_err(Clone::clone)
+}
+
+fn cuda_kernels(ordinal: usize) -> Option<&'static CudaDecode> {
+    cuda_init(ordinal).ok()
+}
+
+impl FusedBackend {
+    /// Whether decode steps on GPU `ordinal` run the CUDA kernel: the
+    /// architecture it was compiled for, or why not (then they run the
+    /// reference). Compiles and loads the kernels on first call.
+    pub fn cuda_status(ordinal: usize) -> std::result::Result<String, String> {
+        cuda_init(ordinal).map(|k| k.arch().to_string())
+    }
 }
 
 /// A decode step on a GPU through the CUDA kernel, when it handles the

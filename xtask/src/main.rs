@@ -25,6 +25,9 @@
 //! * `kv-stats ARGS` — how often the KV cache holds near-duplicate vectors
 //!   (best cosine match per vector across positions, layers and sequences;
 //!   CSV / Markdown / PNG in `target/kv-stats`).
+//! * `gpu-check` — builds the one prepared run for a lent GPU (kernels
+//!   against the CPU, bandwidth, engine logits, 8B-shape throughput) and
+//!   stages it, stripped, with its launcher in `target/gpu-check/`.
 //! * `bench` — the criterion benches, then a Markdown summary of their
 //!   medians in `target/kvforge-bench.md`.
 //! * `fuzz [RUNS]` — the coverage-guided fuzzers of the GGUF and the
@@ -41,7 +44,7 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 
 const USAGE: &str = "usage: cargo xtask <setup [--reference] | ci | ablate [--quick | --full | --config FILE] [--resume] | \
-                     bench [FILTER] | fuzz [RUNS] | kvforge ARGS... | prefix-bench ARGS... | pressure ARGS... | lifecycle ARGS... | quant-sweep ARGS... | decode-ab ARGS... | kv-stats ARGS... | engine-bench [CONTEXT] [DECODE] | tidy>";
+                     bench [FILTER] | fuzz [RUNS] | kvforge ARGS... | prefix-bench ARGS... | pressure ARGS... | lifecycle ARGS... | quant-sweep ARGS... | decode-ab ARGS... | gpu-check | kv-stats ARGS... | engine-bench [CONTEXT] [DECODE] | tidy>";
 
 fn main() {
     if let Err(e) = run() {
@@ -78,6 +81,7 @@ fn run() -> Result<()> {
             };
             engine_bench(&root, num(1, 1024)?, num(2, 64)?)
         }
+        Some("gpu-check") if args.len() == 1 => gpu_check(&root),
         Some("bench") if args.len() <= 2 => bench(&root, args.get(1).map(String::as_str)),
         Some("fuzz") if args.len() <= 2 => {
             let runs = match args.get(1) {
@@ -298,6 +302,47 @@ fn engine_bench(root: &Path, context: usize, decode: usize) -> Result<()> {
     let out = root.join("target/engine-bench.md");
     std::fs::write(&out, &table).with_context(|| format!("writing {}", out.display()))?;
     say(&format!("\n{table}\nwritten to {}", out.display()));
+    Ok(())
+}
+
+/// Builds `gpu_check` (release), strips it into `target/gpu-check/` with
+/// its launcher (`scripts/gpu_check.sh` as `run.sh`), and says how to run
+/// it on the device: everything travels in that one folder (a few MB; the
+/// carry limit is 64 MiB).
+fn gpu_check(root: &Path) -> Result<()> {
+    setup::setup(root, false)?;
+    let mut build = cargo();
+    build.current_dir(root).args([
+        "build",
+        "--quiet",
+        "--release",
+        "-p",
+        "kvforge-bench",
+        "--bin",
+        "gpu_check",
+    ]);
+    step("cargo build --release --bin gpu_check", build)?;
+    let stage = root.join("target/gpu-check");
+    std::fs::create_dir_all(&stage).with_context(|| format!("creating {}", stage.display()))?;
+    let mut strip = Command::new("strip");
+    strip
+        .arg("-o")
+        .arg(stage.join("gpu_check"))
+        .arg(root.join("target/release/gpu_check"));
+    step("strip gpu_check", strip)?;
+    std::fs::copy(root.join("scripts/gpu_check.sh"), stage.join("run.sh"))
+        .context("copying scripts/gpu_check.sh")?;
+    let bytes: u64 = std::fs::read_dir(&stage)?
+        .flatten()
+        .filter_map(|e| e.metadata().ok())
+        .map(|m| m.len())
+        .sum();
+    say(&format!(
+        "
+staged {} ({:.1} MB). On the GPU machine (device tool): carry [\"target/gpu-check\"], command \"bash target/gpu-check/run.sh\"; the report comes back as $OUT/gpu-check.md.",
+        stage.display(),
+        bytes as f64 / 1e6
+    ));
     Ok(())
 }
 
