@@ -36,8 +36,30 @@ enum Run {
 pub(crate) enum PageRef {
     /// `len` hot slots from `slot`.
     Hot { slot: usize, len: usize },
-    /// A cold block (an alias's canonical block), all of it.
-    Cold { block: Arc<ColdBlock>, len: usize },
+    /// A cold block (an alias's canonical block) at cold slot `slot`, its
+    /// first `len` tokens.
+    Cold {
+        block: Arc<ColdBlock>,
+        slot: usize,
+        len: usize,
+    },
+}
+
+/// One i64 per live key, in position order, as the CUDA kernel reads a
+/// table: a hot slot, or `-1 − (slot × block_size + row)` for row `row`
+/// of cold slot `slot`.
+pub(crate) fn kernel_table(pages: &[(PageRef, usize)], block_size: usize) -> Vec<i64> {
+    let mut out = Vec::new();
+    for (page, _) in pages {
+        match page {
+            PageRef::Hot { slot, len } => out.extend((*slot..slot + len).map(|s| s as i64)),
+            PageRef::Cold { slot, len, .. } => {
+                let base = slot * block_size;
+                out.extend((base..base + len).map(|r| -1 - r as i64));
+            }
+        }
+    }
+    out
 }
 
 /// What one step of one sequence attends over.
@@ -62,6 +84,9 @@ pub struct StepView {
     /// token-level policy's signal is per row).
     key_rows: Vec<u32>,
     block_size: usize,
+    /// On a GPU, with cold entries in the view: [`kernel_table`] on the
+    /// device (an all-hot view's table is its one run of hot slots).
+    mixed_table: Option<Tensor>,
 }
 
 impl StepView {
@@ -138,13 +163,13 @@ impl StepView {
                 }
                 Slot::Cold(b) | Slot::Alias { canonical: b } => {
                     flush_hot(&mut hot, &mut runs)?;
-                    let block = cold
-                        .and_then(|c| c.get(TieredPool::slot_of(b) as usize))
-                        .ok_or_else(|| {
-                            EngineError::Torch(format!("cold block {b} has no stored content"))
-                        })?;
+                    let slot = TieredPool::slot_of(b) as usize;
+                    let block = cold.and_then(|c| c.get(slot)).ok_or_else(|| {
+                        EngineError::Torch(format!("cold block {b} has no stored content"))
+                    })?;
                     let page = PageRef::Cold {
                         block: Arc::clone(&block),
+                        slot,
                         len: len as usize,
                     };
                     pages.push((page, entry_keys.len()));
@@ -176,6 +201,16 @@ impl StepView {
         } else {
             None
         };
+        let mixed_table = if device.is_cuda() && n == 1 && cold.is_some_and(ColdTier::mirrored) {
+            let cold_pages = pages.iter().any(|(p, _)| matches!(p, PageRef::Cold { .. }));
+            cold_pages
+                .then(|| {
+                    Tensor::f_from_slice(&kernel_table(&pages, block_size))?.f_to_device(device)
+                })
+                .transpose()?
+        } else {
+            None
+        };
         Ok(StepView {
             runs,
             pages,
@@ -187,16 +222,23 @@ impl StepView {
             entry_keys,
             key_rows,
             block_size,
+            mixed_table,
         })
     }
 
-    /// The device indexes of every live key in position order, when every
-    /// live key is hot (one run of hot slots): a kernel's key table.
-    pub(crate) fn hot_slots(&self) -> Option<&Tensor> {
+    /// The CUDA kernel's key table on the device ([`kernel_table`]): the
+    /// one run of hot slots of an all-hot view, or the mixed table built
+    /// for a view with cold entries on a GPU with a mirrored cold tier.
+    pub(crate) fn device_table(&self) -> Option<&Tensor> {
         match self.runs.as_slice() {
             [Run::Hot { slots, .. }] => Some(slots),
-            _ => None,
+            _ => self.mixed_table.as_ref(),
         }
+    }
+
+    /// The block size the table's rows count in.
+    pub(crate) fn block_size(&self) -> usize {
+        self.block_size
     }
 
     /// Folds one value per live key (in position order) into one per row
@@ -247,7 +289,13 @@ impl StepView {
     /// One layer's K (or V, with `values`) of every live key, in position
     /// order: `[keys, kv_heads, head_dim]` in `kind` (cold blocks are
     /// dequantized straight into it, not rounded to the storage dtype).
-    fn gather(&self, kv: &KvTensors<'_>, layer: usize, values: bool, kind: Kind) -> Result<Tensor> {
+    pub(crate) fn gather(
+        &self,
+        kv: &KvTensors<'_>,
+        layer: usize,
+        values: bool,
+        kind: Kind,
+    ) -> Result<Tensor> {
         let src = if values { &kv.v[layer] } else { &kv.k[layer] };
         if let [Run::Hot { slots, .. }] = self.runs.as_slice() {
             return Ok(src.f_index_select(0, slots)?.f_to_kind(kind)?);

@@ -295,7 +295,13 @@ impl PagedKvCache {
     /// formats fill `cfg.cold`). Errors, changing nothing, while any
     /// sequence lives or blocks are in use, or when `cfg` cannot work.
     pub fn configure(&mut self, mut cfg: CoordinatorConfig, quant: Option<KvQuant>) -> Result<()> {
-        let tier = quant.map(|s| ColdTier::new(s, self.shape)).transpose()?;
+        let mut tier = quant.map(|s| ColdTier::new(s, self.shape)).transpose()?;
+        // On a GPU the CUDA kernel reads cold blocks from a copy there.
+        if let (Some(t), Some(k)) = (tier.as_mut(), self.k.first()) {
+            if k.device().is_cuda() {
+                t.mirror_on(k.device(), self.k.len());
+            }
+        }
         cfg.layout = self.hot_layout;
         cfg.hot_blocks = self.hot_blocks;
         cfg.cold = match (&tier, quant) {
@@ -544,7 +550,17 @@ impl PagedKvCache {
         }
     }
 
-    fn tensors(&self) -> KvTensors<'_> {
+    /// Keeps a copy of the cold tier on `device` whatever the cache's
+    /// device (tests of the CUDA kernel's tables on the CPU).
+    #[cfg(test)]
+    pub(crate) fn mirror_cold_tier(&mut self, device: Device) -> bool {
+        let layers = self.k.len();
+        self.cold
+            .as_mut()
+            .is_some_and(|t| t.mirror_on(device, layers))
+    }
+
+    pub(crate) fn tensors(&self) -> KvTensors<'_> {
         KvTensors {
             k: &self.k,
             v: &self.v,
@@ -648,7 +664,7 @@ impl PagedSeq<'_> {
                 .ok_or_else(|| EngineError::Torch("a demotion without a cold tier".into()))?;
             let base = TieredPool::slot_of(d.hot) as usize * bs;
             let block = Arc::new(tier.quantize(&c.k, &c.v, base)?);
-            tier.put(TieredPool::slot_of(d.cold) as usize, Arc::clone(&block));
+            tier.put(TieredPool::slot_of(d.cold) as usize, Arc::clone(&block))?;
             let mut coord = c.coordinator();
             if coord.share_stats().is_none() {
                 continue;

@@ -173,7 +173,7 @@ impl AttentionBackend for FusedBackend {
                     },
                     *len,
                 ),
-                PageRef::Cold { block, len } => {
+                PageRef::Cold { block, len, .. } => {
                     let (qk, qv) = block.layer(layer).ok_or_else(|| {
                         EngineError::Request(format!("a cold block holds no layer {layer}"))
                     })?;
@@ -254,9 +254,9 @@ impl FusedBackend {
 }
 
 /// A decode step on a GPU through the CUDA kernel, when it handles the
-/// step (one query, every live key hot in f32 / f16 / bf16, a head dim
-/// and grouping it has a kernel for, no key novelty asked); `None` sends
-/// the step to the reference.
+/// step (one query; hot keys in f32 / f16 / bf16; cold ones only from a
+/// mirrored cold tier; a head dim and grouping it has a kernel for; no
+/// key novelty asked); `None` sends the step to the reference.
 fn attend_cuda(
     layer: usize,
     q: &Tensor,
@@ -293,25 +293,61 @@ fn attend_cuda(
         && dims.heads % dims.kv_heads == 0
         && dims.heads / dims.kv_heads <= cuda::MAX_GROUP
         && cuda::HEAD_DIMS.contains(&dims.head_dim);
-    let Some(slots) = view.hot_slots().filter(|_| supported) else {
+    let Some(table) = view.device_table().filter(|_| supported) else {
         return Ok(None);
     };
     let Some(kern) = cuda_kernels(ordinal) else {
         return Ok(None);
     };
+    // Held until the launch is queued: the mirror does not grow under it.
+    let mirror = kv.cold.and_then(|t| t.mirror());
     // The kernel reads the pools at these slots: check them on the host,
     // where the table was resolved, before anything is launched.
     let pool = ks[0] as usize;
+    let cold_slots = mirror.as_ref().map_or(0, |m| m.capacity());
+    let mut any_cold = false;
     for (page, _) in &view.pages {
-        if let PageRef::Hot { slot, len } = page {
-            if slot.checked_add(*len).is_none_or(|end| end > pool) {
-                return Err(EngineError::Request(format!(
-                    "the block table points at slots {slot}..{} of a pool of {pool}",
-                    slot.saturating_add(*len)
-                )));
+        let (slot, len, end) = match page {
+            PageRef::Hot { slot, len } => (*slot, *len, pool),
+            PageRef::Cold { slot, len, .. } => {
+                any_cold = true;
+                if *len > view.block_size() {
+                    return Err(EngineError::Request(format!(
+                        "a cold entry of {len} tokens in blocks of {}",
+                        view.block_size()
+                    )));
+                }
+                (*slot, 1, cold_slots)
             }
+        };
+        if slot.checked_add(len).is_none_or(|e| e > end) {
+            return Err(EngineError::Request(format!(
+                "the block table points at slots {slot}..{} of a pool of {end}",
+                slot.saturating_add(len)
+            )));
         }
     }
+    let cold = match (any_cold, &mirror, kv.cold) {
+        (false, _, _) => None,
+        (true, Some(m), Some(tier)) => {
+            let t = m.layer(layer).ok_or_else(|| {
+                EngineError::Request(format!("the cold tier's device copy has no layer {layer}"))
+            })?;
+            let (kc, vc) = tier.configs();
+            let quant = |i: usize, config| cuda::DeviceQuant {
+                codes: t[i].data_ptr() as u64,
+                scales: t[i + 1].data_ptr() as u64,
+                mins: t[i + 2].data_ptr() as u64,
+                config,
+            };
+            Some(cuda::DeviceCold {
+                keys: quant(0, kc),
+                values: quant(3, vc),
+                block_tokens: view.block_size(),
+            })
+        }
+        (true, _, _) => return Ok(None),
+    };
     let dev = k.device();
     let keys = view.keys();
     let q32 = q.f_to_kind(Kind::Float)?.f_contiguous()?;
@@ -328,9 +364,9 @@ fn attend_cuda(
         hot,
         k_pool: ptr(k),
         v_pool: ptr(v),
-        table: ptr(slots),
+        table: ptr(table),
         keys,
-        cold: None,
+        cold,
         q: ptr(&q32),
         out: ptr(&out),
         scratch: ptr(&scratch),
@@ -339,15 +375,18 @@ fn attend_cuda(
     };
     // SAFETY: every address is a live, contiguous tensor on this GPU of the
     // size `DeviceStep` documents (the pools `[slots][kv_heads][head_dim]`,
-    // `slots` one i64 per live key, `out` and `q32` `[heads][head_dim]`
-    // f32, `scratch` as sized, `scores` `[heads][keys]`); every slot is
-    // inside the pool (checked above; `slots` was built from the same
-    // pages). The launches go to libtorch's stream (the legacy default
-    // one), so they run after the writes that produced these tensors and
-    // before anything later reads `out` or `scores`; the tensors are
-    // freed to libtorch's caching allocator, whose reuse is ordered on
-    // that stream.
+    // `table` one i64 per live key, the mirror's rows `[capacity, per
+    // block]`, `out` and `q32` `[heads][head_dim]` f32, `scratch` as
+    // sized, `scores` `[heads][keys]`); every hot slot is inside the pool
+    // and every cold slot inside the mirror (checked above; `table` was
+    // built from the same pages), and the mirror cannot be reallocated
+    // while `mirror` is held. The launches go to libtorch's stream (the
+    // legacy default one), so they run after the writes that produced
+    // these tensors and before anything later reads `out` or `scores`;
+    // tensors freed afterwards go back to libtorch's caching allocator,
+    // whose reuse is ordered on that stream.
     unsafe { kern.run(&step) }.map_err(kernel)?;
+    drop(mirror);
     let mass = match scores {
         None => None,
         Some(scores) => {
@@ -379,4 +418,116 @@ fn attend_cuda(
         mass,
         key_novelty: None,
     }))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use kvforge_kernels::cuda::ColdPoolHost;
+    use kvforge_quant::{Axis, f16};
+
+    use super::*;
+    use crate::attention::kernel_table;
+    use crate::{KvQuant, Llama, LlamaConfig, PagedKvCache, Sequence};
+
+    /// The table and cold-tier copy the CUDA kernel reads, decoded on the
+    /// CPU with the kernel's own index arithmetic, give every key and
+    /// value the reference gathers, in order (hot rows in place, cold rows
+    /// from the copy, aliases and sinks included).
+    #[test]
+    fn the_kernel_table_and_the_cold_copy_hold_what_the_reference_gathers() {
+        let cfg = LlamaConfig {
+            head_dim: 64,
+            n_heads: 4,
+            n_kv_heads: 2,
+            d_model: 64,
+            ..LlamaConfig::tiny()
+        };
+        let model = Llama::random(cfg.clone(), 5, Device::Cpu, Kind::Float).unwrap();
+        let bs = 16;
+        for (bits, axis) in [
+            (4, Axis::PerChannel),
+            (2, Axis::PerToken),
+            (8, Axis::PerChannel),
+        ] {
+            let mut cache = PagedKvCache::new(&cfg, bs, 512, Device::Cpu, Kind::Half).unwrap();
+            let quant = KvQuant {
+                window: 32,
+                sink: 16,
+                key_axis: axis,
+                bits,
+                ..KvQuant::parse("int4").unwrap()
+            };
+            cache.set_cold_tier(Some(quant)).unwrap();
+            assert!(cache.mirror_cold_tier(Device::Cpu));
+            let mut seq = Sequence::default();
+            let ids: Vec<u32> = (0..203u32).map(|i| (i * 37 + 11) % 97).collect();
+            for chunk in ids.chunks(50) {
+                let _ = model
+                    .forward(chunk, &mut cache.view(&mut seq), false)
+                    .unwrap();
+            }
+            let table = cache.table(&seq).unwrap();
+            let kv = cache.tensors();
+            let tier = kv.cold.unwrap();
+            let view = StepView::new(&table, 1, bs, Some(tier), Device::Cpu).unwrap();
+            let rows = kernel_table(&view.pages, bs);
+            assert_eq!(rows.len(), view.keys());
+            let cold_rows = rows.iter().filter(|r| **r < 0).count();
+            assert!(cold_rows >= 100, "{cold_rows} cold rows");
+            let mirror = tier.mirror().unwrap();
+            let (kc, vc) = tier.configs();
+            let c = cfg.n_kv_heads * cfg.head_dim;
+            for layer in 0..cfg.n_layers {
+                let t = mirror.layer(layer).unwrap();
+                let bytes = |t: &Tensor| Vec::<u8>::try_from(t.f_flatten(0, -1).unwrap()).unwrap();
+                let halves = |t: &Tensor| -> Vec<f16> {
+                    Vec::<i16>::try_from(t.f_flatten(0, -1).unwrap())
+                        .unwrap()
+                        .iter()
+                        .map(|b| f16::from_bits(*b as u16))
+                        .collect()
+                };
+                let pool = |i: usize| ColdPoolHost {
+                    codes: bytes(&t[i]),
+                    scales: halves(&t[i + 1]),
+                    mins: halves(&t[i + 2]),
+                };
+                for (values, qc, p) in [(false, kc, pool(0)), (true, vc, pool(3))] {
+                    let want = Vec::<f32>::try_from(
+                        view.gather(&kv, layer, values, Kind::Float)
+                            .unwrap()
+                            .f_flatten(0, -1)
+                            .unwrap(),
+                    )
+                    .unwrap();
+                    let hot = if values { &kv.v[layer] } else { &kv.k[layer] };
+                    let hot = Vec::<f32>::try_from(
+                        hot.f_to_kind(Kind::Float)
+                            .unwrap()
+                            .f_flatten(0, -1)
+                            .unwrap(),
+                    )
+                    .unwrap();
+                    for (j, &r) in rows.iter().enumerate() {
+                        for ch in 0..c {
+                            let got = if r >= 0 {
+                                hot[r as usize * c + ch]
+                            } else {
+                                let r = (-1 - r) as usize;
+                                p.element(&qc, bs, c, r / bs, r % bs, ch)
+                            };
+                            assert_eq!(
+                                got.to_bits(),
+                                want[j * c + ch].to_bits(),
+                                "int{bits} {axis:?} layer {layer} values {values} key {j} channel {ch}"
+                            );
+                        }
+                    }
+                }
+            }
+            drop(mirror);
+            cache.free(&mut seq).unwrap();
+        }
+    }
 }
