@@ -209,8 +209,19 @@ fn driver(what: &str) -> impl Fn(cudarc::driver::DriverError) -> KernelError + '
 impl CudaDecode {
     /// Compiles the kernels for GPU `ordinal`'s architecture and loads them
     /// into its primary context (libtorch's). An error, never a panic,
-    /// when the driver, NVRTC or the device is missing.
+    /// when the driver, NVRTC or the device is missing — or when the
+    /// driver lacks a symbol `cudarc` expects (it panics then; caught
+    /// here).
     pub fn new(ordinal: usize) -> Result<Self> {
+        std::panic::catch_unwind(|| Self::load(ordinal)).unwrap_or_else(|p| {
+            Err(KernelError::Unsupported(format!(
+                "the CUDA driver API failed: {}",
+                panic_text(&p)
+            )))
+        })
+    }
+
+    fn load(ordinal: usize) -> Result<Self> {
         if !driver_present() {
             return Err(KernelError::Unsupported(
                 "no CUDA driver (libcuda) on this machine".into(),
@@ -392,7 +403,7 @@ impl CudaDecode {
         // SAFETY: the arguments match the kernel's parameters one for one
         // (types and order, see `paged_decode.cu`); the buffers are the
         // caller's contract.
-        unsafe { b.launch(cfg) }.map_err(driver("launch"))?;
+        launch(|| unsafe { b.launch(cfg) })?;
         let stats = 0u64;
         let cfg = LaunchConfig {
             grid_dim: (d.heads as u32, 1, 1),
@@ -408,9 +419,31 @@ impl CudaDecode {
             .arg(&step.out)
             .arg(&stats);
         // SAFETY: as above.
-        unsafe { b.launch(cfg) }.map_err(driver("launch"))?;
+        launch(|| unsafe { b.launch(cfg) })?;
         Ok(())
     }
+}
+
+/// Runs one launch, its error or `cudarc`'s panic (a driver without a
+/// symbol it expects) as an error.
+fn launch<T>(
+    f: impl FnOnce() -> std::result::Result<T, cudarc::driver::DriverError>,
+) -> Result<()> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(r) => r.map(|_| ()).map_err(driver("launch")),
+        Err(p) => Err(KernelError::Unsupported(format!(
+            "the CUDA launch failed: {}",
+            panic_text(&p)
+        ))),
+    }
+}
+
+/// A caught panic's message.
+fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| p.downcast_ref::<&str>().map(|s| (*s).to_string()))
+        .unwrap_or_else(|| "a panic without a message".into())
 }
 
 impl DeviceStep {
