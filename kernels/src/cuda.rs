@@ -65,9 +65,46 @@ impl HotKind {
     }
 }
 
-/// The name of the part kernel for `kind` and `head_dim`.
-fn part_name(kind: HotKind, head_dim: usize) -> String {
-    format!("paged_decode_part_{}_d{head_dim}", kind.tag())
+/// Keys each warp loads ahead, with a kernel each.
+pub const UNROLLS: [usize; 2] = [2, 4];
+
+/// The launch shape: how many keys each warp loads before using them, and
+/// how many blocks per multiprocessor the context is cut into. Bandwidth
+/// on a GPU depends on both (bytes in flight against registers);
+/// `gpu_check` sweeps them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tuning {
+    /// 2 or 4 ([`UNROLLS`]).
+    pub unroll: usize,
+    /// Blocks of the part kernel per multiprocessor (at least 1).
+    pub blocks_per_sm: usize,
+}
+
+impl Default for Tuning {
+    fn default() -> Self {
+        Tuning {
+            unroll: 2,
+            blocks_per_sm: 2,
+        }
+    }
+}
+
+impl Tuning {
+    /// `self`, or an error for an unroll without a kernel or no blocks.
+    pub fn check(self) -> Result<Self> {
+        if !UNROLLS.contains(&self.unroll) || self.blocks_per_sm == 0 {
+            return Err(KernelError::Unsupported(format!(
+                "no CUDA kernel loads {} keys ahead with {} blocks per multiprocessor (unrolls: {UNROLLS:?})",
+                self.unroll, self.blocks_per_sm
+            )));
+        }
+        Ok(self)
+    }
+}
+
+/// The name of the part kernel for `kind`, `head_dim` and `unroll`.
+fn part_name(kind: HotKind, head_dim: usize, unroll: usize) -> String {
+    format!("paged_decode_part_{}_d{head_dim}_u{unroll}", kind.tag())
 }
 
 /// Every entry point of [`SOURCE`].
@@ -75,7 +112,9 @@ pub fn entry_points() -> Vec<String> {
     let mut names = Vec::new();
     for kind in [HotKind::F32, HotKind::F16, HotKind::Bf16] {
         for d in HEAD_DIMS {
-            names.push(part_name(kind, d));
+            for u in UNROLLS {
+                names.push(part_name(kind, d, u));
+            }
         }
     }
     names.push("paged_decode_merge".into());
@@ -183,13 +222,15 @@ pub struct DeviceStep {
 }
 
 /// The compiled kernels, loaded in a device's primary context.
+#[derive(Clone)]
 pub struct CudaDecode {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    parts: Vec<((HotKind, usize), CudaFunction)>,
+    parts: Vec<((HotKind, usize, usize), CudaFunction)>,
     merge: CudaFunction,
     sms: usize,
     arch: String,
+    tuning: Tuning,
 }
 
 impl std::fmt::Debug for CudaDecode {
@@ -198,6 +239,7 @@ impl std::fmt::Debug for CudaDecode {
             .field("ordinal", &self.ctx.ordinal())
             .field("arch", &self.arch)
             .field("sms", &self.sms)
+            .field("tuning", &self.tuning)
             .finish()
     }
 }
@@ -246,10 +288,12 @@ impl CudaDecode {
         let mut parts = Vec::new();
         for kind in [HotKind::F32, HotKind::F16, HotKind::Bf16] {
             for d in HEAD_DIMS {
-                let f = module
-                    .load_function(&part_name(kind, d))
-                    .map_err(driver("function"))?;
-                parts.push(((kind, d), f));
+                for u in UNROLLS {
+                    let f = module
+                        .load_function(&part_name(kind, d, u))
+                        .map_err(driver("function"))?;
+                    parts.push(((kind, d, u), f));
+                }
             }
         }
         let merge = module
@@ -262,7 +306,20 @@ impl CudaDecode {
             merge,
             sms: usize::try_from(sms).unwrap_or(1).max(1),
             arch,
+            tuning: Tuning::default(),
         })
+    }
+
+    /// Launches with `tuning` from now on; an error for an unroll without
+    /// a kernel.
+    pub fn with_tuning(mut self, tuning: Tuning) -> Result<Self> {
+        self.tuning = tuning.check()?;
+        Ok(self)
+    }
+
+    /// The launch shape in use.
+    pub fn tuning(&self) -> Tuning {
+        self.tuning
     }
 
     /// The context the kernels live in (the device's primary context).
@@ -285,10 +342,11 @@ impl CudaDecode {
         self.stream.synchronize().map_err(driver("synchronize"))
     }
 
-    /// Keys per block run: enough runs for two blocks per multiprocessor,
-    /// at least [`MIN_SPLIT`] keys each.
+    /// Keys per block run: enough runs for the tuning's blocks per
+    /// multiprocessor, at least [`MIN_SPLIT`] keys each.
     fn split_len(&self, dims: Dims, keys: usize) -> usize {
-        let runs = (2 * self.sms).div_ceil(dims.kv_heads).max(1);
+        let blocks = self.tuning.blocks_per_sm * self.sms;
+        let runs = blocks.div_ceil(dims.kv_heads).max(1);
         keys.div_ceil(runs).max(MIN_SPLIT)
     }
 
@@ -328,7 +386,7 @@ impl CudaDecode {
         let f = self
             .parts
             .iter()
-            .find(|(key, _)| *key == (step.hot, d.head_dim))
+            .find(|(key, _)| *key == (step.hot, d.head_dim, self.tuning.unroll))
             .map(|(_, f)| f)
             .ok_or_else(|| {
                 KernelError::Unsupported(format!("no CUDA kernel for head dim {}", d.head_dim))

@@ -11,7 +11,7 @@
 //
 // Flash-decoding in two launches. `paged_decode_part_*`: grid (kv_heads,
 // splits), each block attends its KV head's group of query heads over one
-// run of `split_len` keys, a warp per key at a time, two keys loaded ahead
+// run of `split_len` keys, a warp per key at a time, U (2 or 4) keys loaded ahead
 // (each lane holds D/32 contiguous elements of the query, the key, the
 // value and the accumulator in registers; hot rows load as vectors), an
 // online softmax per warp (running maximum and sum), the
@@ -136,7 +136,7 @@ __device__ __forceinline__ float cold_at(const ColdPool& p, long long b, int t, 
     return (float)q * s + f16_to_f32(p.mins[b * block_groups + gi]);
 }
 
-template <int KIND, int D>
+template <int KIND, int D, int U>
 __device__ void part(
     const float* __restrict__ q, const void* __restrict__ k_pool, const void* __restrict__ v_pool,
     const long long* __restrict__ table, int keys, int heads, int kv_heads, int split_len,
@@ -172,13 +172,13 @@ __device__ void part(
         }
     }
 
-    // Two keys per warp per iteration, both loaded before either is used
-    // (twice the loads in flight).
-    for (int j0 = begin + warp; j0 < end; j0 += 2 * NWARPS) {
-        float kx[2][E], vx[2][E];
+    // U keys per warp per iteration, all loaded before any is used (U
+    // times the loads in flight, U times the registers).
+    for (int j0 = begin + warp; j0 < end; j0 += U * NWARPS) {
+        float kx[U][E], vx[U][E];
         int n = 0;
 #pragma unroll
-        for (int u = 0; u < 2; ++u) {
+        for (int u = 0; u < U; ++u) {
             const int j = j0 + u * NWARPS;
             if (j >= end) break;
             ++n;
@@ -200,7 +200,7 @@ __device__ void part(
             }
         }
 #pragma unroll
-        for (int u = 0; u < 2; ++u) {
+        for (int u = 0; u < U; ++u) {
             if (u >= n) break;
             const int j = j0 + u * NWARPS;
 #pragma unroll
@@ -258,7 +258,7 @@ __device__ void part(
     }
 }
 
-#define PART(NAME, KIND, D)                                                                          \
+#define PART(NAME, KIND, D, U)                                                                       \
     extern "C" __global__ void __launch_bounds__(NWARPS * WARP) NAME(                                 \
         const float* q, const void* k_pool, const void* v_pool, const long long* table, int keys,   \
         int heads, int kv_heads, int split_len, float scale, float* part_ml, float* part_acc,       \
@@ -268,19 +268,30 @@ __device__ void part(
         int v_per_channel, int cold_tokens) {                                                        \
         ColdPool ck = {kc, ks, km, k_bits, k_group, k_per_channel};                                  \
         ColdPool cv = {vc, vs, vm, v_bits, v_group, v_per_channel};                                  \
-        part<KIND, D>(q, k_pool, v_pool, table, keys, heads, kv_heads, split_len, scale, part_ml,  \
-                      part_acc, scores, ck, cv, cold_tokens);                                        \
+        part<KIND, D, U>(q, k_pool, v_pool, table, keys, heads, kv_heads, split_len, scale,        \
+                         part_ml, part_acc, scores, ck, cv, cold_tokens);                            \
     }
 
-PART(paged_decode_part_f32_d64, 0, 64)
-PART(paged_decode_part_f32_d128, 0, 128)
-PART(paged_decode_part_f32_d256, 0, 256)
-PART(paged_decode_part_f16_d64, 1, 64)
-PART(paged_decode_part_f16_d128, 1, 128)
-PART(paged_decode_part_f16_d256, 1, 256)
-PART(paged_decode_part_bf16_d64, 2, 64)
-PART(paged_decode_part_bf16_d128, 2, 128)
-PART(paged_decode_part_bf16_d256, 2, 256)
+// paged_decode_part_{f32,f16,bf16}_d{64,128,256}_u{2,4}: hot dtype, head
+// dim, keys loaded ahead per warp.
+PART(paged_decode_part_f32_d64_u2, 0, 64, 2)
+PART(paged_decode_part_f32_d64_u4, 0, 64, 4)
+PART(paged_decode_part_f32_d128_u2, 0, 128, 2)
+PART(paged_decode_part_f32_d128_u4, 0, 128, 4)
+PART(paged_decode_part_f32_d256_u2, 0, 256, 2)
+PART(paged_decode_part_f32_d256_u4, 0, 256, 4)
+PART(paged_decode_part_f16_d64_u2, 1, 64, 2)
+PART(paged_decode_part_f16_d64_u4, 1, 64, 4)
+PART(paged_decode_part_f16_d128_u2, 1, 128, 2)
+PART(paged_decode_part_f16_d128_u4, 1, 128, 4)
+PART(paged_decode_part_f16_d256_u2, 1, 256, 2)
+PART(paged_decode_part_f16_d256_u4, 1, 256, 4)
+PART(paged_decode_part_bf16_d64_u2, 2, 64, 2)
+PART(paged_decode_part_bf16_d64_u4, 2, 64, 4)
+PART(paged_decode_part_bf16_d128_u2, 2, 128, 2)
+PART(paged_decode_part_bf16_d128_u4, 2, 128, 4)
+PART(paged_decode_part_bf16_d256_u2, 2, 256, 2)
+PART(paged_decode_part_bf16_d256_u4, 2, 256, 4)
 
 // out[h][d] from the splits' partial states (`part_ml`: maxima then sums,
 // `[splits][heads]` each; `part_acc`: `[splits][heads][D]`). With `stats`

@@ -131,6 +131,21 @@ fn a_pool_of_mismatched_blocks_is_refused() {
     assert!(e.to_string().contains("truncated"), "{e}");
 }
 
+#[test]
+fn launch_shapes_without_a_kernel_are_refused() {
+    use kvforge_kernels::cuda::Tuning;
+    Tuning::default().check().unwrap();
+    for (unroll, blocks_per_sm) in [(3, 2), (8, 2), (2, 0)] {
+        let e = Tuning {
+            unroll,
+            blocks_per_sm,
+        }
+        .check()
+        .unwrap_err();
+        assert!(e.to_string().contains("no CUDA kernel loads"), "{e}");
+    }
+}
+
 fn step() -> DeviceStep {
     DeviceStep {
         dims: Dims {
@@ -298,38 +313,52 @@ fn the_kernel_source_matches_the_cpu_twin_under_emulation() {
     ];
     for (ci, (spec, split_len, scores)) in cases.into_iter().enumerate() {
         let step = HostStep::random(spec).unwrap();
-        let (want, want_mass) = step.reference(Isa::Scalar, 1).unwrap();
-        let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
-        let (inp, outp) = (
-            dir.join(format!("emu-in-{ci}")),
-            dir.join(format!("emu-out-{ci}")),
-        );
-        std::fs::write(&inp, emulator_input(&step, split_len, scores)).unwrap();
-        let st = std::process::Command::new(&emu)
-            .arg(&inp)
-            .arg(&outp)
-            .status()
-            .unwrap();
-        assert!(st.success(), "case {ci}: the emulator failed");
-        let floats: Vec<f32> = std::fs::read(&outp)
-            .unwrap()
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect();
-        let (got, logits) = floats.split_at(want.len());
-        let err = max_rel_err(got, &want);
-        assert!(err <= 1e-5, "case {ci}: output off by {err}");
-        if scores {
-            assert_eq!(
-                logits.len(),
-                spec.dims.heads * step.table.len(),
-                "case {ci}"
-            );
-            let mass = step.mass_from_scores(logits);
-            let err = max_rel_err(&mass, &want_mass);
-            assert!(err <= 1e-5, "case {ci}: mass off by {err}");
+        let want = step.reference(Isa::Scalar, 1).unwrap();
+        // Every case through the kernels loading 2 and 4 keys ahead.
+        for unroll in cuda::UNROLLS {
+            let case = format!("case {ci}, {unroll} keys ahead");
+            let (got, logits) = emulate(&emu, &step, split_len, scores, unroll);
+            let err = max_rel_err(&got, &want.0);
+            assert!(err <= 1e-5, "{case}: output off by {err}");
+            if scores {
+                let n = spec.dims.heads * step.table.len();
+                assert_eq!(logits.len(), n, "{case}");
+                let err = max_rel_err(&step.mass_from_scores(&logits), &want.1);
+                assert!(err <= 1e-5, "{case}: mass off by {err}");
+            }
         }
     }
+}
+
+/// Runs `step` through the emulated kernel: the output, and the scaled
+/// logits when `scores`.
+fn emulate(
+    emu: &std::path::Path,
+    step: &kvforge_kernels::cuda::testing::HostStep,
+    split_len: usize,
+    scores: bool,
+    unroll: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let tag = format!("{}-{unroll}", std::process::id());
+    let (inp, outp) = (
+        dir.join(format!("emu-in-{tag}")),
+        dir.join(format!("emu-out-{tag}")),
+    );
+    std::fs::write(&inp, emulator_input(step, split_len, scores, unroll)).unwrap();
+    let st = std::process::Command::new(emu)
+        .arg(&inp)
+        .arg(&outp)
+        .status()
+        .unwrap();
+    assert!(st.success(), "the emulator failed");
+    let mut floats: Vec<f32> = std::fs::read(&outp)
+        .unwrap()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    let logits = floats.split_off(step.q.len());
+    (floats, logits)
 }
 
 /// The emulator's input file for `step` (see `tests/cuda_emu/main.cpp`).
@@ -337,6 +366,7 @@ fn emulator_input(
     step: &kvforge_kernels::cuda::testing::HostStep,
     split_len: usize,
     scores: bool,
+    unroll: usize,
 ) -> Vec<u8> {
     let s = step.spec;
     let d = s.dims;
@@ -365,6 +395,7 @@ fn emulator_input(
         vc.group_size() as i32,
         axis(vc),
         i32::from(s.cold.is_some()),
+        unroll as i32,
     ] {
         input.extend(x.to_le_bytes());
     }

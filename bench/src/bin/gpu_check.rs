@@ -39,7 +39,9 @@ use kvforge_engine::{
 use kvforge_kernels::Dims;
 use kvforge_kernels::Isa;
 use kvforge_kernels::cuda::testing::{HostStep, StepSpec, max_rel_err};
-use kvforge_kernels::cuda::{CudaDecode, DeviceCold, DeviceQuant, DeviceStep, HotKind};
+use kvforge_kernels::cuda::{
+    self, CudaDecode, DeviceCold, DeviceQuant, DeviceStep, HotKind, Tuning,
+};
 use kvforge_quant::{Axis, QuantConfig, f16};
 
 /// The report, and what failed.
@@ -373,7 +375,32 @@ fn bandwidth(r: &mut Report, kern: &CudaDecode) -> Result<()> {
             with_mass * 1e6
         ));
     }
-    r.line("\n(The 70% goal is checked on hot pages; the mixed row reads codes and group parameters, and dequantizes per element.)");
+    r.line("\n(The 70% goal is checked on hot pages with the default launch shape; the mixed row reads codes and group parameters, and dequantizes per element.)");
+    // The launch shape: keys each warp loads ahead × blocks per
+    // multiprocessor, on the f16 table.
+    r.line(format!(
+        "\nLaunch shapes, f16 at 32k keys (default: {:?}):\n\n| keys ahead | blocks per SM | kernel µs | GB/s | × copy |\n|---:|---:|---:|---:|---:|",
+        kern.tuning()
+    ));
+    let h = HostStep::random(full(HotKind::F16, None))?;
+    for unroll in cuda::UNROLLS {
+        for blocks_per_sm in [1, 2, 4, 8] {
+            let k = kern.clone().with_tuning(Tuning {
+                unroll,
+                blocks_per_sm,
+            })?;
+            let dv = upload(&h, &k, false)?;
+            // SAFETY: as in `kernel_vs_cpu`.
+            let secs = time_it(3, 50, || Ok(unsafe { k.run(&dv.step) }?))?;
+            let gbs = h.kv_bytes() as f64 / secs;
+            r.line(format!(
+                "| {unroll} | {blocks_per_sm} | {:.1} | {:.0} | {:.2} |",
+                secs * 1e6,
+                gbs / 1e9,
+                gbs / copy_bw
+            ));
+        }
+    }
     Ok(())
 }
 

@@ -1,10 +1,10 @@
 // Runs paged_decode.cu's two kernels under the emulator (emu.h) on one
 // step read from the file named by argv[1], and writes the output
 // (`[heads][D]` f32) and, when asked, the scaled logits (`[heads][keys]`
-// f32) to the file named by argv[2]. Input, little-endian: 15 i32 —
+// f32) to the file named by argv[2]. Input, little-endian: 16 i32 —
 // kind (0 f32, 1 f16, 2 bf16), D, heads, kv_heads, keys, split_len,
 // want_scores, cold_tokens, k_bits, k_group, k_per_channel, v_bits,
-// v_group, v_per_channel, has_cold — then 10 arrays, each a u64 byte
+// v_group, v_per_channel, has_cold, keys ahead (2 or 4) — then 10 arrays, each a u64 byte
 // count and its bytes: q (f32), k_pool, v_pool, table (i64), key codes,
 // key scales, key minima, value codes, value scales, value minima.
 
@@ -22,17 +22,26 @@ extern "C" void paged_decode_merge(const float*, const float*, int, int, int, fl
                          const unsigned short*, const unsigned short*, int, int, int,              \
                          const unsigned char*, const unsigned short*, const unsigned short*, int,  \
                          int, int, int);
-DECL(paged_decode_part_f32_d64)
-DECL(paged_decode_part_f32_d128)
-DECL(paged_decode_part_f32_d256)
-DECL(paged_decode_part_f16_d64)
-DECL(paged_decode_part_f16_d128)
-DECL(paged_decode_part_f16_d256)
-DECL(paged_decode_part_bf16_d64)
-DECL(paged_decode_part_bf16_d128)
-DECL(paged_decode_part_bf16_d256)
+DECL(paged_decode_part_f32_d64_u2)
+DECL(paged_decode_part_f32_d64_u4)
+DECL(paged_decode_part_f32_d128_u2)
+DECL(paged_decode_part_f32_d128_u4)
+DECL(paged_decode_part_f32_d256_u2)
+DECL(paged_decode_part_f32_d256_u4)
+DECL(paged_decode_part_f16_d64_u2)
+DECL(paged_decode_part_f16_d64_u4)
+DECL(paged_decode_part_f16_d128_u2)
+DECL(paged_decode_part_f16_d128_u4)
+DECL(paged_decode_part_f16_d256_u2)
+DECL(paged_decode_part_f16_d256_u4)
+DECL(paged_decode_part_bf16_d64_u2)
+DECL(paged_decode_part_bf16_d64_u4)
+DECL(paged_decode_part_bf16_d128_u2)
+DECL(paged_decode_part_bf16_d128_u4)
+DECL(paged_decode_part_bf16_d256_u2)
+DECL(paged_decode_part_bf16_d256_u4)
 
-using Part = decltype(&paged_decode_part_f32_d64);
+using Part = decltype(&paged_decode_part_f32_d64_u2);
 
 int main(int argc, char** argv) {
     if (argc != 3) {
@@ -48,7 +57,7 @@ int main(int argc, char** argv) {
         at += n;
         return p;
     };
-    int h[15];
+    int h[16];
     std::memcpy(h, take(sizeof h), sizeof h);
     const int kind = h[0], D = h[1], heads = h[2], kv_heads = h[3], keys = h[4], split_len = h[5];
     const int want_scores = h[6], cold_tokens = h[7], has_cold = h[14];
@@ -60,13 +69,20 @@ int main(int argc, char** argv) {
         a.assign(p, p + n);  // a fresh allocation: 16-byte aligned
     }
     auto ptr = [&](int i) -> const void* { return arr[i].empty() ? nullptr : arr[i].data(); };
-    Part parts[3][3] = {
-        {paged_decode_part_f32_d64, paged_decode_part_f32_d128, paged_decode_part_f32_d256},
-        {paged_decode_part_f16_d64, paged_decode_part_f16_d128, paged_decode_part_f16_d256},
-        {paged_decode_part_bf16_d64, paged_decode_part_bf16_d128, paged_decode_part_bf16_d256},
+    // [kind][head dim][keys ahead]
+    Part parts[3][3][2] = {
+        {{paged_decode_part_f32_d64_u2, paged_decode_part_f32_d64_u4},
+         {paged_decode_part_f32_d128_u2, paged_decode_part_f32_d128_u4},
+         {paged_decode_part_f32_d256_u2, paged_decode_part_f32_d256_u4}},
+        {{paged_decode_part_f16_d64_u2, paged_decode_part_f16_d64_u4},
+         {paged_decode_part_f16_d128_u2, paged_decode_part_f16_d128_u4},
+         {paged_decode_part_f16_d256_u2, paged_decode_part_f16_d256_u4}},
+        {{paged_decode_part_bf16_d64_u2, paged_decode_part_bf16_d64_u4},
+         {paged_decode_part_bf16_d128_u2, paged_decode_part_bf16_d128_u4},
+         {paged_decode_part_bf16_d256_u2, paged_decode_part_bf16_d256_u4}},
     };
     const int di = D == 64 ? 0 : D == 128 ? 1 : 2;
-    const Part part = parts[kind][di];
+    const Part part = parts[kind][di][h[15] == 4 ? 1 : 0];
     const int splits = (keys + split_len - 1) / split_len;
     std::vector<float> ml(2 * splits * heads), acc((size_t)splits * heads * D), out(heads * D);
     std::vector<float> scores(want_scores ? (size_t)heads * keys : 0);
