@@ -33,6 +33,32 @@ pub struct StepSpec {
     pub seed: u64,
 }
 
+impl StepSpec {
+    /// `keys` keys of `kind` hot rows at `(heads, kv_heads, head_dim)`:
+    /// blocks of 32, ragged entries, every entry hot (set `cold` for a
+    /// mixed table: then half the entries are cold), a seed from the shape.
+    pub fn new(
+        kind: HotKind,
+        (heads, kv_heads, head_dim): (usize, usize, usize),
+        keys: usize,
+    ) -> Self {
+        StepSpec {
+            kind,
+            dims: Dims {
+                heads,
+                kv_heads,
+                head_dim,
+            },
+            keys,
+            block_tokens: 32,
+            cold: None,
+            cold_share: 0.5,
+            ragged: true,
+            seed: keys as u64 * 7 + heads as u64,
+        }
+    }
+}
+
 /// One drawn step, on the host.
 pub struct HostStep {
     /// What was drawn.

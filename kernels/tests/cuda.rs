@@ -262,19 +262,10 @@ fn the_kernel_source_matches_the_cpu_twin_under_emulation() {
         return;
     };
     let q = |bits, group, axis| QuantConfig::new(bits, group, axis).unwrap();
-    let spec = |kind, (heads, kv_heads, head_dim), keys, cold| StepSpec {
-        kind,
-        dims: Dims {
-            heads,
-            kv_heads,
-            head_dim,
-        },
-        keys,
+    let spec = |kind, shape, keys, cold| StepSpec {
         block_tokens: 16,
         cold,
-        cold_share: 0.5,
-        ragged: true,
-        seed: keys as u64 * 31 + heads as u64,
+        ..StepSpec::new(kind, shape, keys)
     };
     // (step, keys per split, scores asked)
     let cases = [

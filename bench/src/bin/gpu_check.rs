@@ -36,7 +36,6 @@ use kvforge_engine::{
     AttentionBackend, Device, FusedBackend, Kind, KvQuant, Llama, LlamaConfig, PagedKvCache,
     ReferenceBackend, Sequence, Tensor, tch,
 };
-use kvforge_kernels::Dims;
 use kvforge_kernels::Isa;
 use kvforge_kernels::cuda::testing::{HostStep, StepSpec, max_rel_err};
 use kvforge_kernels::cuda::{
@@ -222,27 +221,6 @@ fn qc(bits: u32, group: usize, axis: Axis) -> Result<QuantConfig> {
     Ok(QuantConfig::new(bits, group, axis)?)
 }
 
-fn spec(
-    kind: HotKind,
-    (heads, kv_heads, head_dim): (usize, usize, usize),
-    keys: usize,
-) -> StepSpec {
-    StepSpec {
-        kind,
-        dims: Dims {
-            heads,
-            kv_heads,
-            head_dim,
-        },
-        keys,
-        block_tokens: 32,
-        cold: None,
-        cold_share: 0.5,
-        ragged: true,
-        seed: keys as u64 * 7 + heads as u64,
-    }
-}
-
 fn kernel_vs_cpu(r: &mut Report, kern: &CudaDecode) -> Result<()> {
     let int4 = Some((qc(4, 32, Axis::PerChannel)?, qc(4, 32, Axis::PerToken)?));
     let int8 = Some((qc(8, 32, Axis::PerChannel)?, qc(8, 32, Axis::PerToken)?));
@@ -253,13 +231,13 @@ fn kernel_vs_cpu(r: &mut Report, kern: &CudaDecode) -> Result<()> {
     };
     let llama = (32, 8, 128);
     let cases = [
-        with(spec(HotKind::F16, llama, 33_000), int4),
-        with(spec(HotKind::Bf16, llama, 4_096), None),
-        with(spec(HotKind::F32, llama, 1), None),
-        with(spec(HotKind::F16, (9, 3, 64), 1_000), int2),
-        with(spec(HotKind::F32, (9, 3, 64), 777), int8),
-        with(spec(HotKind::Bf16, (16, 2, 256), 5_000), int4),
-        with(spec(HotKind::F16, (8, 8, 64), 3_000), None),
+        with(StepSpec::new(HotKind::F16, llama, 33_000), int4),
+        with(StepSpec::new(HotKind::Bf16, llama, 4_096), None),
+        with(StepSpec::new(HotKind::F32, llama, 1), None),
+        with(StepSpec::new(HotKind::F16, (9, 3, 64), 1_000), int2),
+        with(StepSpec::new(HotKind::F32, (9, 3, 64), 777), int8),
+        with(StepSpec::new(HotKind::Bf16, (16, 2, 256), 5_000), int4),
+        with(StepSpec::new(HotKind::F16, (8, 8, 64), 3_000), None),
     ];
     r.line("\n## The CUDA kernel against the Rust kernel\n");
     r.line("| hot | heads / KV heads / dim | keys | cold | output err | mass err | |");
@@ -331,7 +309,7 @@ fn bandwidth(r: &mut Report, kern: &CudaDecode) -> Result<()> {
     r.line("|---|---:|---:|---:|---:|---:|---:|");
     let llama = (32, 8, 128);
     let full = |kind, cold| {
-        let mut s = spec(kind, llama, 32_768);
+        let mut s = StepSpec::new(kind, llama, 32_768);
         s.ragged = false;
         s.cold = cold;
         s
