@@ -241,10 +241,7 @@ fn fused_decode_equals_the_reference_over_every_tier_mix() {
             None,
         ),
     ];
-    let isas: Vec<Isa> = [Isa::Scalar, Isa::Avx2]
-        .into_iter()
-        .filter(|i| i.supported())
-        .collect();
+    let isas: Vec<Isa> = Isa::ALL.into_iter().filter(|i| i.supported()).collect();
     for (name, kind, q, ev, dd) in cases {
         let (want, want_table) = stream(&cache(kind, q, ev, dd, None));
         for &isa in &isas {

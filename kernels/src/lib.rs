@@ -21,9 +21,9 @@
 //!   weight summed over query heads), from the same pass: every page
 //!   keeps its own maximum and sum, rescaled by the final ones at the end.
 //! * [`Isa::Scalar`] is the plain-Rust twin every fast path is tested
-//!   against; [`Isa::Avx2`] (AVX2 + FMA + F16C, detected at run time) uses
-//!   `std::arch` for dot products, the weighted value sums, f16 widening
-//!   and a polynomial `exp`.
+//!   against; [`Isa::Avx2`] (AVX2 + FMA + F16C, detected at run time) and
+//!   [`Isa::Neon`] (AArch64) use `std::arch` for dot products, the
+//!   weighted value sums, f16 widening (AVX2) and a polynomial `exp`.
 //!
 //! Every input is checked before any page is read ([`KernelError`]): a
 //! page whose length does not match its token count, a cold page without
@@ -160,16 +160,20 @@ pub enum Isa {
     Scalar,
     /// x86-64 AVX2 with FMA and F16C.
     Avx2,
+    /// AArch64 Advanced SIMD (NEON).
+    Neon,
 }
 
 impl Isa {
+    /// Every instruction set, the scalar twin first.
+    pub const ALL: [Isa; 3] = [Isa::Scalar, Isa::Avx2, Isa::Neon];
+
     /// The fastest set this CPU supports.
     pub fn detect() -> Isa {
-        if Isa::Avx2.supported() {
-            Isa::Avx2
-        } else {
-            Isa::Scalar
-        }
+        [Isa::Avx2, Isa::Neon]
+            .into_iter()
+            .find(|i| i.supported())
+            .unwrap_or(Isa::Scalar)
     }
 
     /// Whether this CPU runs it.
@@ -177,6 +181,7 @@ impl Isa {
         match self {
             Isa::Scalar => true,
             Isa::Avx2 => avx2_supported(),
+            Isa::Neon => cfg!(target_arch = "aarch64"),
         }
     }
 
@@ -192,11 +197,12 @@ impl Isa {
         }
     }
 
-    /// `scalar` or `avx2`.
+    /// `scalar`, `avx2` or `neon`.
     pub fn name(self) -> &'static str {
         match self {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2",
+            Isa::Neon => "neon",
         }
     }
 }
@@ -339,6 +345,13 @@ impl PagedDecode {
             }
             #[cfg(not(target_arch = "x86_64"))]
             Isa::Avx2 => Err(KernelError::Unsupported("avx2 on a non-x86 CPU".into())),
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => {
+                // SAFETY: every AArch64 CPU has NEON.
+                unsafe { cpu::run_neon(self, q, spans, out, mass, key_novelty) }
+            }
+            #[cfg(not(target_arch = "aarch64"))]
+            Isa::Neon => Err(KernelError::Unsupported("neon on a non-AArch64 CPU".into())),
         }
     }
 

@@ -301,10 +301,7 @@ fn kernel(dims: Dims, fmt: ColdFormat, isa: Isa, threads: usize, split: usize) -
 }
 
 fn isas() -> Vec<Isa> {
-    [Isa::Scalar, Isa::Avx2]
-        .into_iter()
-        .filter(|i| i.supported())
-        .collect()
+    Isa::ALL.into_iter().filter(|i| i.supported()).collect()
 }
 
 /// Runs `kern` and returns the output and the mass.
@@ -741,4 +738,28 @@ fn random_tables() {
             }
         }
     }
+}
+
+/// An instruction set the CPU lacks is refused when it is chosen, and
+/// `detect` picks one the CPU has.
+#[test]
+fn an_instruction_set_the_cpu_lacks_is_an_error() {
+    assert!(Isa::detect().supported());
+    let dims = Dims {
+        heads: 2,
+        kv_heads: 1,
+        head_dim: 8,
+    };
+    for isa in Isa::ALL {
+        let got = PagedDecode::new(dims).unwrap().with_isa(isa);
+        if isa.supported() {
+            assert_eq!(got.unwrap().isa(), isa);
+        } else {
+            let e = got.unwrap_err();
+            assert!(matches!(e, KernelError::Unsupported(_)), "{e}");
+            assert!(e.to_string().contains(isa.name()), "{e}");
+        }
+    }
+    // One of the vector sets is foreign to every CPU.
+    assert!(!(Isa::Avx2.supported() && Isa::Neon.supported()));
 }

@@ -28,6 +28,9 @@
 //! * `gpu-check` — builds the one prepared run for a lent GPU (kernels
 //!   against the CPU, bandwidth, engine logits, 8B-shape throughput) and
 //!   stages it, stripped, with its launcher in `target/gpu-check/`.
+//! * `cross-test` — the kernels' and quantizers' tests on AArch64 (the
+//!   NEON path) under `qemu-aarch64`: needs `rustup`, and Debian's
+//!   `gcc-aarch64-linux-gnu` and `qemu-user`; not part of `ci`.
 //! * `bench` — the criterion benches, then a Markdown summary of their
 //!   medians in `target/kvforge-bench.md`.
 //! * `fuzz [RUNS]` — the coverage-guided fuzzers of the GGUF and the
@@ -44,7 +47,7 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 
 const USAGE: &str = "usage: cargo xtask <setup [--reference] | ci | ablate [--quick | --full | --config FILE] [--resume] | \
-                     bench [FILTER] | fuzz [RUNS] | kvforge ARGS... | prefix-bench ARGS... | pressure ARGS... | lifecycle ARGS... | quant-sweep ARGS... | decode-ab ARGS... | gpu-check | kv-stats ARGS... | engine-bench [CONTEXT] [DECODE] | tidy>";
+                     bench [FILTER] | fuzz [RUNS] | kvforge ARGS... | prefix-bench ARGS... | pressure ARGS... | lifecycle ARGS... | quant-sweep ARGS... | decode-ab ARGS... | gpu-check | cross-test | kv-stats ARGS... | engine-bench [CONTEXT] [DECODE] | tidy>";
 
 fn main() {
     if let Err(e) = run() {
@@ -82,6 +85,7 @@ fn run() -> Result<()> {
             engine_bench(&root, num(1, 1024)?, num(2, 64)?)
         }
         Some("gpu-check") if args.len() == 1 => gpu_check(&root),
+        Some("cross-test") if args.len() == 1 => cross_test(&root),
         Some("bench") if args.len() <= 2 => bench(&root, args.get(1).map(String::as_str)),
         Some("fuzz") if args.len() <= 2 => {
             let runs = match args.get(1) {
@@ -343,6 +347,53 @@ staged {} ({:.1} MB). On the GPU machine (device tool): carry [\"target/gpu-chec
         stage.display(),
         bytes as f64 / 1e6
     ));
+    Ok(())
+}
+
+/// The AArch64 target `cross-test` builds for.
+const AARCH64: &str = "aarch64-unknown-linux-gnu";
+
+/// Runs the pure-Rust kernel and quantizer tests for AArch64 under
+/// `qemu-aarch64` (every instruction set the CPU has, so NEON against the
+/// scalar twin). Installs the Rust target with rustup; the cross linker
+/// and qemu must be there (Debian: `apt-get install gcc-aarch64-linux-gnu
+/// qemu-user`).
+fn cross_test(root: &Path) -> Result<()> {
+    for tool in ["aarch64-linux-gnu-gcc", "qemu-aarch64"] {
+        let found = Command::new(tool)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !found {
+            bail!(
+                "{tool} not found: install Debian's gcc-aarch64-linux-gnu and qemu-user (apt-get install gcc-aarch64-linux-gnu qemu-user)"
+            );
+        }
+    }
+    let mut add = Command::new("rustup");
+    add.args(["target", "add", AARCH64]);
+    step("rustup target add", add)?;
+    let mut test = cargo();
+    test.current_dir(root)
+        .env(
+            "CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER",
+            "aarch64-linux-gnu-gcc",
+        )
+        .env(
+            "CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER",
+            "qemu-aarch64 -L /usr/aarch64-linux-gnu",
+        )
+        .args([
+            "test",
+            "-p",
+            "kvforge-kernels",
+            "-p",
+            "kvforge-quant",
+            "--target",
+            AARCH64,
+        ]);
+    step("cargo test --target aarch64 (under qemu)", test)?;
+    say("\ncross-test: the AArch64 tests passed");
     Ok(())
 }
 
