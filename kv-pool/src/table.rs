@@ -271,6 +271,33 @@ impl BlockTable {
     /// [`MAX_HOLED_BLOCK`] tokens; the rows must exist, not already be
     /// holes, and leave at least one live row (drop the entry instead).
     pub fn punch(&mut self, i: usize, rows: u64) -> Result<()> {
+        let all = rows_mask(self.block_size);
+        let e = self.holeable(i)?;
+        if rows == 0 || rows & !all != 0 || rows & e.holes != 0 || (rows | e.holes) == all {
+            return Err(invalid(format!(
+                "rows {rows:#x} of entry {i} (holes {:#x}) are not live rows that leave one live",
+                e.holes
+            )));
+        }
+        e.holes |= rows;
+        Ok(())
+    }
+
+    /// [`punch`](Self::punch), except that rows naming every live row of
+    /// entry `i` drop it (token-level eviction took its last tokens):
+    /// returns the old slot then, whose reference the caller now owns.
+    pub fn punch_or_drop(&mut self, i: usize, rows: u64) -> Result<Option<Slot>> {
+        let all = rows_mask(self.block_size);
+        let holes = self.holeable(i)?.holes;
+        if rows & !all == 0 && rows & holes == 0 && rows | holes == all {
+            return self.set_slot(i, Slot::Dropped).map(Some);
+        }
+        self.punch(i, rows).map(|()| None)
+    }
+
+    /// Entry `i`, if it may hold holes: a full, closed hot block of at
+    /// most [`MAX_HOLED_BLOCK`] tokens.
+    fn holeable(&mut self, i: usize) -> Result<&mut Entry> {
         let last = self.entries.len().checked_sub(1);
         let open = self.open && Some(i) == last;
         let bs = self.block_size;
@@ -283,15 +310,7 @@ impl BlockTable {
                 e.slot, e.tokens
             )));
         }
-        let all = rows_mask(bs);
-        if rows == 0 || rows & !all != 0 || rows & e.holes != 0 || (rows | e.holes) == all {
-            return Err(invalid(format!(
-                "rows {rows:#x} of entry {i} (holes {:#x}) are not live rows that leave one live",
-                e.holes
-            )));
-        }
-        e.holes |= rows;
-        Ok(())
+        Ok(e)
     }
 
     /// Gives the full, closed hot entry `i` another hot block into which
@@ -510,6 +529,17 @@ mod tests {
         t.punch(0, 0b0101).unwrap();
         assert!(t.punch(0, 0b0001).is_err(), "already a hole");
         assert!(t.punch(0, 0b1010).is_err(), "would leave nothing");
+        // The same rows through punch_or_drop drop the entry instead; an
+        // entry that may not hold holes is refused either way.
+        let mut u = t.clone();
+        assert!(u.punch_or_drop(1, 0b1111).is_err(), "cold");
+        assert!(u.punch_or_drop(0, 0b1011).is_err(), "a hole named again");
+        assert_eq!(u, t);
+        assert_eq!(u.punch_or_drop(0, 0b1010).unwrap(), Some(Slot::Hot(b(0))));
+        assert_eq!(u.entries()[0].slot(), Slot::Dropped);
+        assert_eq!(u.punch_or_drop(2, 0b0001).unwrap(), None);
+        assert_eq!(u.entries()[2].holes(), 0b0001);
+        u.check().unwrap();
         assert_eq!((t.entries()[0].holes(), t.entries()[0].live()), (0b0101, 2));
         assert_eq!(t.live_tokens(), 2 + 4 + 4 + 2);
         assert_eq!(t.positions(), 14, "positions stay");

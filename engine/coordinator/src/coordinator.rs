@@ -157,31 +157,12 @@ fn punch_victims(
             return Err(bad(format!("named row {r} of entry {i}, blocks of {bs}")));
         }
         let rows = run.iter().fold(0u64, |m, v| m | 1 << v.1);
-        let last = table.entries().len().wrapping_sub(1);
-        let (live, holes) = match table.entries().get(i) {
-            Some(e)
-                if matches!(e.slot(), Slot::Hot(_))
-                    && e.tokens() == bs
-                    && !(table.is_open() && i == last) =>
-            {
-                (e.live(), e.holes())
-            }
-            _ => {
-                return Err(bad(format!(
-                    "named rows of entry {i}, which is not a full, closed hot block"
-                )));
-            }
-        };
-        if rows.count_ones() == live && rows & holes == 0 {
-            let old = table
-                .set_slot(i, Slot::Dropped)
-                .map_err(|e| bad(format!("named every row of entry {i}: {e}")))?;
+        let dropped = table
+            .punch_or_drop(i, rows)
+            .map_err(|e| bad(format!("named rows of entry {i}: {e}")))?;
+        if let Some(old) = dropped {
             release.extend(old.block());
             drops.push(i);
-        } else {
-            table
-                .punch(i, rows)
-                .map_err(|e| bad(format!("named rows of entry {i}: {e}")))?;
         }
     }
     Ok(victims.len())

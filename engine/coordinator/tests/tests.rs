@@ -707,7 +707,7 @@ fn a_token_level_answer_that_breaks_the_contract_is_refused_and_changes_nothing(
         (vec![(1, 0), (1, 0)], "out of order"),
         (vec![(1, 4)], "named row 4 of entry 1"),
         (vec![(3, 0)], "not a full, closed hot block"),
-        (vec![(9, 0)], "not a full, closed hot block"),
+        (vec![(9, 0)], "entry 9 does not exist"),
     ] {
         let mut c = Coordinator::new(config(64)).unwrap();
         let s = c.open_empty();
