@@ -6,9 +6,6 @@
 //! and a missing driver reported as an error. What runs on a GPU is
 //! `cargo xtask gpu-check`.
 
-#![cfg(feature = "cuda")]
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use kvforge_kernels::cuda::{
     self, ColdPoolHost, CudaDecode, DeviceCold, DeviceQuant, DeviceStep, HotKind,
 };

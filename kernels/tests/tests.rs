@@ -4,6 +4,9 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+#[cfg(feature = "cuda")]
+mod cuda;
+
 use kvforge_kernels::{ColdFormat, Dims, Isa, KernelError, Page, PagedDecode, Span};
 use kvforge_quant::{
     Axis, BlockShape, GroupQuantizer, QuantConfig, QuantizedBlock, Quantizer, Rotated, f16,
