@@ -102,21 +102,40 @@ impl Tuning {
     }
 }
 
-/// The name of the part kernel for `kind`, `head_dim` and `unroll`.
-fn part_name(kind: HotKind, head_dim: usize, unroll: usize) -> String {
-    format!("paged_decode_part_{}_d{head_dim}_u{unroll}", kind.tag())
+/// The group bounds with a kernel: a lane holds the query and accumulator
+/// of this many query heads (4 keeps the registers of GQA groups up to 4,
+/// Llama-3's and SmolLM2's, low).
+const GROUP_BOUNDS: [usize; 2] = [4, MAX_GROUP];
+
+/// One part kernel: hot storage, head dim, keys ahead, group bound.
+type PartKey = (HotKind, usize, usize, usize);
+
+/// The name of a part kernel.
+fn part_name((kind, head_dim, unroll, group): PartKey) -> String {
+    format!(
+        "paged_decode_part_{}_d{head_dim}_u{unroll}_g{group}",
+        kind.tag()
+    )
+}
+
+/// Every part kernel, in the order of [`entry_points`].
+fn part_keys() -> Vec<PartKey> {
+    let mut keys = Vec::new();
+    for kind in [HotKind::F32, HotKind::F16, HotKind::Bf16] {
+        for d in HEAD_DIMS {
+            for u in UNROLLS {
+                for g in GROUP_BOUNDS {
+                    keys.push((kind, d, u, g));
+                }
+            }
+        }
+    }
+    keys
 }
 
 /// Every entry point of [`SOURCE`].
 pub fn entry_points() -> Vec<String> {
-    let mut names = Vec::new();
-    for kind in [HotKind::F32, HotKind::F16, HotKind::Bf16] {
-        for d in HEAD_DIMS {
-            for u in UNROLLS {
-                names.push(part_name(kind, d, u));
-            }
-        }
-    }
+    let mut names: Vec<String> = part_keys().into_iter().map(part_name).collect();
     names.push("paged_decode_merge".into());
     names
 }
@@ -226,7 +245,7 @@ pub struct DeviceStep {
 pub struct CudaDecode {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    parts: Vec<((HotKind, usize, usize), CudaFunction)>,
+    parts: Vec<(PartKey, CudaFunction)>,
     merge: CudaFunction,
     sms: usize,
     arch: String,
@@ -286,15 +305,11 @@ impl CudaDecode {
             .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
             .map_err(driver("module load"))?;
         let mut parts = Vec::new();
-        for kind in [HotKind::F32, HotKind::F16, HotKind::Bf16] {
-            for d in HEAD_DIMS {
-                for u in UNROLLS {
-                    let f = module
-                        .load_function(&part_name(kind, d, u))
-                        .map_err(driver("function"))?;
-                    parts.push(((kind, d, u), f));
-                }
-            }
+        for key in part_keys() {
+            let f = module
+                .load_function(&part_name(key))
+                .map_err(driver("function"))?;
+            parts.push((key, f));
         }
         let merge = module
             .load_function("paged_decode_merge")
@@ -386,7 +401,11 @@ impl CudaDecode {
         let f = self
             .parts
             .iter()
-            .find(|(key, _)| *key == (step.hot, d.head_dim, self.tuning.unroll))
+            .find(|(key, _)| {
+                let group = d.heads / d.kv_heads;
+                let bound = GROUP_BOUNDS.into_iter().find(|&b| group <= b);
+                Some(*key) == bound.map(|b| (step.hot, d.head_dim, self.tuning.unroll, b))
+            })
             .map(|(_, f)| f)
             .ok_or_else(|| {
                 KernelError::Unsupported(format!("no CUDA kernel for head dim {}", d.head_dim))

@@ -27,7 +27,6 @@
 
 #define WARP 32
 #define NWARPS 4
-#define MAX_GROUP 8
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
@@ -136,7 +135,7 @@ __device__ __forceinline__ float cold_at(const ColdPool& p, long long b, int t, 
     return (float)q * s + f16_to_f32(p.mins[b * block_groups + gi]);
 }
 
-template <int KIND, int D, int U>
+template <int KIND, int D, int U, int G>
 __device__ void part(
     const float* __restrict__ q, const void* __restrict__ k_pool, const void* __restrict__ v_pool,
     const long long* __restrict__ table, int keys, int heads, int kv_heads, int split_len,
@@ -150,19 +149,19 @@ __device__ void part(
     const int begin = split * split_len;
     const int end = min(keys, begin + split_len);
 
-    __shared__ float sq[MAX_GROUP * D];
-    __shared__ float sm[NWARPS][MAX_GROUP];
-    __shared__ float sl[NWARPS][MAX_GROUP];
-    __shared__ float sacc[NWARPS][MAX_GROUP * D];
+    __shared__ float sq[G * D];
+    __shared__ float sm[NWARPS][G];
+    __shared__ float sl[NWARPS][G];
+    __shared__ float sacc[NWARPS][G * D];
 
     for (int i = threadIdx.x; i < g * D; i += blockDim.x) sq[i] = q[kvh * g * D + i] * scale;
     __syncthreads();
 
     // Lane `lane` holds elements `lane * E .. lane * E + E` of every head
     // vector (contiguous, so hot rows load in vectors).
-    float qr[MAX_GROUP][E], acc[MAX_GROUP][E], m[MAX_GROUP], l[MAX_GROUP];
+    float qr[G][E], acc[G][E], m[G], l[G];
 #pragma unroll
-    for (int h = 0; h < MAX_GROUP; ++h) {
+    for (int h = 0; h < G; ++h) {
         m[h] = neg_inf();
         l[h] = 0.f;
 #pragma unroll
@@ -204,7 +203,7 @@ __device__ void part(
             if (u >= n) break;
             const int j = j0 + u * NWARPS;
 #pragma unroll
-            for (int h = 0; h < MAX_GROUP; ++h) {
+            for (int h = 0; h < G; ++h) {
                 if (h < g) {
                     float dot = 0.f;
 #pragma unroll
@@ -225,7 +224,7 @@ __device__ void part(
     }
 
 #pragma unroll
-    for (int h = 0; h < MAX_GROUP; ++h) {
+    for (int h = 0; h < G; ++h) {
         if (h < g) {
             if (lane == 0) {
                 sm[warp][h] = m[h];
@@ -258,7 +257,7 @@ __device__ void part(
     }
 }
 
-#define PART(NAME, KIND, D, U)                                                                       \
+#define PART(NAME, KIND, D, U, G)                                                                      \
     extern "C" __global__ void __launch_bounds__(NWARPS * WARP) NAME(                                 \
         const float* q, const void* k_pool, const void* v_pool, const long long* table, int keys,   \
         int heads, int kv_heads, int split_len, float scale, float* part_ml, float* part_acc,       \
@@ -268,30 +267,49 @@ __device__ void part(
         int v_per_channel, int cold_tokens) {                                                        \
         ColdPool ck = {kc, ks, km, k_bits, k_group, k_per_channel};                                  \
         ColdPool cv = {vc, vs, vm, v_bits, v_group, v_per_channel};                                  \
-        part<KIND, D, U>(q, k_pool, v_pool, table, keys, heads, kv_heads, split_len, scale,        \
+        part<KIND, D, U, G>(q, k_pool, v_pool, table, keys, heads, kv_heads, split_len, scale,     \
                          part_ml, part_acc, scores, ck, cv, cold_tokens);                            \
     }
 
-// paged_decode_part_{f32,f16,bf16}_d{64,128,256}_u{2,4}: hot dtype, head
-// dim, keys loaded ahead per warp.
-PART(paged_decode_part_f32_d64_u2, 0, 64, 2)
-PART(paged_decode_part_f32_d64_u4, 0, 64, 4)
-PART(paged_decode_part_f32_d128_u2, 0, 128, 2)
-PART(paged_decode_part_f32_d128_u4, 0, 128, 4)
-PART(paged_decode_part_f32_d256_u2, 0, 256, 2)
-PART(paged_decode_part_f32_d256_u4, 0, 256, 4)
-PART(paged_decode_part_f16_d64_u2, 1, 64, 2)
-PART(paged_decode_part_f16_d64_u4, 1, 64, 4)
-PART(paged_decode_part_f16_d128_u2, 1, 128, 2)
-PART(paged_decode_part_f16_d128_u4, 1, 128, 4)
-PART(paged_decode_part_f16_d256_u2, 1, 256, 2)
-PART(paged_decode_part_f16_d256_u4, 1, 256, 4)
-PART(paged_decode_part_bf16_d64_u2, 2, 64, 2)
-PART(paged_decode_part_bf16_d64_u4, 2, 64, 4)
-PART(paged_decode_part_bf16_d128_u2, 2, 128, 2)
-PART(paged_decode_part_bf16_d128_u4, 2, 128, 4)
-PART(paged_decode_part_bf16_d256_u2, 2, 256, 2)
-PART(paged_decode_part_bf16_d256_u4, 2, 256, 4)
+// paged_decode_part_{f32,f16,bf16}_d{64,128,256}_u{2,4}_g{4,8}: hot dtype,
+// head dim, keys loaded ahead per warp, most query heads per KV head (the
+// registers a lane holds grow with it).
+PART(paged_decode_part_f32_d64_u2_g4, 0, 64, 2, 4)
+PART(paged_decode_part_f32_d64_u2_g8, 0, 64, 2, 8)
+PART(paged_decode_part_f32_d64_u4_g4, 0, 64, 4, 4)
+PART(paged_decode_part_f32_d64_u4_g8, 0, 64, 4, 8)
+PART(paged_decode_part_f32_d128_u2_g4, 0, 128, 2, 4)
+PART(paged_decode_part_f32_d128_u2_g8, 0, 128, 2, 8)
+PART(paged_decode_part_f32_d128_u4_g4, 0, 128, 4, 4)
+PART(paged_decode_part_f32_d128_u4_g8, 0, 128, 4, 8)
+PART(paged_decode_part_f32_d256_u2_g4, 0, 256, 2, 4)
+PART(paged_decode_part_f32_d256_u2_g8, 0, 256, 2, 8)
+PART(paged_decode_part_f32_d256_u4_g4, 0, 256, 4, 4)
+PART(paged_decode_part_f32_d256_u4_g8, 0, 256, 4, 8)
+PART(paged_decode_part_f16_d64_u2_g4, 1, 64, 2, 4)
+PART(paged_decode_part_f16_d64_u2_g8, 1, 64, 2, 8)
+PART(paged_decode_part_f16_d64_u4_g4, 1, 64, 4, 4)
+PART(paged_decode_part_f16_d64_u4_g8, 1, 64, 4, 8)
+PART(paged_decode_part_f16_d128_u2_g4, 1, 128, 2, 4)
+PART(paged_decode_part_f16_d128_u2_g8, 1, 128, 2, 8)
+PART(paged_decode_part_f16_d128_u4_g4, 1, 128, 4, 4)
+PART(paged_decode_part_f16_d128_u4_g8, 1, 128, 4, 8)
+PART(paged_decode_part_f16_d256_u2_g4, 1, 256, 2, 4)
+PART(paged_decode_part_f16_d256_u2_g8, 1, 256, 2, 8)
+PART(paged_decode_part_f16_d256_u4_g4, 1, 256, 4, 4)
+PART(paged_decode_part_f16_d256_u4_g8, 1, 256, 4, 8)
+PART(paged_decode_part_bf16_d64_u2_g4, 2, 64, 2, 4)
+PART(paged_decode_part_bf16_d64_u2_g8, 2, 64, 2, 8)
+PART(paged_decode_part_bf16_d64_u4_g4, 2, 64, 4, 4)
+PART(paged_decode_part_bf16_d64_u4_g8, 2, 64, 4, 8)
+PART(paged_decode_part_bf16_d128_u2_g4, 2, 128, 2, 4)
+PART(paged_decode_part_bf16_d128_u2_g8, 2, 128, 2, 8)
+PART(paged_decode_part_bf16_d128_u4_g4, 2, 128, 4, 4)
+PART(paged_decode_part_bf16_d128_u4_g8, 2, 128, 4, 8)
+PART(paged_decode_part_bf16_d256_u2_g4, 2, 256, 2, 4)
+PART(paged_decode_part_bf16_d256_u2_g8, 2, 256, 2, 8)
+PART(paged_decode_part_bf16_d256_u4_g4, 2, 256, 4, 4)
+PART(paged_decode_part_bf16_d256_u4_g8, 2, 256, 4, 8)
 
 // out[h][d] from the splits' partial states (`part_ml`: maxima then sums,
 // `[splits][heads]` each; `part_acc`: `[splits][heads][D]`). With `stats`

@@ -22,26 +22,44 @@ extern "C" void paged_decode_merge(const float*, const float*, int, int, int, fl
                          const unsigned short*, const unsigned short*, int, int, int,              \
                          const unsigned char*, const unsigned short*, const unsigned short*, int,  \
                          int, int, int);
-DECL(paged_decode_part_f32_d64_u2)
-DECL(paged_decode_part_f32_d64_u4)
-DECL(paged_decode_part_f32_d128_u2)
-DECL(paged_decode_part_f32_d128_u4)
-DECL(paged_decode_part_f32_d256_u2)
-DECL(paged_decode_part_f32_d256_u4)
-DECL(paged_decode_part_f16_d64_u2)
-DECL(paged_decode_part_f16_d64_u4)
-DECL(paged_decode_part_f16_d128_u2)
-DECL(paged_decode_part_f16_d128_u4)
-DECL(paged_decode_part_f16_d256_u2)
-DECL(paged_decode_part_f16_d256_u4)
-DECL(paged_decode_part_bf16_d64_u2)
-DECL(paged_decode_part_bf16_d64_u4)
-DECL(paged_decode_part_bf16_d128_u2)
-DECL(paged_decode_part_bf16_d128_u4)
-DECL(paged_decode_part_bf16_d256_u2)
-DECL(paged_decode_part_bf16_d256_u4)
+DECL(paged_decode_part_f32_d64_u2_g4)
+DECL(paged_decode_part_f32_d64_u2_g8)
+DECL(paged_decode_part_f32_d64_u4_g4)
+DECL(paged_decode_part_f32_d64_u4_g8)
+DECL(paged_decode_part_f32_d128_u2_g4)
+DECL(paged_decode_part_f32_d128_u2_g8)
+DECL(paged_decode_part_f32_d128_u4_g4)
+DECL(paged_decode_part_f32_d128_u4_g8)
+DECL(paged_decode_part_f32_d256_u2_g4)
+DECL(paged_decode_part_f32_d256_u2_g8)
+DECL(paged_decode_part_f32_d256_u4_g4)
+DECL(paged_decode_part_f32_d256_u4_g8)
+DECL(paged_decode_part_f16_d64_u2_g4)
+DECL(paged_decode_part_f16_d64_u2_g8)
+DECL(paged_decode_part_f16_d64_u4_g4)
+DECL(paged_decode_part_f16_d64_u4_g8)
+DECL(paged_decode_part_f16_d128_u2_g4)
+DECL(paged_decode_part_f16_d128_u2_g8)
+DECL(paged_decode_part_f16_d128_u4_g4)
+DECL(paged_decode_part_f16_d128_u4_g8)
+DECL(paged_decode_part_f16_d256_u2_g4)
+DECL(paged_decode_part_f16_d256_u2_g8)
+DECL(paged_decode_part_f16_d256_u4_g4)
+DECL(paged_decode_part_f16_d256_u4_g8)
+DECL(paged_decode_part_bf16_d64_u2_g4)
+DECL(paged_decode_part_bf16_d64_u2_g8)
+DECL(paged_decode_part_bf16_d64_u4_g4)
+DECL(paged_decode_part_bf16_d64_u4_g8)
+DECL(paged_decode_part_bf16_d128_u2_g4)
+DECL(paged_decode_part_bf16_d128_u2_g8)
+DECL(paged_decode_part_bf16_d128_u4_g4)
+DECL(paged_decode_part_bf16_d128_u4_g8)
+DECL(paged_decode_part_bf16_d256_u2_g4)
+DECL(paged_decode_part_bf16_d256_u2_g8)
+DECL(paged_decode_part_bf16_d256_u4_g4)
+DECL(paged_decode_part_bf16_d256_u4_g8)
 
-using Part = decltype(&paged_decode_part_f32_d64_u2);
+using Part = decltype(&paged_decode_part_f32_d64_u2_g4);
 
 int main(int argc, char** argv) {
     if (argc != 3) {
@@ -69,20 +87,35 @@ int main(int argc, char** argv) {
         a.assign(p, p + n);  // a fresh allocation: 16-byte aligned
     }
     auto ptr = [&](int i) -> const void* { return arr[i].empty() ? nullptr : arr[i].data(); };
-    // [kind][head dim][keys ahead]
-    Part parts[3][3][2] = {
-        {{paged_decode_part_f32_d64_u2, paged_decode_part_f32_d64_u4},
-         {paged_decode_part_f32_d128_u2, paged_decode_part_f32_d128_u4},
-         {paged_decode_part_f32_d256_u2, paged_decode_part_f32_d256_u4}},
-        {{paged_decode_part_f16_d64_u2, paged_decode_part_f16_d64_u4},
-         {paged_decode_part_f16_d128_u2, paged_decode_part_f16_d128_u4},
-         {paged_decode_part_f16_d256_u2, paged_decode_part_f16_d256_u4}},
-        {{paged_decode_part_bf16_d64_u2, paged_decode_part_bf16_d64_u4},
-         {paged_decode_part_bf16_d128_u2, paged_decode_part_bf16_d128_u4},
-         {paged_decode_part_bf16_d256_u2, paged_decode_part_bf16_d256_u4}},
+    // [kind][head dim][keys ahead][group bound 4 or 8]
+    Part parts[3][3][2][2] = {
+        {
+            {{paged_decode_part_f32_d64_u2_g4, paged_decode_part_f32_d64_u2_g8},
+             {paged_decode_part_f32_d64_u4_g4, paged_decode_part_f32_d64_u4_g8}},
+            {{paged_decode_part_f32_d128_u2_g4, paged_decode_part_f32_d128_u2_g8},
+             {paged_decode_part_f32_d128_u4_g4, paged_decode_part_f32_d128_u4_g8}},
+            {{paged_decode_part_f32_d256_u2_g4, paged_decode_part_f32_d256_u2_g8},
+             {paged_decode_part_f32_d256_u4_g4, paged_decode_part_f32_d256_u4_g8}},
+        },
+        {
+            {{paged_decode_part_f16_d64_u2_g4, paged_decode_part_f16_d64_u2_g8},
+             {paged_decode_part_f16_d64_u4_g4, paged_decode_part_f16_d64_u4_g8}},
+            {{paged_decode_part_f16_d128_u2_g4, paged_decode_part_f16_d128_u2_g8},
+             {paged_decode_part_f16_d128_u4_g4, paged_decode_part_f16_d128_u4_g8}},
+            {{paged_decode_part_f16_d256_u2_g4, paged_decode_part_f16_d256_u2_g8},
+             {paged_decode_part_f16_d256_u4_g4, paged_decode_part_f16_d256_u4_g8}},
+        },
+        {
+            {{paged_decode_part_bf16_d64_u2_g4, paged_decode_part_bf16_d64_u2_g8},
+             {paged_decode_part_bf16_d64_u4_g4, paged_decode_part_bf16_d64_u4_g8}},
+            {{paged_decode_part_bf16_d128_u2_g4, paged_decode_part_bf16_d128_u2_g8},
+             {paged_decode_part_bf16_d128_u4_g4, paged_decode_part_bf16_d128_u4_g8}},
+            {{paged_decode_part_bf16_d256_u2_g4, paged_decode_part_bf16_d256_u2_g8},
+             {paged_decode_part_bf16_d256_u4_g4, paged_decode_part_bf16_d256_u4_g8}},
+        },
     };
     const int di = D == 64 ? 0 : D == 128 ? 1 : 2;
-    const Part part = parts[kind][di][h[15] == 4 ? 1 : 0];
+    const Part part = parts[kind][di][h[15] == 4 ? 1 : 0][heads / kv_heads <= 4 ? 0 : 1];
     const int splits = (keys + split_len - 1) / split_len;
     std::vector<float> ml(2 * splits * heads), acc((size_t)splits * heads * D), out(heads * D);
     std::vector<float> scores(want_scores ? (size_t)heads * keys : 0);
