@@ -1,7 +1,8 @@
 //! The paged decode kernel on CUDA: CUDA C compiled at run time by NVRTC
-//! and launched through the driver API (`cudarc`, loaded dynamically, so
-//! building needs no CUDA and a machine without it gets an error, never a
-//! panic).
+//! (each variant — hot dtype, head dim, keys ahead, group bound — when a
+//! step first needs it) and launched through the driver API (`cudarc`,
+//! loaded dynamically, so building needs no CUDA and a machine without it
+//! gets an error, never a panic).
 //!
 //! The kernel (`paged_decode.cu`) attends one decode step over a table of
 //! keys: `table[j] ≥ 0` is a row of the hot pool (f32, f16 or bf16 rows
@@ -118,6 +119,22 @@ fn part_name((kind, head_dim, unroll, group): PartKey) -> String {
     )
 }
 
+/// The part kernel for steps over `hot` rows at `dims`.
+fn part_key(hot: HotKind, dims: Dims, unroll: usize) -> Result<PartKey> {
+    dims.check()?;
+    let group = dims.heads / dims.kv_heads;
+    let bound = GROUP_BOUNDS.into_iter().find(|&b| group <= b);
+    match bound {
+        Some(b) if HEAD_DIMS.contains(&dims.head_dim) && UNROLLS.contains(&unroll) => {
+            Ok((hot, dims.head_dim, unroll, b))
+        }
+        _ => Err(KernelError::Unsupported(format!(
+            "no CUDA kernel for head dim {}, {group} query heads per KV head, {unroll} keys ahead",
+            dims.head_dim
+        ))),
+    }
+}
+
 /// Every part kernel, in the order of [`entry_points`].
 fn part_keys() -> Vec<PartKey> {
     let mut keys = Vec::new();
@@ -152,9 +169,38 @@ pub fn driver_present() -> bool {
     unsafe { cudarc::driver::sys::is_culib_present() }
 }
 
-/// Compiles [`SOURCE`] with NVRTC for `arch` (`compute_90`, …) and checks
-/// that the PTX holds every entry point. Needs NVRTC, not a GPU.
+/// [`SOURCE`] with the part kernels `parts` instantiated.
+fn source_with(parts: &[PartKey]) -> String {
+    let mut src = String::from(SOURCE);
+    for &key in parts {
+        let (kind, d, u, g) = key;
+        let kind = match kind {
+            HotKind::F32 => 0,
+            HotKind::F16 => 1,
+            HotKind::Bf16 => 2,
+        };
+        src.push_str(&format!(
+            "PART({}, {kind}, {d}, {u}, {g})\n",
+            part_name(key)
+        ));
+    }
+    src
+}
+
+/// [`SOURCE`] with every part kernel instantiated: what [`compile`]
+/// checks, and what the CPU emulator runs.
+pub fn full_source() -> String {
+    source_with(&part_keys())
+}
+
+/// Compiles [`full_source`] with NVRTC for `arch` (`compute_90`, …) and
+/// checks that the PTX holds every entry point. Needs NVRTC, not a GPU.
 pub fn compile(arch: &str) -> Result<String> {
+    compile_source(arch, &full_source(), &entry_points())
+}
+
+/// Compiles `src` for `arch` and checks that the PTX holds `names`.
+fn compile_source(arch: &str, src: &str, names: &[String]) -> Result<String> {
     if !nvrtc_present() {
         return Err(KernelError::Unsupported(
             "NVRTC (libnvrtc) is not on the library path: CUDA kernels cannot be compiled".into(),
@@ -165,7 +211,7 @@ pub fn compile(arch: &str) -> Result<String> {
         name: Some("paged_decode.cu".into()),
         ..Default::default()
     };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts).map_err(|e| {
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(src, opts).map_err(|e| {
         let why = match e {
             CompileError::CompileError { log, .. } => log.to_string_lossy().into_owned(),
             other => format!("{other:?}"),
@@ -173,7 +219,7 @@ pub fn compile(arch: &str) -> Result<String> {
         KernelError::Unsupported(format!("NVRTC rejected the CUDA kernels: {why}"))
     })?;
     let text = ptx.to_src();
-    for name in entry_points() {
+    for name in names {
         if !text.contains(&format!(".entry {name}(")) {
             return Err(KernelError::Unsupported(format!(
                 "the compiled PTX has no entry point {name}"
@@ -245,11 +291,19 @@ pub struct DeviceStep {
 pub struct CudaDecode {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    parts: Vec<(PartKey, CudaFunction)>,
-    merge: CudaFunction,
+    /// Each part kernel compiled so far, with the merge kernel of its
+    /// module (shared by clones).
+    parts: Arc<std::sync::Mutex<Vec<(PartKey, Kernels)>>>,
     sms: usize,
     arch: String,
     tuning: Tuning,
+}
+
+/// One compiled module: a part kernel and the merge kernel.
+#[derive(Clone)]
+struct Kernels {
+    part: CudaFunction,
+    merge: CudaFunction,
 }
 
 impl std::fmt::Debug for CudaDecode {
@@ -268,11 +322,12 @@ fn driver(what: &str) -> impl Fn(cudarc::driver::DriverError) -> KernelError + '
 }
 
 impl CudaDecode {
-    /// Compiles the kernels for GPU `ordinal`'s architecture and loads them
-    /// into its primary context (libtorch's). An error, never a panic,
-    /// when the driver, NVRTC or the device is missing — or when the
-    /// driver lacks a symbol `cudarc` expects (it panics then; caught
-    /// here).
+    /// The kernels for GPU `ordinal`, in its primary context (libtorch's):
+    /// each variant a step needs is compiled for the device's
+    /// architecture and loaded the first time it runs (about 0.2 s). An
+    /// error, never a panic, when the driver, NVRTC or the device is
+    /// missing — or when the driver lacks a symbol `cudarc` expects (it
+    /// panics then; caught here).
     pub fn new(ordinal: usize) -> Result<Self> {
         std::panic::catch_unwind(|| Self::load(ordinal)).unwrap_or_else(|p| {
             Err(KernelError::Unsupported(format!(
@@ -299,30 +354,53 @@ impl CudaDecode {
         let major = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
         let minor = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
         let sms = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
-        let arch = format!("compute_{major}{minor}");
-        let ptx = compile(&arch)?;
-        let module = ctx
-            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
-            .map_err(driver("module load"))?;
-        let mut parts = Vec::new();
-        for key in part_keys() {
-            let f = module
-                .load_function(&part_name(key))
-                .map_err(driver("function"))?;
-            parts.push((key, f));
+        if !nvrtc_present() {
+            return Err(KernelError::Unsupported(
+                "NVRTC (libnvrtc) is not on the library path: CUDA kernels cannot be compiled"
+                    .into(),
+            ));
         }
-        let merge = module
-            .load_function("paged_decode_merge")
-            .map_err(driver("function"))?;
         Ok(CudaDecode {
             stream: ctx.default_stream(),
             ctx,
-            parts,
-            merge,
+            parts: Arc::default(),
             sms: usize::try_from(sms).unwrap_or(1).max(1),
-            arch,
+            arch: format!("compute_{major}{minor}"),
             tuning: Tuning::default(),
         })
+    }
+
+    /// The part kernel `key` and a merge kernel, compiled and loaded on
+    /// first use.
+    fn kernels(&self, key: PartKey) -> Result<Kernels> {
+        let mut parts = self.parts.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, k)) = parts.iter().find(|(k, _)| *k == key) {
+            return Ok(k.clone());
+        }
+        let names = [part_name(key), "paged_decode_merge".to_string()];
+        let ptx = compile_source(&self.arch, &source_with(&[key]), &names)?;
+        let load = || -> std::result::Result<Kernels, cudarc::driver::DriverError> {
+            let module = self.ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx))?;
+            Ok(Kernels {
+                part: module.load_function(&names[0])?,
+                merge: module.load_function(&names[1])?,
+            })
+        };
+        let k = std::panic::catch_unwind(std::panic::AssertUnwindSafe(load))
+            .map_err(|p| {
+                KernelError::Unsupported(format!("loading CUDA kernels: {}", panic_text(&p)))
+            })?
+            .map_err(driver("module load"))?;
+        parts.push((key, k.clone()));
+        Ok(k)
+    }
+
+    /// Compiles and loads the kernels for steps over `hot` rows at `dims`
+    /// now rather than at the first such step (to time it, or to fail
+    /// early).
+    pub fn prepare(&self, hot: HotKind, dims: Dims) -> Result<()> {
+        self.kernels(part_key(hot, dims, self.tuning.unroll)?)
+            .map(|_| ())
     }
 
     /// Launches with `tuning` from now on; an error for an unroll without
@@ -398,18 +476,8 @@ impl CudaDecode {
     pub unsafe fn run(&self, step: &DeviceStep) -> Result<()> {
         self.check(step)?;
         let d = step.dims;
-        let f = self
-            .parts
-            .iter()
-            .find(|(key, _)| {
-                let group = d.heads / d.kv_heads;
-                let bound = GROUP_BOUNDS.into_iter().find(|&b| group <= b);
-                Some(*key) == bound.map(|b| (step.hot, d.head_dim, self.tuning.unroll, b))
-            })
-            .map(|(_, f)| f)
-            .ok_or_else(|| {
-                KernelError::Unsupported(format!("no CUDA kernel for head dim {}", d.head_dim))
-            })?;
+        let kernels = self.kernels(part_key(step.hot, d, self.tuning.unroll)?)?;
+        let f = &kernels.part;
         let split_len = self.split_len(d, step.keys);
         let splits = step.keys.div_ceil(split_len);
         let int = |x: usize, what: &str| {
@@ -487,7 +555,7 @@ impl CudaDecode {
             block_dim: (d.head_dim.min(256) as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = self.stream.launch_builder(&self.merge);
+        let mut b = self.stream.launch_builder(&kernels.merge);
         b.arg(&part_ml)
             .arg(&part_acc)
             .arg(&splits_i)
@@ -689,5 +757,37 @@ impl ColdPoolHost {
         }
         let q = (code >> (plane * bits)) & ((1u8 << bits) - 1);
         f32::from(q) * s + self.mins[b * block_groups + gi].to_f32()
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    /// What a GPU compiles for one step: that part kernel and the merge,
+    /// nothing else.
+    #[test]
+    fn one_variant_compiles_alone() {
+        let dims = Dims {
+            heads: 32,
+            kv_heads: 8,
+            head_dim: 128,
+        };
+        let key = part_key(HotKind::Bf16, dims, 4).unwrap();
+        let bad = Dims {
+            head_dim: 96,
+            ..dims
+        };
+        assert!(part_key(HotKind::F16, bad, 2).is_err());
+        assert!(part_key(HotKind::F16, dims, 3).is_err());
+        if !nvrtc_present() {
+            assert!(std::env::var_os("KVFORGE_REQUIRE_NVRTC").is_none());
+            return;
+        }
+        let names = [part_name(key), "paged_decode_merge".to_string()];
+        let ptx = compile_source("compute_90", &source_with(&[key]), &names).unwrap();
+        assert!(ptx.contains(".entry paged_decode_part_bf16_d128_u4_g4("));
+        assert_eq!(ptx.matches(".entry ").count(), 2);
     }
 }

@@ -20,10 +20,11 @@
 // On request (`scores` not null) the part kernel also writes each scaled
 // logit, `[heads][keys]`, from which the caller takes the attention mass.
 //
-// The CPU tests compile this file unchanged as C++ against a small
-// emulator of the CUDA built-ins (`kernels/tests/cuda_emu`: a thread per
-// CUDA thread, barriers for `__syncthreads` and warp shuffles) and check
-// it against the Rust kernel; only the `cvt` above differs there.
+// The CPU tests compile this file (every instantiation appended) as C++
+// against a small emulator of the CUDA built-ins (`kernels/tests/cuda_emu`:
+// a thread per CUDA thread, barriers for `__syncthreads` and warp
+// shuffles) and check it against the Rust kernel; only the `cvt` below
+// differs there.
 
 #define WARP 32
 #define NWARPS 4
@@ -271,45 +272,12 @@ __device__ void part(
                          part_ml, part_acc, scores, ck, cv, cold_tokens);                            \
     }
 
-// paged_decode_part_{f32,f16,bf16}_d{64,128,256}_u{2,4}_g{4,8}: hot dtype,
-// head dim, keys loaded ahead per warp, most query heads per KV head (the
-// registers a lane holds grow with it).
-PART(paged_decode_part_f32_d64_u2_g4, 0, 64, 2, 4)
-PART(paged_decode_part_f32_d64_u2_g8, 0, 64, 2, 8)
-PART(paged_decode_part_f32_d64_u4_g4, 0, 64, 4, 4)
-PART(paged_decode_part_f32_d64_u4_g8, 0, 64, 4, 8)
-PART(paged_decode_part_f32_d128_u2_g4, 0, 128, 2, 4)
-PART(paged_decode_part_f32_d128_u2_g8, 0, 128, 2, 8)
-PART(paged_decode_part_f32_d128_u4_g4, 0, 128, 4, 4)
-PART(paged_decode_part_f32_d128_u4_g8, 0, 128, 4, 8)
-PART(paged_decode_part_f32_d256_u2_g4, 0, 256, 2, 4)
-PART(paged_decode_part_f32_d256_u2_g8, 0, 256, 2, 8)
-PART(paged_decode_part_f32_d256_u4_g4, 0, 256, 4, 4)
-PART(paged_decode_part_f32_d256_u4_g8, 0, 256, 4, 8)
-PART(paged_decode_part_f16_d64_u2_g4, 1, 64, 2, 4)
-PART(paged_decode_part_f16_d64_u2_g8, 1, 64, 2, 8)
-PART(paged_decode_part_f16_d64_u4_g4, 1, 64, 4, 4)
-PART(paged_decode_part_f16_d64_u4_g8, 1, 64, 4, 8)
-PART(paged_decode_part_f16_d128_u2_g4, 1, 128, 2, 4)
-PART(paged_decode_part_f16_d128_u2_g8, 1, 128, 2, 8)
-PART(paged_decode_part_f16_d128_u4_g4, 1, 128, 4, 4)
-PART(paged_decode_part_f16_d128_u4_g8, 1, 128, 4, 8)
-PART(paged_decode_part_f16_d256_u2_g4, 1, 256, 2, 4)
-PART(paged_decode_part_f16_d256_u2_g8, 1, 256, 2, 8)
-PART(paged_decode_part_f16_d256_u4_g4, 1, 256, 4, 4)
-PART(paged_decode_part_f16_d256_u4_g8, 1, 256, 4, 8)
-PART(paged_decode_part_bf16_d64_u2_g4, 2, 64, 2, 4)
-PART(paged_decode_part_bf16_d64_u2_g8, 2, 64, 2, 8)
-PART(paged_decode_part_bf16_d64_u4_g4, 2, 64, 4, 4)
-PART(paged_decode_part_bf16_d64_u4_g8, 2, 64, 4, 8)
-PART(paged_decode_part_bf16_d128_u2_g4, 2, 128, 2, 4)
-PART(paged_decode_part_bf16_d128_u2_g8, 2, 128, 2, 8)
-PART(paged_decode_part_bf16_d128_u4_g4, 2, 128, 4, 4)
-PART(paged_decode_part_bf16_d128_u4_g8, 2, 128, 4, 8)
-PART(paged_decode_part_bf16_d256_u2_g4, 2, 256, 2, 4)
-PART(paged_decode_part_bf16_d256_u2_g8, 2, 256, 2, 8)
-PART(paged_decode_part_bf16_d256_u4_g4, 2, 256, 4, 4)
-PART(paged_decode_part_bf16_d256_u4_g8, 2, 256, 4, 8)
+// The instantiations — `PART(paged_decode_part_{f32,f16,bf16}_d{64,128,256}
+// _u{2,4}_g{4,8}, kind, D, U, G)`: hot dtype, head dim, keys loaded ahead
+// per warp, most query heads per KV head (the registers a lane holds grow
+// with it) — are appended by `cuda.rs`: every one for the compile check,
+// only the one a step needs when the engine loads them (NVRTC takes about
+// 0.2 s for one, 6 s for all 36).
 
 // out[h][d] from the splits' partial states (`part_ml`: maxima then sums,
 // `[splits][heads]` each; `part_acc`: `[splits][heads][D]`). With `stats`

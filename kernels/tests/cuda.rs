@@ -219,12 +219,15 @@ fn emulator() -> Option<std::path::PathBuf> {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
     let exe = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("paged_decode_emu");
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+    // The kernel source with every part kernel instantiated, unchanged.
+    let src = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("paged_decode_all.cu");
+    std::fs::write(&src, cuda::full_source()).unwrap();
     let out = std::process::Command::new(&cxx)
         .args(["-std=c++20", "-O1", "-pthread", "-fno-strict-aliasing"])
         .args(["-DKVFORGE_HOST_EMULATION", "-include"])
         .arg(root.join("tests/cuda_emu/emu.h"))
         .args(["-x", "c++"])
-        .arg(root.join("src/paged_decode.cu"))
+        .arg(&src)
         .arg(root.join("tests/cuda_emu/main.cpp"))
         .arg("-o")
         .arg(&exe)

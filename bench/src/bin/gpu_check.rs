@@ -89,11 +89,18 @@ fn run() -> Result<()> {
         if !tch::Cuda::is_available() {
             bail!("libtorch sees no CUDA device (LD_LIBRARY_PATH must hold torch/lib)");
         }
-        let t = Instant::now();
-        let kern = CudaDecode::new(0).context("loading the CUDA kernels")?;
+        let kern = CudaDecode::new(0).context("opening the GPU")?;
         let name = kern.context().name().unwrap_or_else(|_| "?".into());
+        let t = Instant::now();
+        let llama = kvforge_kernels::Dims {
+            heads: 32,
+            kv_heads: 8,
+            head_dim: 128,
+        };
+        kern.prepare(HotKind::F16, llama)
+            .context("compiling the CUDA kernels")?;
         r.line(format!(
-            "\nDevice: {name}; kernels compiled by NVRTC for {} and loaded in {:.2} s.",
+            "\nDevice: {name}; one kernel variant (f16, head dim 128, groups of 4) compiled by NVRTC for {} and loaded in {:.2} s.",
             kern.arch(),
             t.elapsed().as_secs_f64()
         ));
