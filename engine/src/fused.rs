@@ -221,7 +221,7 @@ fn kernel(e: kvforge_kernels::KernelError) -> EngineError {
     }
 }
 
-/// The CUDA kernels of each GPU, compiled and loaded on first use; the
+/// The CUDA kernels of each GPU, opened on first use; the
 /// reason when they cannot be (reported once, then the reference runs).
 static CUDA: [OnceLock<std::result::Result<CudaDecode, String>>; 16] =
     [const { OnceLock::new() }; 16];
@@ -247,7 +247,8 @@ fn cuda_kernels(ordinal: usize) -> Option<&'static CudaDecode> {
 impl FusedBackend {
     /// Whether decode steps on GPU `ordinal` run the CUDA kernel: the
     /// architecture it was compiled for, or why not (then they run the
-    /// reference). Compiles and loads the kernels on first call.
+    /// reference). Opens the GPU for them on first call; each kernel
+    /// variant compiles (NVRTC, about 0.2 s) at the first step that needs it.
     pub fn cuda_status(ordinal: usize) -> std::result::Result<String, String> {
         cuda_init(ordinal).map(|k| k.arch().to_string())
     }
