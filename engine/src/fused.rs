@@ -300,6 +300,15 @@ fn attend_cuda(
     let Some(kern) = cuda_kernels(ordinal) else {
         return Ok(None);
     };
+    // A variant that does not compile (once tried, remembered) sends its
+    // steps to the reference, with one warning.
+    if let Err(e) = kern.prepare(hot, dims) {
+        static WARNED: std::sync::Once = std::sync::Once::new();
+        WARNED.call_once(|| {
+            tracing::warn!("cuda:{ordinal}: {e}; these decode steps run through the reference");
+        });
+        return Ok(None);
+    }
     // Held until the launch is queued: the mirror does not grow under it.
     let mirror = kv.cold.and_then(|t| t.mirror());
     // The kernel reads the pools at these slots: check them on the host,

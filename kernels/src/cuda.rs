@@ -291,9 +291,10 @@ pub struct DeviceStep {
 pub struct CudaDecode {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    /// Each part kernel compiled so far, with the merge kernel of its
-    /// module (shared by clones).
-    parts: Arc<std::sync::Mutex<Vec<(PartKey, Kernels)>>>,
+    /// Each part kernel tried so far, with the merge kernel of its module
+    /// or why it did not compile or load (shared by clones; a failure is
+    /// not retried).
+    parts: Arc<std::sync::Mutex<Vec<(PartKey, Result<Kernels>)>>>,
     sms: usize,
     arch: String,
     tuning: Tuning,
@@ -375,8 +376,14 @@ impl CudaDecode {
     fn kernels(&self, key: PartKey) -> Result<Kernels> {
         let mut parts = self.parts.lock().unwrap_or_else(|e| e.into_inner());
         if let Some((_, k)) = parts.iter().find(|(k, _)| *k == key) {
-            return Ok(k.clone());
+            return k.clone();
         }
+        let k = self.compile_and_load(key);
+        parts.push((key, k.clone()));
+        k
+    }
+
+    fn compile_and_load(&self, key: PartKey) -> Result<Kernels> {
         let names = [part_name(key), "paged_decode_merge".to_string()];
         let ptx = compile_source(&self.arch, &source_with(&[key]), &names)?;
         let load = || -> std::result::Result<Kernels, cudarc::driver::DriverError> {
@@ -386,13 +393,11 @@ impl CudaDecode {
                 merge: module.load_function(&names[1])?,
             })
         };
-        let k = std::panic::catch_unwind(std::panic::AssertUnwindSafe(load))
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(load))
             .map_err(|p| {
                 KernelError::Unsupported(format!("loading CUDA kernels: {}", panic_text(&p)))
             })?
-            .map_err(driver("module load"))?;
-        parts.push((key, k.clone()));
-        Ok(k)
+            .map_err(driver("module load"))
     }
 
     /// Compiles and loads the kernels for steps over `hot` rows at `dims`
