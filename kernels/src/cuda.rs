@@ -294,11 +294,14 @@ pub struct CudaDecode {
     /// Each part kernel tried so far, with the merge kernel of its module
     /// or why it did not compile or load (shared by clones; a failure is
     /// not retried).
-    parts: Arc<std::sync::Mutex<Vec<(PartKey, Result<Kernels>)>>>,
+    parts: Arc<std::sync::Mutex<Vec<Variant>>>,
     sms: usize,
     arch: String,
     tuning: Tuning,
 }
+
+/// A part kernel tried: its module's kernels, or why not.
+type Variant = (PartKey, Result<Kernels>);
 
 /// One compiled module: a part kernel and the merge kernel.
 #[derive(Clone)]
