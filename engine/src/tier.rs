@@ -238,40 +238,12 @@ impl ColdTier {
     /// when the kernel cannot read this tier: rotated keys (the kernel
     /// does not rotate the query) or a layout it does not decode.
     pub(crate) fn mirror_on(&mut self, device: Device, layers: usize) -> bool {
-        let dims = kvforge_kernels::Dims {
-            heads: self.shape.heads,
-            kv_heads: self.shape.heads,
-            head_dim: self.shape.head_dim,
-        };
-        let probe = kvforge_kernels::cuda::DeviceStep {
-            dims,
-            hot: kvforge_kernels::cuda::HotKind::F32,
-            k_pool: 1,
-            v_pool: 1,
-            table: 1,
-            keys: 1,
-            cold: Some(kvforge_kernels::cuda::DeviceCold {
-                keys: kvforge_kernels::cuda::DeviceQuant {
-                    codes: 1,
-                    scales: 1,
-                    mins: 1,
-                    config: self.keys.config(),
-                },
-                values: kvforge_kernels::cuda::DeviceQuant {
-                    codes: 1,
-                    scales: 1,
-                    mins: 1,
-                    config: self.values.config(),
-                },
-                block_tokens: self.shape.tokens,
-            }),
-            q: 1,
-            out: 1,
-            scratch: 1,
-            scratch_floats: 1,
-            scores: 0,
-        };
-        if self.spec.rotate || probe.validate().is_err() {
+        let layout = kvforge_kernels::cuda::check_cold_layout(
+            self.keys.config(),
+            self.values.config(),
+            self.shape,
+        );
+        if self.spec.rotate || layout.is_err() {
             return false;
         }
         self.mirror = Some(RwLock::new(Mirror {

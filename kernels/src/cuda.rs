@@ -652,12 +652,32 @@ fn check_cold(c: DeviceCold, d: Dims) -> Result<()> {
         heads: d.kv_heads,
         head_dim: d.head_dim,
     };
+    check_cold_layout(c.keys.config, c.values.config, shape)?;
     for (what, q) in [("keys", c.keys), ("values", c.values)] {
-        check_layout(&q.config, shape)
-            .map_err(|e| KernelError::Unsupported(format!("cold {what} on CUDA: {e}")))?;
         if q.codes == 0 || q.scales == 0 || (q.config.bits() != 8 && q.mins == 0) {
             return Err(KernelError::Shape(format!("cold {what}: a missing buffer")));
         }
+    }
+    Ok(())
+}
+
+/// Whether the kernel decodes cold blocks of `shape` whose keys and
+/// values were quantized as `keys` and `values` (unrotated): an error
+/// saying why not.
+pub fn check_cold_layout(
+    keys: QuantConfig,
+    values: QuantConfig,
+    shape: kvforge_quant::BlockShape,
+) -> Result<()> {
+    if !HEAD_DIMS.contains(&shape.head_dim) {
+        return Err(KernelError::Unsupported(format!(
+            "no CUDA kernel for head dim {} (kernels exist for {HEAD_DIMS:?})",
+            shape.head_dim
+        )));
+    }
+    for (what, q) in [("keys", keys), ("values", values)] {
+        check_layout(&q, shape)
+            .map_err(|e| KernelError::Unsupported(format!("cold {what} on CUDA: {e}")))?;
     }
     Ok(())
 }

@@ -110,6 +110,38 @@ fn cold_pool_layout_and_indexing_match_the_quantizer() {
 }
 
 #[test]
+fn cold_layouts_the_kernel_cannot_decode_are_named() {
+    let shape = |tokens, head_dim| BlockShape {
+        tokens,
+        heads: 3,
+        head_dim,
+    };
+    let q = |bits, group, axis| QuantConfig::new(bits, group, axis).unwrap();
+    let v = q(4, 32, Axis::PerToken);
+    cuda::check_cold_layout(q(4, 32, Axis::PerChannel), v, shape(32, 64)).unwrap();
+    for (k, sh, says) in [
+        (
+            q(4, 32, Axis::PerChannel),
+            shape(16, 64),
+            "cold keys on CUDA",
+        ),
+        (
+            q(4, 32, Axis::PerChannel),
+            shape(32, 96),
+            "no CUDA kernel for head dim 96",
+        ),
+        (
+            q(4, 128, Axis::PerToken),
+            shape(32, 64),
+            "per-token groups of 128",
+        ),
+    ] {
+        let e = cuda::check_cold_layout(k, v, sh).unwrap_err();
+        assert!(e.to_string().contains(says), "{says}: {e}");
+    }
+}
+
+#[test]
 fn a_pool_of_mismatched_blocks_is_refused() {
     let cfg = QuantConfig::new(4, 32, Axis::PerToken).unwrap();
     let qz = GroupQuantizer::new(cfg);
