@@ -297,7 +297,10 @@ impl ColdTier {
         }
         for (l, (qk, qv)) in block.k.iter().zip(&block.v).enumerate() {
             let rows = block_rows(qk, qv)?;
-            for (dst, src) in m.layers[l].iter().zip(&rows) {
+            let layer = m.layers.get(l).ok_or_else(|| {
+                EngineError::Torch(format!("the cold tier's device copy has no layer {l}"))
+            })?;
+            for (dst, src) in layer.iter().zip(&rows) {
                 if src.size()[1] > 0 {
                     dst.f_narrow(0, slot as i64, 1)?.f_copy_(src)?;
                 }
