@@ -290,10 +290,7 @@ fn attend_cuda(
         && v.kind() == k.kind()
         && k.is_contiguous()
         && v.is_contiguous()
-        && dims.kv_heads > 0
-        && dims.heads % dims.kv_heads == 0
-        && dims.heads / dims.kv_heads <= cuda::MAX_GROUP
-        && cuda::HEAD_DIMS.contains(&dims.head_dim);
+        && cuda::has_kernel(dims);
     let Some(table) = view.device_table().filter(|_| supported) else {
         return Ok(None);
     };

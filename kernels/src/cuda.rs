@@ -135,6 +135,23 @@ fn part_key(hot: HotKind, dims: Dims, unroll: usize) -> Result<PartKey> {
     }
 }
 
+/// Whether a kernel exists for `dims` (head dim, query heads per KV
+/// head), whatever the hot dtype and launch shape.
+pub fn has_kernel(dims: Dims) -> bool {
+    part_key(HotKind::F32, dims, Tuning::default().unroll).is_ok()
+}
+
+/// NVRTC loads, or the error that says it does not.
+fn require_nvrtc() -> Result<()> {
+    if nvrtc_present() {
+        Ok(())
+    } else {
+        Err(KernelError::Unsupported(
+            "NVRTC (libnvrtc) is not on the library path: CUDA kernels cannot be compiled".into(),
+        ))
+    }
+}
+
 /// Every part kernel, in the order of [`entry_points`].
 fn part_keys() -> Vec<PartKey> {
     let mut keys = Vec::new();
@@ -201,11 +218,7 @@ pub fn compile(arch: &str) -> Result<String> {
 
 /// Compiles `src` for `arch` and checks that the PTX holds `names`.
 fn compile_source(arch: &str, src: &str, names: &[String]) -> Result<String> {
-    if !nvrtc_present() {
-        return Err(KernelError::Unsupported(
-            "NVRTC (libnvrtc) is not on the library path: CUDA kernels cannot be compiled".into(),
-        ));
-    }
+    require_nvrtc()?;
     let opts = CompileOptions {
         options: vec![format!("--gpu-architecture={arch}")],
         name: Some("paged_decode.cu".into()),
@@ -358,12 +371,7 @@ impl CudaDecode {
         let major = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
         let minor = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
         let sms = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
-        if !nvrtc_present() {
-            return Err(KernelError::Unsupported(
-                "NVRTC (libnvrtc) is not on the library path: CUDA kernels cannot be compiled"
-                    .into(),
-            ));
-        }
+        require_nvrtc()?;
         Ok(CudaDecode {
             stream: ctx.default_stream(),
             ctx,
@@ -809,6 +817,7 @@ mod tests {
         };
         assert!(part_key(HotKind::F16, bad, 2).is_err());
         assert!(part_key(HotKind::F16, dims, 3).is_err());
+        assert!(has_kernel(dims) && !has_kernel(bad));
         if !nvrtc_present() {
             assert!(std::env::var_os("KVFORGE_REQUIRE_NVRTC").is_none());
             return;
