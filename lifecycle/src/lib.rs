@@ -49,6 +49,10 @@ pub enum LifecycleError {
     /// A parameter that cannot work.
     #[error("lifecycle policy: {0}")]
     Config(String),
+    /// A call the lifecycle's state rules out (an answer for a segment
+    /// that was never handed out for summarising).
+    #[error("lifecycle: {0}")]
+    Order(String),
 }
 
 /// `Result` with [`LifecycleError`].

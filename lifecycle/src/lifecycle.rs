@@ -93,6 +93,8 @@ struct SeqState {
     pending: Vec<Pending>,
     /// Kept for good: revived, or a summary that could not replace it.
     held: Vec<Segment>,
+    /// Handed out for summarising, not answered yet.
+    awaiting: Vec<Segment>,
     /// Every position freed so far (reclaimed or replaced by a summary),
     /// ascending, disjoint, adjacent ranges merged.
     freed: Vec<Range<u64>>,
@@ -274,7 +276,10 @@ impl Lifecycle {
                 _ if seg.turn == turn => keep.push(seg),
                 Label::Keep => keep.push(seg),
                 Label::Compress => match params.compress_min {
-                    Some(m) if seg.len() >= m => out.compress.push(seg),
+                    Some(m) if seg.len() >= m => {
+                        s.awaiting.push(seg.clone());
+                        out.compress.push(seg);
+                    }
                     _ => keep.push(seg),
                 },
                 Label::Drop if params.delay == 0 => freed.push(seg),
@@ -313,14 +318,27 @@ impl Lifecycle {
 
     /// The engine summarised `seg` (handed out by `end_turn`) and its KV is
     /// gone (`replaced`), or could not (the summary was not shorter, or the
-    /// pass failed): then the segment is kept for good.
-    pub fn compressed(&mut self, seq: SeqKey, seg: Segment, replaced: bool) {
-        let s = self.seqs.entry(seq).or_default();
+    /// pass failed): then the segment is kept for good. A segment that was
+    /// not handed out, or was answered already, is refused (nothing
+    /// changes).
+    pub fn compressed(&mut self, seq: SeqKey, seg: Segment, replaced: bool) -> Result<()> {
+        let s = self.seqs.get_mut(&seq);
+        let Some((s, i)) = s.and_then(|s| {
+            let i = s.awaiting.iter().position(|g| *g == seg)?;
+            Some((s, i))
+        }) else {
+            return Err(LifecycleError::Order(format!(
+                "segment {} ({:?}) of sequence {seq} was not handed out for summarising",
+                seg.id, seg.range
+            )));
+        };
+        s.awaiting.swap_remove(i);
         if replaced {
             insert_range(&mut s.freed, seg.range);
         } else {
             s.held.push(seg);
         }
+        Ok(())
     }
 
     /// Every position of `seq` freed so far, as ascending, disjoint ranges

@@ -122,7 +122,8 @@ pub fn check_lifecycle(make: &dyn Fn() -> Box<dyn LifecyclePolicy>) {
                 }
             }
             for g in &o.compress {
-                lc.compressed(1, g.clone(), false);
+                lc.compressed(1, g.clone(), false)
+                    .unwrap_or_else(|e| panic!("{}: a segment handed out: {e}", lc.name()));
             }
         }
         lc.forget(1);

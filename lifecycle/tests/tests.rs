@@ -199,20 +199,77 @@ fn a_pending_segment_quoted_by_a_later_turn_is_revived() {
     }
 }
 
+/// Labels the first turn `compress` and every other turn but the newest
+/// `drop`.
+struct CompressFirst;
+
+impl LifecyclePolicy for CompressFirst {
+    fn name(&self) -> String {
+        "compress-first".into()
+    }
+    fn label(
+        &mut self,
+        _seq: u64,
+        segments: &[Segment],
+        _model: Option<&[Label]>,
+        out: &mut Vec<Label>,
+    ) -> bool {
+        let newest = segments.last().map_or(0, |s| s.turn);
+        out.extend(segments.iter().map(|s| match s.turn {
+            t if t == newest => Label::Keep,
+            0 => Label::Compress,
+            _ => Label::Drop,
+        }));
+        false
+    }
+}
+
 #[test]
 fn the_freed_union_merges_segments_freed_at_different_turns() {
     let params = LifecycleParams {
         delay: 0,
+        compress_min: Some(1),
         ..LifecycleParams::default()
     };
-    let mut lc = Lifecycle::new(Box::new(RecentTurns::new(1).unwrap()), params).unwrap();
+    let mut lc = Lifecycle::new(Box::new(CompressFirst), params).unwrap();
     let toks = [];
+    let mut handed = Vec::new();
     for end in [6, 12, 18, 24, 30] {
-        lc.end_turn(1, turn(end, &[], &toks, None));
+        handed.extend(lc.end_turn(1, turn(end, &[], &toks, None)).compress);
     }
+    assert_eq!(handed, vec![seg(0, 0, 6, 0)]);
     assert_eq!(lc.freed(1), vec![6..24]);
-    lc.compressed(1, seg(9, 0, 6, 0), true);
+    lc.compressed(1, handed[0].clone(), true).unwrap();
     assert_eq!(lc.freed(1), vec![0..24]);
+}
+
+#[test]
+fn an_answer_for_a_segment_never_handed_out_is_refused_and_changes_nothing() {
+    let params = LifecycleParams {
+        delay: 0,
+        compress_min: Some(1),
+        ..LifecycleParams::default()
+    };
+    let mut lc = Lifecycle::new(Box::new(CompressFirst), params).unwrap();
+    let toks = [];
+    lc.end_turn(1, turn(6, &[], &toks, None));
+    let o = lc.end_turn(1, turn(12, &[], &toks, None));
+    let live = lc.live(1);
+    // Never handed out: another range, another sequence, a kept segment.
+    for (seq, bad) in [
+        (1, seg(0, 0, 5, 0)),
+        (2, o.compress[0].clone()),
+        (1, seg(1, 6, 12, 1)),
+    ] {
+        let e = lc.compressed(seq, bad, true).unwrap_err();
+        assert!(e.to_string().contains("was not handed out"), "{e}");
+        assert_eq!(lc.freed(1), Vec::<std::ops::Range<u64>>::new());
+        assert_eq!(lc.live(1), live);
+    }
+    // Answered once: a second answer is refused too.
+    lc.compressed(1, o.compress[0].clone(), false).unwrap();
+    assert!(lc.compressed(1, o.compress[0].clone(), true).is_err());
+    assert_eq!(lc.freed(1), Vec::<std::ops::Range<u64>>::new());
 }
 
 #[test]
@@ -270,7 +327,7 @@ fn long_segments_labelled_compress_are_handed_out_short_ones_kept() {
     let o = lc.end_turn(1, turn(280, &[], &toks, None));
     assert_eq!(o.compress, vec![seg(2, 70, 270, 1)]);
     assert_eq!(o.queued, 0);
-    lc.compressed(1, o.compress[0].clone(), false);
+    lc.compressed(1, o.compress[0].clone(), false).unwrap();
     let live: Vec<u64> = lc.live(1).iter().map(|s| s.range.start).collect();
     assert_eq!(
         live,
@@ -345,7 +402,7 @@ proptest::proptest! {
             }
             for g in &o.compress {
                 proptest::prop_assert!(g.len() >= 20);
-                lc.compressed(1, g.clone(), false);
+                lc.compressed(1, g.clone(), false).unwrap();
             }
             for r in &o.reclaim {
                 proptest::prop_assert!(r.end <= end - len, "the newest turn is never freed");

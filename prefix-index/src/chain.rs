@@ -20,6 +20,9 @@ struct Entry {
     parent_key: BlockHash,
     /// The parent is the namespace root, not an entry.
     under_root: bool,
+    /// Position of the token after this block (tokens from the root):
+    /// where an `extend` below it continues.
+    end: u64,
     tokens: Box<[u32]>,
     /// Lengths of sealed children: read on every match, so kept inline
     /// (empty, it allocates nothing).
@@ -167,13 +170,14 @@ impl<H: BlockHasher> HashChainIndex<H> {
         }
     }
 
-    /// Inserts `blocks` (holding `tokens`) below `parent`: the root of
-    /// `root = Some((key, namespace))` (created if its serial is `None`),
-    /// or, with `root = None`, an entry.
+    /// Inserts `blocks` (holding `tokens`, from position `base` on) below
+    /// `parent`: the root of `root = Some((key, namespace))` (created if
+    /// its serial is `None`), or, with `root = None`, an entry.
     fn insert_below(
         &mut self,
         root: Option<(BlockHash, &ExtraKeys)>,
         mut parent: (BlockHash, Option<u64>),
+        base: u64,
         tokens: &[u32],
         blocks: &[BlockRef],
         out: &mut Inserted,
@@ -238,6 +242,7 @@ impl<H: BlockHasher> HashChainIndex<H> {
                     parent_serial,
                     parent_key: parent.0,
                     under_root,
+                    end: base + (p + len) as u64,
                     tokens: toks.into(),
                     sealed: SealedLens::default(),
                     children: None,
@@ -357,24 +362,37 @@ impl<H: BlockHasher> PrefixMatcher for HashChainIndex<H> {
             Some(r) => (rk, Some(r.serial)),
             None => (rk, None),
         };
-        self.insert_below(Some((rk, extra)), parent, tokens, blocks, &mut out);
+        self.insert_below(Some((rk, extra)), parent, 0, tokens, blocks, &mut out);
         Ok(out)
     }
 
     fn extend(
         &mut self,
-        parent: BlockId,
+        parent: BlockRef,
+        end: usize,
         tokens: &[u32],
         blocks: &[BlockRef],
     ) -> Result<Option<Inserted>> {
-        let Some(key) = slots::extend_from(self, parent, tokens, blocks)? else {
+        let Some(key) = slots::extend_from(self, parent.block, tokens, blocks)? else {
             return Ok(None);
         };
-        let Some(serial) = self.entries.get(&key).map(|e| e.serial) else {
+        let Some(serial) = self
+            .entries
+            .get(&key)
+            .filter(|e| e.tokens.len() == parent.len as usize && e.end == end as u64)
+            .map(|e| e.serial)
+        else {
             return Ok(None);
         };
         let mut out = Inserted::default();
-        self.insert_below(None, (key, Some(serial)), tokens, blocks, &mut out);
+        self.insert_below(
+            None,
+            (key, Some(serial)),
+            end as u64,
+            tokens,
+            blocks,
+            &mut out,
+        );
         Ok(Some(out))
     }
 

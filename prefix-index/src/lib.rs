@@ -212,15 +212,20 @@ pub trait PrefixMatcher: Send {
     ) -> Result<Inserted>;
 
     /// [`insert`](Self::insert) continuing below the indexed block
-    /// `parent`: `blocks` hold `tokens` and follow `parent` in the
-    /// sequence. A session that registers turn after turn passes only what
-    /// is new, so the cost is proportional to the new tokens, not the
-    /// conversation. `Ok(None)` (nothing changed) when `parent` is not
-    /// indexed (any more): the caller inserts from the start instead. Same
-    /// errors as `insert`, plus `parent` listed among `blocks`.
+    /// `parent`, which holds `parent.len` tokens and ends at position
+    /// `end` of the sequence: `blocks` hold `tokens` and follow it. A
+    /// session that registers turn after turn passes only what is new, so
+    /// the cost is proportional to the new tokens, not the conversation.
+    /// `Ok(None)` (nothing changed) when `parent` is not indexed (any more)
+    /// with that length at that place — a block shared by two sequences
+    /// may be indexed as another one's shorter (sealed) entry, and
+    /// continuing below that would index KV at the wrong positions: the
+    /// caller inserts from the start instead. Same errors as `insert`,
+    /// plus `parent` listed among `blocks`.
     fn extend(
         &mut self,
-        parent: BlockId,
+        parent: BlockRef,
+        end: usize,
         tokens: &[u32],
         blocks: &[BlockRef],
     ) -> Result<Option<Inserted>>;
@@ -269,11 +274,12 @@ macro_rules! forward_matcher {
             }
             fn extend(
                 &mut self,
-                parent: BlockId,
+                parent: BlockRef,
+                end: usize,
                 tokens: &[u32],
                 blocks: &[BlockRef],
             ) -> Result<Option<Inserted>> {
-                (**self).extend(parent, tokens, blocks)
+                (**self).extend(parent, end, tokens, blocks)
             }
             fn forget(&mut self, block: BlockId) -> bool {
                 (**self).forget(block)

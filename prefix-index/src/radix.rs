@@ -107,6 +107,17 @@ impl RadixIndex {
         &self.nodes[id as usize]
     }
 
+    /// Tokens on the path from the root to the start of `id`'s edge.
+    fn edge_start(&self, id: NodeId) -> usize {
+        let mut n = self.node(id).parent;
+        let mut at = 0;
+        while n != NO_PARENT {
+            at += self.node(n).tokens.len();
+            n = self.node(n).parent;
+        }
+        at
+    }
+
     fn node_mut(&mut self, id: NodeId) -> &mut Node {
         &mut self.nodes[id as usize]
     }
@@ -389,28 +400,33 @@ impl PrefixMatcher for RadixIndex {
 
     fn extend(
         &mut self,
-        parent: BlockId,
+        parent: BlockRef,
+        end: usize,
         tokens: &[u32],
         blocks: &[BlockRef],
     ) -> Result<Option<Inserted>> {
-        let Some(node) = slots::extend_from(self, parent, tokens, blocks)? else {
+        let Some(node) = slots::extend_from(self, parent.block, tokens, blocks)? else {
             return Ok(None);
         };
         let Some(j) = self
             .node(node)
             .blocks
             .iter()
-            .position(|b| b.block == parent)
+            .position(|b| b.block == parent.block)
         else {
             return Ok(None);
         };
-        let mut out = Inserted::default();
-        // Follow the rest of the parent's edge while the blocks agree.
-        let (mut jj, mut i, mut p) = (j + 1, 0, 0);
         let mut off: usize = self.node(node).blocks[..=j]
             .iter()
             .map(|b| b.len as usize)
             .sum();
+        // The parent must be the caller's: that length, ending at `end`.
+        if self.node(node).blocks[j].len != parent.len || self.edge_start(node) + off != end {
+            return Ok(None);
+        }
+        let mut out = Inserted::default();
+        // Follow the rest of the parent's edge while the blocks agree.
+        let (mut jj, mut i, mut p) = (j + 1, 0, 0);
         let mut examined = 0;
         {
             let n = self.node(node);

@@ -39,6 +39,11 @@ pub fn block(i: u32) -> BlockId {
     BlockId::new(i, 1)
 }
 
+/// Block `i` holding a full block of 4 tokens.
+fn full(i: u32) -> BlockRef {
+    BlockRef::new(block(i), 4)
+}
+
 /// Full blocks `first..first + n` of size `bs`.
 pub fn full_blocks(first: u32, n: usize, bs: usize) -> Vec<BlockRef> {
     (0..n as u32)
@@ -278,7 +283,7 @@ fn extend_continues_below_a_block_for_the_cost_of_the_new_tokens<M: PrefixMatche
     // Turn after turn, only what is new: the cost is the new tokens.
     let before = m.stats().insert_tokens;
     let got = m
-        .extend(block(2), &all[12..20], &full_blocks(3, 2, 4))
+        .extend(full(2), 12, &all[12..20], &full_blocks(3, 2, 4))
         .expect("extend")
         .expect("parent indexed");
     assert_eq!(got.new, 2);
@@ -292,7 +297,7 @@ fn extend_continues_below_a_block_for_the_cost_of_the_new_tokens<M: PrefixMatche
     // owner's longer registration goes through forget + extend.
     let tail = [BlockRef::new(block(5), 2)];
     assert_eq!(
-        m.extend(block(4), &all[20..22], &tail)
+        m.extend(full(4), 20, &all[20..22], &tail)
             .expect("extend")
             .map(|i| i.new),
         Some(1)
@@ -301,7 +306,7 @@ fn extend_continues_below_a_block_for_the_cost_of_the_new_tokens<M: PrefixMatche
     assert!(m.forget(block(5)));
     let longer = [BlockRef::new(block(5), 4)];
     assert_eq!(
-        m.extend(block(4), &all[20..24], &longer)
+        m.extend(full(4), 20, &all[20..24], &longer)
             .expect("extend")
             .map(|i| i.new),
         Some(1)
@@ -310,14 +315,14 @@ fn extend_continues_below_a_block_for_the_cost_of_the_new_tokens<M: PrefixMatche
     // From a block in the middle: the same continuation is already there,
     // another one branches off.
     let same = m
-        .extend(block(1), &all[8..16], &full_blocks(2, 2, 4))
+        .extend(full(1), 8, &all[8..16], &full_blocks(2, 2, 4))
         .expect("extend")
         .expect("indexed");
     assert_eq!((same.new, same.already_cached), (0, 2));
     let mut other = all[..8].to_vec();
     other.extend(seq(100..108));
     let branch = m
-        .extend(block(1), &other[8..], &full_blocks(20, 2, 4))
+        .extend(full(1), 8, &other[8..], &full_blocks(20, 2, 4))
         .expect("extend")
         .expect("indexed");
     assert_eq!(branch.new, 2);
@@ -333,24 +338,50 @@ fn extend_continues_below_a_block_for_the_cost_of_the_new_tokens<M: PrefixMatche
     // Unknown or stale parent: nothing happens, the caller inserts instead.
     let stats = m.stats();
     assert_eq!(
-        m.extend(block(77), &all[..4], &full_blocks(30, 1, 4))
+        m.extend(full(77), 4, &all[..4], &full_blocks(30, 1, 4))
             .expect("ok"),
         None
     );
     assert_eq!(
-        m.extend(BlockId::new(1, 9), &all[..4], &full_blocks(30, 1, 4))
-            .expect("ok"),
+        m.extend(
+            BlockRef::new(BlockId::new(1, 9), 4),
+            8,
+            &all[..4],
+            &full_blocks(30, 1, 4)
+        )
+        .expect("ok"),
         None
+    );
+    assert_eq!(m.stats().cached_blocks, stats.cached_blocks);
+    // The right handle at another length or another place (a block shared
+    // by two sequences, indexed as one's shorter sealed entry): continuing
+    // there would index KV at the wrong positions.
+    assert_eq!(
+        m.extend(
+            BlockRef::new(block(1), 3),
+            7,
+            &all[7..11],
+            &full_blocks(30, 1, 4)
+        )
+        .expect("ok"),
+        None,
+        "another length"
+    );
+    assert_eq!(
+        m.extend(full(1), 12, &all[12..16], &full_blocks(30, 1, 4))
+            .expect("ok"),
+        None,
+        "another place"
     );
     assert_eq!(m.stats().cached_blocks, stats.cached_blocks);
     // Bad input is an error that changes nothing.
     assert!(
-        m.extend(block(1), &all[..4], &full_blocks(1, 1, 4))
+        m.extend(full(1), 8, &all[..4], &full_blocks(1, 1, 4))
             .is_err(),
         "parent listed"
     );
     assert!(
-        m.extend(block(1), &all[..3], &full_blocks(30, 1, 4))
+        m.extend(full(1), 8, &all[..3], &full_blocks(30, 1, 4))
             .is_err(),
         "too few tokens"
     );

@@ -586,11 +586,12 @@ impl PrefixMatcher for Shared {
     }
     fn extend(
         &mut self,
-        parent: BlockId,
+        parent: BlockRef,
+        end: usize,
         tokens: &[u32],
         blocks: &[BlockRef],
     ) -> kvforge_prefix::Result<Option<kvforge_prefix::Inserted>> {
-        self.0.lock().unwrap().extend(parent, tokens, blocks)
+        self.0.lock().unwrap().extend(parent, end, tokens, blocks)
     }
     fn stats(&self) -> kvforge_prefix::MatchStats {
         self.0.lock().unwrap().stats()

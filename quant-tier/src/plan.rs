@@ -10,8 +10,10 @@ use crate::{QuantError, Result};
 /// quantizes and moves. Run [`crate::testing::check_tier_policy`] against
 /// any implementation.
 pub trait TierPolicy: Send + Sync {
-    /// Appends to `out` the indexes (ascending) of the entries of `table`
-    /// to demote now: hot, full, never the open last entry.
+    /// Appends to `out` the indexes (ascending, each once) of the entries
+    /// of `table` to demote now: hot, full, without holes (rows token-level
+    /// eviction marked invalid keep an entry hot until it is compacted or
+    /// dropped), never the open last entry.
     fn demote(&self, table: &BlockTable, out: &mut Vec<usize>);
 }
 
@@ -87,7 +89,8 @@ impl TierPolicy for TierPlan {
             if !self.is_cold(e.first(), positions) {
                 continue;
             }
-            if matches!(e.slot(), Slot::Hot(_)) && full && !(table.is_open() && i == last) {
+            let hot = matches!(e.slot(), Slot::Hot(_)) && e.holes() == 0;
+            if hot && full && !(table.is_open() && i == last) {
                 out.push(i);
             }
         }

@@ -116,9 +116,10 @@ pub fn check_quantizer<Q: Quantizer + ?Sized>(q: &Q) {
 }
 
 /// The [`TierPolicy`](crate::TierPolicy) contract on tables of every kind
-/// of entry (hot full, sealed partial, open, cold, dropped) and length:
-/// demoted indexes ascend, exist, name hot full entries other than the open
-/// one; and once they are demoted, asking again names none of them.
+/// of entry (hot full, holed, sealed partial, open, cold, dropped) and
+/// length: demoted indexes ascend, exist, name hot full entries without
+/// holes other than the open one; and once they are demoted, asking again
+/// names none of them.
 /// Panics on the first violation.
 pub fn check_tier_policy<P: crate::TierPolicy + ?Sized>(p: &P, block_size: u32) {
     use kvforge_pool::{BlockId, BlockTable, Slot};
@@ -134,6 +135,12 @@ pub fn check_tier_policy<P: crate::TierPolicy + ?Sized>(p: &P, block_size: u32) 
                 _ => (Slot::Hot(b), bs, false),
             };
             t.push(slot, tokens, open).expect("push");
+            // Token-level eviction marked a row of some full hot blocks.
+            let full_hot = matches!(slot, Slot::Hot(_)) && tokens == bs;
+            if full_hot && i % 3 == 1 && (2..=kvforge_pool::MAX_HOLED_BLOCK).contains(&bs) {
+                t.punch(i as usize, 1)
+                    .expect("a full hot block takes a hole");
+            }
         }
         if n % 2 == 1 && bs > 1 {
             t.push(Slot::Hot(BlockId::new(999, 1)), 1, true)
@@ -147,6 +154,7 @@ pub fn check_tier_policy<P: crate::TierPolicy + ?Sized>(p: &P, block_size: u32) 
             let e = t.entries()[i];
             assert!(matches!(e.slot(), Slot::Hot(_)), "entry {i} is not hot");
             assert_eq!(e.tokens(), bs, "entry {i} is not full");
+            assert_eq!(e.holes(), 0, "entry {i} has holes");
             assert!(!(t.is_open() && i == last), "the open entry");
         }
         for &i in &out {

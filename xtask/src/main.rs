@@ -28,6 +28,8 @@
 //! * `gpu-check` — builds the one prepared run for a lent GPU (kernels
 //!   against the CPU, bandwidth, engine logits, 8B-shape throughput) and
 //!   stages it, stripped, with its launcher in `target/gpu-check/`.
+//! * `model-check [CASES]` — the coordinator's randomized model-based
+//!   test at 10^5 cases (CI runs 2,000), in release.
 //! * `cross-test` — the kernels' and quantizers' tests on AArch64 (the
 //!   NEON path) under `qemu-aarch64`: needs `rustup`, and Debian's
 //!   `gcc-aarch64-linux-gnu` and `qemu-user`; not part of `ci`.
@@ -47,7 +49,7 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 
 const USAGE: &str = "usage: cargo xtask <setup [--reference] | ci | ablate [--quick | --full | --config FILE] [--resume] | \
-                     bench [FILTER] | fuzz [RUNS] | kvforge ARGS... | prefix-bench ARGS... | pressure ARGS... | lifecycle ARGS... | quant-sweep ARGS... | decode-ab ARGS... | gpu-check | cross-test | kv-stats ARGS... | engine-bench [CONTEXT] [DECODE] | tidy>";
+                     bench [FILTER] | fuzz [RUNS] | kvforge ARGS... | prefix-bench ARGS... | pressure ARGS... | lifecycle ARGS... | quant-sweep ARGS... | decode-ab ARGS... | gpu-check | model-check [CASES] | cross-test | kv-stats ARGS... | engine-bench [CONTEXT] [DECODE] | tidy>";
 
 fn main() {
     if let Err(e) = run() {
@@ -85,6 +87,15 @@ fn run() -> Result<()> {
             engine_bench(&root, num(1, 1024)?, num(2, 64)?)
         }
         Some("gpu-check") if args.len() == 1 => gpu_check(&root),
+        Some("model-check") if args.len() <= 2 => {
+            let cases = match args.get(1) {
+                None => 100_000,
+                Some(s) => s
+                    .parse()
+                    .with_context(|| format!("{s:?} is not a number of cases"))?,
+            };
+            model_check(&root, cases)
+        }
         Some("cross-test") if args.len() == 1 => cross_test(&root),
         Some("bench") if args.len() <= 2 => bench(&root, args.get(1).map(String::as_str)),
         Some("fuzz") if args.len() <= 2 => {
@@ -106,6 +117,33 @@ fn run() -> Result<()> {
         }
         _ => bail!("{USAGE}"),
     }
+}
+
+/// The coordinator's randomized model-based test (`engine/coordinator/
+/// tests/model.rs`) at `cases` cases, in release: no setup needed (pure
+/// Rust). CI runs 2,000 of them on every test run.
+fn model_check(root: &Path, cases: u64) -> Result<()> {
+    let mut t = cargo();
+    t.current_dir(root)
+        .env("KVFORGE_MODEL_CASES", cases.to_string())
+        .env(
+            "KVFORGE_MODEL_THREAD_ROUNDS",
+            (cases / 100).max(20).to_string(),
+        )
+        .args([
+            "test",
+            "--release",
+            "-p",
+            "kvforge-coordinator",
+            "--test",
+            "tests",
+            "model::",
+            "--",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ]);
+    step(&format!("coordinator model, {cases} cases"), t)
 }
 
 /// Setup, then `cargo run --release` of one binary with `args`; exits with

@@ -1,7 +1,7 @@
 //! [`Coordinator`]: block tables of many sequences over tiered pools, with
 //! the optional policies, one step at a time.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 
 use kvforge_evict::{EvictionPolicy, Pressure, Scored, SinkWindow};
@@ -112,6 +112,9 @@ struct Pending {
     /// Rows marked invalid (token-level) and blocks compaction gave back.
     punched: usize,
     compacted: usize,
+    /// Hot blocks an in-place pack or compaction rewrites: a cold copy
+    /// made of their old content must not be reused after the commit.
+    rewritten: Vec<BlockId>,
 }
 
 /// The hole mask of a block of `bs` rows whose first `live` rows are live.
@@ -255,18 +258,60 @@ struct Packing {
     src: Vec<BlockId>,
 }
 
+/// Entries idle sequences give up to make room for another's step:
+/// chosen by `idle_cuts`, dropped by `apply_idle_cuts`.
+#[derive(Default)]
+struct IdleCuts {
+    /// Per sequence: its table with the victims dropped, the blocks it
+    /// lets go of, the number of victims.
+    cuts: Vec<(SeqId, BlockTable, Vec<BlockId>, usize)>,
+    /// Bytes, hot and cold blocks that come back for good.
+    bytes: u64,
+    hot: usize,
+    cold: usize,
+}
+
+/// A step's decisions, from the checks of `plan` to `take_and_build`.
+struct Build {
+    next: BlockTable,
+    plan: Plan,
+    release: Vec<BlockId>,
+    /// Demotions reusing another holder's cold copy: (entry, hot, cold).
+    reuse: Vec<(usize, BlockId, BlockId)>,
+    /// Demotions quantized anew: (entry, hot).
+    fresh: Vec<(usize, BlockId)>,
+    need_hot: usize,
+    copy_src: Option<(BlockId, u32)>,
+    in_open: usize,
+    n: usize,
+    packing: Option<Packing>,
+    row_packing: Option<RowPacking>,
+    punched: usize,
+}
+
+/// A turn in progress: what [`Coordinator::rollback_turn`] restores.
+struct Turn {
+    /// The table at the start of the turn, holding references of its own.
+    table: BlockTable,
+    /// The sequence's registration state at the start of the turn.
+    copy_tail: bool,
+    partial: Option<BlockId>,
+    indexed: usize,
+    /// Index moves (hot -> its cold copy) of demotions committed during
+    /// the turn: applied when the turn ends (or at a registration), dropped
+    /// if it is rolled back, so a failed turn leaves the index as it was.
+    relocations: Vec<(BlockId, BlockId)>,
+}
+
 struct SeqState {
     table: BlockTable,
     pending: Option<Pending>,
-    /// The table at the start of the current turn, holding references of
-    /// its own, so a failed turn can be rolled back exactly.
-    snapshot: Option<BlockTable>,
-    /// Index moves (hot -> its cold copy) of demotions committed during
-    /// the current turn: applied when the turn ends, dropped if it is
-    /// rolled back, so a failed turn leaves the index as it was.
-    relocations: Vec<(BlockId, BlockId)>,
-    /// The last entry is a partial block matched from the index, shared:
-    /// the next step copies it into a block of the sequence's own.
+    /// The turn in progress, if any.
+    turn: Option<Turn>,
+    /// The last entry is a partial block that others may read (matched
+    /// from the index, forked, or given back by a rollback after others
+    /// took it): the next step copies it into a block of the sequence's
+    /// own.
     copy_tail: bool,
     /// The open partial block this sequence registered last (its index
     /// entry is replaced when it is registered again, longer).
@@ -301,12 +346,13 @@ pub struct Coordinator {
     /// Hot block -> the cold block its content was quantized into, so a
     /// second holder of the hot block reuses that copy.
     demoted: HashMap<BlockId, BlockId>,
-    /// Cold blocks marked cached (their content must outlive their last
-    /// holder), and cold blocks whose last holder let go of them without
-    /// that: the engine may free their storage.
-    cached_cold: HashSet<BlockId>,
+    /// Blocks marked cached (the index may hand them out: their content
+    /// must outlive their last holder and never change), with the most
+    /// tokens the index was given for each; and cold blocks whose last
+    /// holder let go of them without that: the engine may free their
+    /// storage.
+    cached: HashMap<BlockId, u32>,
     freed_cold: Vec<BlockId>,
-    scratch: Vec<usize>,
     /// Lanes of a block: layers × KV heads (head-wise eviction).
     lanes: usize,
     /// The most bytes in use right after a plan (blocks a step holds
@@ -430,9 +476,8 @@ impl Coordinator {
             seqs: BTreeMap::new(),
             next_seq: 1,
             demoted: HashMap::new(),
-            cached_cold: HashSet::new(),
+            cached: HashMap::new(),
             freed_cold: Vec::new(),
-            scratch: Vec::new(),
             lanes: (hot.layers() * hot.kv_heads()) as usize,
             step_peak: 0,
             counters: Counters::default(),
@@ -523,6 +568,30 @@ impl Coordinator {
         self.tiers.in_use_bytes()
     }
 
+    /// Bytes in use once every step in flight is committed: blocks a
+    /// pending step releases, and no one else holds, do not count.
+    fn projected_bytes(&self) -> u64 {
+        let mut releases: HashMap<BlockId, u32> = HashMap::new();
+        for p in self.seqs.values().filter_map(|s| s.pending.as_ref()) {
+            for &b in &p.release {
+                *releases.entry(b).or_default() += 1;
+            }
+        }
+        let freed: u64 = releases
+            .iter()
+            .filter(|&(&b, &n)| self.tiers.ref_count(b).is_ok_and(|c| c == n))
+            .map(|(&b, _)| self.bytes_of(b))
+            .sum();
+        self.tiers.in_use_bytes().saturating_sub(freed)
+    }
+
+    /// Bytes of one block of `b`'s tier.
+    fn bytes_of(&self, b: BlockId) -> u64 {
+        self.tiers
+            .layout(TieredPool::tier_of(b))
+            .map_or(0, |l| l.block_bytes())
+    }
+
     /// Per-tier occupancy.
     pub fn tier_stats(&self) -> Vec<TierStats> {
         (0..self.tiers.tiers())
@@ -609,8 +678,7 @@ impl Coordinator {
             SeqState {
                 table,
                 pending: None,
-                snapshot: None,
-                relocations: Vec::new(),
+                turn: None,
                 copy_tail: false,
                 partial: None,
                 indexed: 0,
@@ -623,23 +691,20 @@ impl Coordinator {
     /// Opens a sequence for a prompt of `tokens`: with reuse on, it starts
     /// with the longest cached prefix of `tokens[..len - 1]` (the last token
     /// is always computed, for its logits), hot and cold blocks as they
-    /// are cached, with a reference on each.
+    /// are cached, with a reference on each. The match is cut where
+    /// reviving cached blocks (or keeping blocks a step in flight is
+    /// about to free) would put the bytes in use over the budget.
     pub fn open(&mut self, tokens: &[u32], extra: &ExtraKeys) -> Result<Opened> {
-        let seq = self.open_empty();
         let Some(index) = self.index.as_mut() else {
-            return Ok(Opened { seq, reused: 0 });
+            return Ok(Opened {
+                seq: self.open_empty(),
+                reused: 0,
+            });
         };
         let upto = tokens.len().saturating_sub(1);
-        let m = match acquire_prefix(index, &self.tiers, &tokens[..upto], extra) {
-            Ok(m) => m,
-            Err(e) => {
-                self.seqs.remove(&seq);
-                return Err(e.into());
-            }
-        };
+        let mut m = acquire_prefix(index, &self.tiers, &tokens[..upto], extra)?;
         let copy = self.tail() == Some(TurnTail::Copy);
         let bs = self.block_size() as u32;
-        let mut m = m;
         // A partial tail can only be copied out of the hot tier.
         if let Some(last) = m.blocks.last().copied() {
             if copy && last.len < bs && TieredPool::tier_of(last.block) != HOT {
@@ -647,6 +712,14 @@ impl Coordinator {
                 m.truncate(m.blocks.len() - 1);
             }
         }
+        while self.projected_bytes() > self.budget {
+            let Some(last) = m.blocks.last().copied() else {
+                break;
+            };
+            self.release_all(&[last.block])?;
+            m.truncate(m.blocks.len() - 1);
+        }
+        let seq = self.open_empty();
         let s = self.seqs.get_mut(&seq).ok_or(CoordError::UnknownSeq(seq))?;
         for b in &m.blocks {
             let slot = if TieredPool::tier_of(b.block) == HOT {
@@ -666,8 +739,14 @@ impl Coordinator {
     /// Plans one step of `n` new tokens for `seq`: drops (eviction),
     /// demotions (tier policy) and the hot blocks for the new tokens. Blocks
     /// are allocated now; nothing is released before [`commit`](Self::commit).
-    /// On error nothing changed (except that cached blocks the pools
-    /// reclaimed for a failed allocation are forgotten by the index).
+    ///
+    /// Everything is decided and checked (the policies' answers, the byte
+    /// budget, room in every tier) before anything is taken, so on error
+    /// nothing changed: tables, counts, pools, index and the other
+    /// sequences are as they were (the policies were asked, as for a step
+    /// that is aborted). When the step only fits by taking entries from
+    /// idle sequences, those are dropped first; an abort does not bring
+    /// them back.
     pub fn plan(&mut self, seq: SeqId, n: usize) -> Result<Plan> {
         let bs = self.block_size();
         let s = self.seq(seq)?;
@@ -689,26 +768,10 @@ impl Coordinator {
             start: next.positions(),
             ..Plan::default()
         };
+        // 1. What the step does, decided on the planned table.
         let mut release = Vec::new();
-        let mut lane_drops = Vec::new();
-        let mut punched = 0;
-        // 1. Eviction.
-        let pressure = self.pressure(self.tiers.in_use_bytes(), n);
-        if let Some(ev) = self.evict.as_mut() {
-            self.scratch.clear();
-            if ev.per_lane() {
-                ev.lane_victims(seq, &next, pressure, self.lanes, &mut self.scratch);
-                lane_drops = std::mem::take(&mut self.scratch);
-            } else if ev.token_level() {
-                let mut rows = Vec::new();
-                ev.token_victims(seq, &next, pressure, &mut rows);
-                punched = punch_victims(&mut next, &rows, &mut release, &mut plan.drops)?;
-            } else {
-                ev.victims(seq, &next, pressure, &mut self.scratch);
-            }
-            drop_victims(&mut next, &self.scratch, &mut release)?;
-            plan.drops.extend_from_slice(&self.scratch);
-        }
+        let (lane_drops, punched) =
+            self.evict_own(seq, n, &mut next, &mut release, &mut plan.drops)?;
         let packing = self.lane_packing(&next, &lane_drops)?;
         let row_packing = self.row_packing(&next);
         // At most one of them: a policy is per lane, per token or neither.
@@ -716,61 +779,18 @@ impl Coordinator {
             .as_ref()
             .map(|p| &p.rw)
             .or(row_packing.as_ref().map(|p| &p.rw));
-        // 2. Demotions: reuse another holder's cold copy, or quantize anew.
-        let mut demote = Vec::new();
-        if let Some(tp) = self.tier_policy.as_ref() {
-            tp.demote(&next, &mut demote);
-        }
-        // Entries being packed stay hot this step (a researcher's per-lane
-        // policy may run beside a cold tier).
-        if let Some(rw) = rewrite {
-            demote.retain(|i| rw.entries.binary_search(i).is_err());
-        }
-        // A policy's answer is checked before anything is taken.
-        let last = next.entries().len().wrapping_sub(1);
-        for &i in &demote {
-            let ok = next.entries().get(i).is_some_and(|e| {
-                matches!(e.slot(), Slot::Hot(_))
-                    && e.tokens() as usize == bs
-                    && !(next.is_open() && i == last)
-            });
-            if !ok {
-                return Err(CoordError::Policy(format!(
-                    "the tier policy named entry {i}, which is not a full, closed hot block"
-                )));
-            }
-        }
-        let mut taken = Vec::new();
+        let demote = self.demotions(&next, rewrite)?;
+        // Another holder's cold copy of the same block is reused as is
+        // (held copies only: reviving a cached one would cost bytes);
+        // the others are quantized anew.
+        let mut reuse = Vec::new();
         let mut fresh = Vec::new();
-        for &i in &demote {
-            let Slot::Hot(hot) = next.entries()[i].slot() else {
-                continue;
-            };
-            let reused = match self.demoted.get(&hot) {
-                Some(&c) => match self.tiers.retain(c) {
-                    Ok(Retained::Held(_)) => Some(c),
-                    _ => {
-                        self.demoted.remove(&hot);
-                        None
-                    }
-                },
-                None => None,
-            };
-            match reused {
-                Some(c) => {
-                    taken.push(c);
-                    plan.demotions.push(Demotion {
-                        entry: i,
-                        hot,
-                        cold: c,
-                        quantize: false,
-                    });
-                }
-                None => fresh.push((i, hot)),
+        for (i, hot) in demote {
+            match self.demoted.get(&hot) {
+                Some(&c) if self.tiers.ref_count(c).is_ok_and(|k| k > 0) => reuse.push((i, hot, c)),
+                _ => fresh.push((i, hot)),
             }
         }
-        // 3. Blocks: fresh cold ones, hot ones for the new tokens; both
-        // inside the budget, or nothing.
         // A shared partial tail is copied into a block of our own, which
         // then takes the new tokens.
         let copy_src = match next.entries().last() {
@@ -790,78 +810,222 @@ impl Coordinator {
         let need_hot = (n - in_open).div_ceil(bs)
             + usize::from(copy_src.is_some())
             + rewrite.map_or(0, Rewrite::fresh);
-        let cold_bytes = self.cold_layout().map_or(0, |l| l.block_bytes());
-        // The budget holds between steps: blocks this step lets go of for
-        // good (dropped or demoted, no other holder) make room. Until the
-        // commit they are still held, so a step can exceed it by the
+        // 2. The budget holds between steps: blocks this step lets go of
+        // for good (dropped or demoted, no other holder) make room. Until
+        // the commit they are still held, so a step can exceed it by the
         // blocks it demotes or drops.
-        let hot_bytes = self.cfg.layout.block_bytes();
-        let bytes_of = |b: BlockId| {
-            if TieredPool::tier_of(b) == HOT {
-                hot_bytes
-            } else {
-                cold_bytes
-            }
-        };
         let freed: u64 = release
             .iter()
             .chain(rewrite.map_or(&[][..], Rewrite::away))
             .chain(copy_src.iter().map(|(b, _)| b))
             .chain(fresh.iter().map(|(_, h)| h))
-            .chain(plan.demotions.iter().map(|d| &d.hot))
+            .chain(reuse.iter().map(|(_, h, _)| h))
             .filter(|&&b| self.tiers.ref_count(b).is_ok_and(|c| c == 1))
-            .map(|&b| bytes_of(b))
+            .map(|&b| self.bytes_of(b))
             .sum();
-        let step_bytes = need_hot as u64 * hot_bytes + fresh.len() as u64 * cold_bytes;
-        let mut want = (self.tiers.in_use_bytes() + step_bytes).saturating_sub(freed);
-        if want > self.budget {
-            // Idle sequences give up entries, least recently stepped first.
-            self.evict_others(seq, want)?;
-            want = (self.tiers.in_use_bytes() + step_bytes).saturating_sub(freed);
-        }
-        let fail = |this: &mut Self, taken: &[BlockId], msg: String| {
-            let _ = this.release_all(taken);
-            CoordError::CacheFull(msg)
+        let hot_bytes = self.cfg.layout.block_bytes();
+        let cold_bytes = self.cold_layout().map_or(0, |l| l.block_bytes());
+        let too_big = || {
+            CoordError::CacheFull(format!(
+                "a step of {n} tokens needs more KV than any budget holds"
+            ))
         };
+        let step_bytes = (need_hot as u64)
+            .checked_mul(hot_bytes)
+            .zip((fresh.len() as u64).checked_mul(cold_bytes))
+            .and_then(|(h, c)| h.checked_add(c))
+            .ok_or_else(too_big)?;
+        let mut want = self
+            .tiers
+            .in_use_bytes()
+            .saturating_add(step_bytes)
+            .saturating_sub(freed);
+        // Idle sequences give up entries, least recently stepped first,
+        // when that makes the step fit; nothing is dropped yet.
+        let idle = if want > self.budget {
+            self.idle_cuts(seq, want)?
+        } else {
+            IdleCuts::default()
+        };
+        want = want.saturating_sub(idle.bytes);
         if want > self.budget {
-            let msg = format!(
+            return Err(CoordError::CacheFull(format!(
                 "the step needs {want} bytes of KV, over the budget of {} bytes",
                 self.budget
-            );
-            return Err(fail(self, &taken, msg));
+            )));
         }
-        let mut got = Allocation::default();
-        if !fresh.is_empty() {
-            if !self.tiers.allocate_in(COLD, fresh.len(), &mut got)? {
-                let msg = format!("{} cold blocks needed, the cold tier is full", fresh.len());
-                return Err(fail(self, &taken, msg));
+        for (tier, need, freed_here) in [(HOT, need_hot, idle.hot), (COLD, fresh.len(), idle.cold)]
+        {
+            if need == 0 {
+                continue;
             }
-            taken.extend_from_slice(&got.blocks);
-        }
-        let cold_new = got.blocks.clone();
-        if need_hot > 0 {
-            let before = got.blocks.len();
-            if !self.tiers.allocate_in(HOT, need_hot, &mut got)? {
-                self.forget_reclaimed(&got.reclaimed);
-                let s = self.tiers.tier_stats(HOT)?;
-                let msg = format!(
-                    "{need_hot} more blocks of {bs} tokens needed, {} of {} free",
-                    s.free(),
-                    s.max_blocks
-                );
-                return Err(fail(self, &taken, msg));
+            let st = self.tiers.tier_stats(tier)?;
+            let free = st.max_blocks.saturating_sub(st.in_use + st.retired) + freed_here;
+            if need > free {
+                let what = if tier == HOT { "hot" } else { "cold" };
+                return Err(CoordError::CacheFull(format!(
+                    "{need} more {what} blocks of {bs} tokens needed, {free} of {} free",
+                    st.max_blocks
+                )));
             }
-            taken.extend_from_slice(&got.blocks[before..]);
         }
-        self.forget_reclaimed(&got.reclaimed);
-        for (&(i, hot), &cold) in fresh.iter().zip(&cold_new) {
-            plan.demotions.push(Demotion {
-                entry: i,
+        // 3. The step happens: idle sequences give up what was chosen,
+        // then references are taken; a failure from here on (a broken pool
+        // contract) gives back everything taken.
+        self.apply_idle_cuts(idle)?;
+        let mut taken = Vec::new();
+        let built = self.take_and_build(
+            Build {
+                next,
+                plan,
+                release,
+                reuse,
+                fresh,
+                need_hot,
+                copy_src,
+                in_open,
+                n,
+                packing,
+                row_packing,
+                punched,
+            },
+            &mut taken,
+        );
+        match built {
+            Ok((plan, pending)) => {
+                self.step_peak = self.step_peak.max(self.tiers.in_use_bytes());
+                self.seq_mut(seq)?.pending = Some(Pending { taken, ..pending });
+                Ok(plan)
+            }
+            Err(e) => {
+                let _ = self.release_all(&taken);
+                Err(e)
+            }
+        }
+    }
+
+    /// The eviction policy's victims among `seq`'s own entries, applied to
+    /// the planned table `next` (their blocks to `release`, dropped entries
+    /// to `drops`). Returns a per-lane policy's answer (packed afterwards)
+    /// and the rows a token-level policy marked invalid.
+    fn evict_own(
+        &mut self,
+        seq: SeqId,
+        n: usize,
+        next: &mut BlockTable,
+        release: &mut Vec<BlockId>,
+        drops: &mut Vec<usize>,
+    ) -> Result<(Vec<usize>, usize)> {
+        let pressure = self.pressure(self.tiers.in_use_bytes(), n);
+        let Some(ev) = self.evict.as_mut() else {
+            return Ok((Vec::new(), 0));
+        };
+        let mut victims = Vec::new();
+        if ev.per_lane() {
+            ev.lane_victims(seq, next, pressure, self.lanes, &mut victims);
+            return Ok((victims, 0));
+        }
+        if ev.token_level() {
+            let mut rows = Vec::new();
+            ev.token_victims(seq, next, pressure, &mut rows);
+            let punched = punch_victims(next, &rows, release, drops)?;
+            return Ok((Vec::new(), punched));
+        }
+        ev.victims(seq, next, pressure, &mut victims);
+        drop_victims(next, &victims, release)?;
+        drops.extend_from_slice(&victims);
+        Ok((Vec::new(), 0))
+    }
+
+    /// The tier policy's answer for `next`, checked: strictly ascending
+    /// entries, each a full, closed hot block without holes. Entries a
+    /// head-wise pack or a compaction rewrites this step stay hot.
+    fn demotions(
+        &self,
+        next: &BlockTable,
+        rewrite: Option<&Rewrite>,
+    ) -> Result<Vec<(usize, BlockId)>> {
+        let Some(tp) = self.tier_policy.as_ref() else {
+            return Ok(Vec::new());
+        };
+        let mut demote = Vec::new();
+        tp.demote(next, &mut demote);
+        if let Some(rw) = rewrite {
+            demote.retain(|i| rw.entries.binary_search(i).is_err());
+        }
+        if !demote.windows(2).all(|w| w[0] < w[1]) {
+            return Err(CoordError::Policy(format!(
+                "the tier policy named entries out of order or twice: {demote:?}"
+            )));
+        }
+        let bs = next.block_size();
+        let last = next.entries().len().wrapping_sub(1);
+        demote
+            .into_iter()
+            .map(|i| match next.entries().get(i) {
+                Some(e)
+                    if e.tokens() == bs
+                        && e.holes() == 0
+                        && !(next.is_open() && i == last) =>
+                {
+                    match e.slot() {
+                        Slot::Hot(b) => Ok((i, b)),
+                        _ => Err(i),
+                    }
+                }
+                _ => Err(i),
+            })
+            .collect::<std::result::Result<_, usize>>()
+            .map_err(|i| {
+                CoordError::Policy(format!(
+                    "the tier policy named entry {i}, which is not a full, closed hot block without holes"
+                ))
+            })
+    }
+
+    /// Takes the step's references (reused cold copies, fresh cold and hot
+    /// blocks; each pushed to `taken` as it is taken) and builds the
+    /// planned table and the plan. The checks in [`plan`](Self::plan)
+    /// made every allocation fit: an error here is a broken contract, and
+    /// the caller gives back `taken`.
+    fn take_and_build(&mut self, b: Build, taken: &mut Vec<BlockId>) -> Result<(Plan, Pending)> {
+        let Build {
+            mut next,
+            mut plan,
+            mut release,
+            reuse,
+            fresh,
+            need_hot,
+            copy_src,
+            in_open,
+            n,
+            packing,
+            row_packing,
+            punched,
+        } = b;
+        let bs = self.block_size();
+        for &(_, _, c) in &reuse {
+            self.retain_all(&[c])?;
+            taken.push(c);
+        }
+        let cold_new = self.allocate(COLD, fresh.len(), taken)?;
+        let mut hot_new = &self.allocate(HOT, need_hot, taken)?[..];
+        let reused = reuse.iter().map(|&(entry, hot, cold)| Demotion {
+            entry,
+            hot,
+            cold,
+            quantize: false,
+        });
+        let quantized = fresh
+            .iter()
+            .zip(&cold_new)
+            .map(|(&(entry, hot), &cold)| Demotion {
+                entry,
                 hot,
                 cold,
                 quantize: true,
             });
-        }
+        plan.demotions = reused.chain(quantized).collect();
         plan.demotions.sort_by_key(|d| d.entry);
         let mut demoted = Vec::new();
         for d in &plan.demotions {
@@ -869,7 +1033,7 @@ impl Coordinator {
             release.push(d.hot);
             demoted.push((d.hot, d.cold, d.quantize));
         }
-        let mut hot_new = &got.blocks[cold_new.len()..];
+        let mut rewritten = Vec::new();
         // Head-wise eviction: the first `keep` entries of the union take
         // the packed blocks, the others are dropped.
         if let Some(p) = packing {
@@ -881,6 +1045,9 @@ impl Coordinator {
                 &mut release,
                 &mut plan.drops,
             )?;
+            if rw.in_place {
+                rewritten.extend_from_slice(&dst);
+            }
             if rw.keep > 0 {
                 plan.pack = Some(Pack {
                     lanes: self.lanes,
@@ -911,6 +1078,9 @@ impl Coordinator {
                 &mut release,
                 &mut plan.drops,
             )?;
+            if rw.in_place {
+                rewritten.extend_from_slice(&dst);
+            }
             compacted = rw.entries.len() - rw.keep;
             let mut src = p.order;
             src.truncate(dst.len() * bs);
@@ -922,11 +1092,13 @@ impl Coordinator {
             });
         }
         plan.drops.sort_unstable();
-        // 4. The copy, then writes: the rest of the open block, then the
-        // new blocks.
+        // The copy, then writes: the rest of the open block, then the new
+        // blocks.
         if let Some((src, tokens)) = copy_src {
-            let dst = hot_new[0];
-            hot_new = &hot_new[1..];
+            let (&dst, rest) = hot_new
+                .split_first()
+                .ok_or_else(|| CoordError::CacheFull("no block for the copied tail".into()))?;
+            hot_new = rest;
             next.reopen_tail(dst)?;
             release.push(src);
             plan.copies.push(CopyOp { src, dst, tokens });
@@ -953,11 +1125,9 @@ impl Coordinator {
             });
             left -= take;
         }
-        self.step_peak = self.step_peak.max(self.tiers.in_use_bytes());
-        let s = self.seq_mut(seq)?;
-        s.pending = Some(Pending {
+        let pending = Pending {
             next,
-            taken,
+            taken: Vec::new(),
             release,
             demoted,
             fresh_cold: cold_new,
@@ -967,8 +1137,31 @@ impl Coordinator {
             packed: plan.pack.as_ref().map_or(0, |p| p.dst.len()),
             punched,
             compacted,
-        });
-        Ok(plan)
+            rewritten,
+        };
+        Ok((plan, pending))
+    }
+
+    /// `n` fresh blocks of `tier`, each pushed to `taken`; the index and
+    /// the deduplicator forget the cached blocks reclaimed for them.
+    fn allocate(
+        &mut self,
+        tier: usize,
+        n: usize,
+        taken: &mut Vec<BlockId>,
+    ) -> Result<Vec<BlockId>> {
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let mut got = Allocation::default();
+        if !self.tiers.allocate_in(tier, n, &mut got)? {
+            return Err(CoordError::CacheFull(format!(
+                "{n} blocks of tier {tier} were counted free and are not"
+            )));
+        }
+        taken.extend_from_slice(&got.blocks);
+        self.forget_reclaimed(&got.reclaimed);
+        Ok(got.blocks)
     }
 
     /// Token-level eviction's compaction, when the live rows of the holed
@@ -1036,43 +1229,69 @@ impl Coordinator {
     /// The step of `stepping` would bring the bytes in use to `want`, over
     /// the budget: the eviction policy names victims in the other idle
     /// sequences (no step planned, no turn in flight), least recently
-    /// stepped first, as if the bytes in use were `want`; they are dropped
-    /// and released at once, until the step fits. Per-lane and token-level
-    /// policies (whose victims need the engine's packing) and policies
-    /// that name nothing free nothing here.
-    fn evict_others(&mut self, stepping: SeqId, want: u64) -> Result<()> {
+    /// stepped first, as if the bytes in use were `want`, until the step
+    /// fits. Nothing is dropped here ([`apply_idle_cuts`](Self::apply_idle_cuts)
+    /// does). Per-lane and token-level policies (whose victims need the
+    /// engine's packing) and policies that name nothing free nothing here.
+    fn idle_cuts(&mut self, stepping: SeqId, want: u64) -> Result<IdleCuts> {
         let mut order: Vec<(u64, SeqId)> = self
             .seqs
             .iter()
-            .filter(|(id, s)| **id != stepping && s.pending.is_none() && s.snapshot.is_none())
+            .filter(|(id, s)| **id != stepping && s.pending.is_none() && s.turn.is_none())
             .map(|(id, s)| (s.last_step, *id))
             .collect();
         order.sort_unstable();
-        let mut want = want;
+        let mut out = IdleCuts::default();
+        // Blocks let go of so far, with multiplicity: one held by two idle
+        // sequences is freed only when both give it up.
+        let mut let_go: HashMap<BlockId, u32> = HashMap::new();
         for (_, id) in order {
-            if want <= self.budget {
+            let left = want.saturating_sub(out.bytes);
+            if left <= self.budget {
                 break;
             }
-            let pressure = self.pressure(want, 0);
-            let (Some(ev), Some(s)) = (self.evict.as_mut(), self.seqs.get_mut(&id)) else {
+            let pressure = self.pressure(left, 0);
+            let (Some(ev), Some(s)) = (self.evict.as_mut(), self.seqs.get(&id)) else {
                 break;
             };
             if ev.per_lane() || ev.token_level() {
                 break;
             }
-            self.scratch.clear();
-            ev.victims(id, &s.table, pressure, &mut self.scratch);
-            // On a copy: a victim the table refuses leaves it as it was.
+            let mut victims = Vec::new();
+            ev.victims(id, &s.table, pressure, &mut victims);
+            if victims.is_empty() {
+                continue;
+            }
             let mut table = s.table.clone();
             let mut release = Vec::new();
-            drop_victims(&mut table, &self.scratch, &mut release)?;
+            drop_victims(&mut table, &victims, &mut release)?;
             table.compact();
-            s.table = table;
-            self.counters.evicted_entries += self.scratch.len() as u64;
-            self.counters.evicted_idle_entries += self.scratch.len() as u64;
-            let before = self.tiers.in_use_bytes();
+            for &b in &release {
+                let n = let_go.entry(b).or_default();
+                *n += 1;
+                if self.tiers.ref_count(b).is_ok_and(|c| c == *n) {
+                    out.bytes += self.bytes_of(b);
+                    if TieredPool::tier_of(b) == HOT {
+                        out.hot += 1;
+                    } else {
+                        out.cold += 1;
+                    }
+                }
+            }
+            out.cuts.push((id, table, release, victims.len()));
+        }
+        Ok(out)
+    }
+
+    /// Drops what [`idle_cuts`](Self::idle_cuts) chose and releases it.
+    fn apply_idle_cuts(&mut self, idle: IdleCuts) -> Result<()> {
+        for (id, table, release, victims) in idle.cuts {
+            if let Some(s) = self.seqs.get_mut(&id) {
+                s.table = table;
+            }
+            self.counters.evicted_entries += victims as u64;
+            self.counters.evicted_idle_entries += victims as u64;
             self.release_all(&release)?;
-            want = want.saturating_sub(before.saturating_sub(self.tiers.in_use_bytes()));
         }
         Ok(())
     }
@@ -1162,7 +1381,7 @@ impl Coordinator {
     /// Drops one reference; notes a cold block whose storage can go.
     fn release_one(&mut self, b: BlockId) -> Result<u32> {
         let left = self.tiers.release(b)?;
-        if left == 0 && TieredPool::tier_of(b) != HOT && !self.cached_cold.contains(&b) {
+        if left == 0 && TieredPool::tier_of(b) != HOT && !self.cached.contains_key(&b) {
             self.freed_cold.push(b);
         }
         Ok(left)
@@ -1198,11 +1417,10 @@ impl Coordinator {
         first_err.map_or(Ok(()), Err)
     }
 
-    fn mark_cached(&mut self, b: BlockId) -> Result<()> {
-        self.tiers.mark_cached(b)?;
-        if TieredPool::tier_of(b) != HOT {
-            self.cached_cold.insert(b);
-        }
+    fn mark_cached(&mut self, b: BlockRef) -> Result<()> {
+        self.tiers.mark_cached(b.block)?;
+        let len = self.cached.entry(b.block).or_default();
+        *len = (*len).max(b.len);
         Ok(())
     }
 
@@ -1229,7 +1447,7 @@ impl Coordinator {
         self.demoted
             .retain(|h, c| !reclaimed.contains(h) && !reclaimed.contains(c));
         for b in reclaimed {
-            self.cached_cold.remove(b);
+            self.cached.remove(b);
         }
     }
 
@@ -1282,9 +1500,10 @@ impl Coordinator {
         p.next.set_slot(i, Slot::Alias { canonical })?;
         p.taken.push(canonical);
         p.release.push(cold);
-        for d in p.demoted.iter_mut().filter(|d| d.1 == cold) {
-            d.1 = canonical;
-        }
+        // The entry reads another block's content now (a near duplicate
+        // under SimHash): neither the index nor a second holder of the hot
+        // block may take the canonical for this block's copy.
+        p.demoted.retain(|d| d.1 != cold);
         Ok(Some(canonical))
     }
 
@@ -1378,6 +1597,18 @@ impl Coordinator {
         self.counters.evicted_tokens += p.punched as u64;
         self.counters.compacted_blocks += p.compacted as u64;
         let steps = self.counters.steps;
+        let mut moves = Vec::new();
+        for &(hot, cold, quantized) in &p.demoted {
+            if quantized {
+                moves.push((hot, cold));
+            }
+            self.demoted.insert(hot, cold);
+        }
+        // A block rewritten in place holds other content now: a cold copy
+        // of what it held is not its copy any more.
+        for b in &p.rewritten {
+            self.demoted.remove(b);
+        }
         let s = self.seqs.get_mut(&seq).ok_or(CoordError::UnknownSeq(seq))?;
         s.table = p.next;
         s.table.compact();
@@ -1385,19 +1616,12 @@ impl Coordinator {
         if p.copies_tail {
             s.copy_tail = false;
         }
-        let in_turn = s.snapshot.is_some();
-        let mut moves = Vec::new();
-        for &(hot, cold, quantized) in &p.demoted {
-            if quantized && TieredPool::tier_of(cold) == COLD {
-                moves.push((hot, cold));
+        match s.turn.as_mut() {
+            Some(t) => t.relocations.extend(moves),
+            None => {
+                follow_moves(&mut s.partial, &moves);
+                self.relocate(&moves)?;
             }
-            self.demoted.insert(hot, cold);
-        }
-        if in_turn {
-            s.relocations.extend(moves);
-        } else {
-            follow_moves(&mut s.partial, &moves);
-            self.relocate(&moves)?;
         }
         let r = self.release_all(&p.release);
         self.prune_demoted();
@@ -1413,7 +1637,9 @@ impl Coordinator {
         for &(hot, cold) in moves {
             if self.tiers.ref_count(cold).is_ok_and(|c| c > 0) && i.relocate(hot, cold) {
                 self.tiers.mark_cached(cold)?;
-                self.cached_cold.insert(cold);
+                let len = self.cached.get(&hot).copied().unwrap_or(0);
+                let l = self.cached.entry(cold).or_default();
+                *l = (*l).max(len);
             }
         }
         Ok(())
@@ -1467,28 +1693,31 @@ impl Coordinator {
     }
 
     /// Registers in the prefix index every entry from the start of `seq`
-    /// (hot or cold) up to the first alias or dropped entry; `tokens` are
-    /// the tokens whose KV the table holds. The partial last block is
-    /// handled as the configured [`TurnTail`] says. Returns the tokens
-    /// registered.
+    /// (hot or cold) up to the first entry whose KV, or the KV after it,
+    /// is not that of the plain prefix: an alias (another block's
+    /// content), a dropped or holed entry, a packed one. `tokens` are the
+    /// tokens whose KV the table holds. The partial last block is handled
+    /// as the configured [`TurnTail`] says. Returns the tokens the index
+    /// holds for `seq` from its start: fewer than the table when a block
+    /// is indexed elsewhere as another sequence's entry (a shared partial
+    /// block), whose chain cannot be continued.
     pub fn register(&mut self, seq: SeqId, tokens: &[u32], extra: &ExtraKeys) -> Result<usize> {
         let Some(tail) = self.tail() else {
             return Ok(0);
         };
         self.idle(seq, "registered during a step")?;
-        let s = self.seqs.get_mut(&seq).ok_or(CoordError::UnknownSeq(seq))?;
-        if tail == TurnTail::Seal {
-            s.table.seal();
-        }
+        let s = self.seq(seq)?;
         let t = &s.table;
-        let open = t.is_open();
+        // Under `Seal` the table is sealed first (once nothing can fail).
+        let open = t.is_open() && tail != TurnTail::Seal;
         let done = t.entries().len() - usize::from(open && tail == TurnTail::Skip);
         let mut refs = Vec::with_capacity(done);
         let mut covered = 0usize;
         for e in &t.entries()[..done] {
             match e.slot() {
-                // A packed block holds pages of other positions.
-                Slot::Hot(_) | Slot::Cold(_) if e.is_packed() => break,
+                // A packed block holds pages of other positions; KV after
+                // a hole was computed without the rows evicted.
+                Slot::Hot(_) | Slot::Cold(_) if e.is_packed() || e.holes() != 0 => break,
                 Slot::Hot(b) | Slot::Cold(b) => refs.push(BlockRef::new(b, e.tokens())),
                 Slot::Alias { .. } | Slot::Dropped => break,
             }
@@ -1501,16 +1730,20 @@ impl Coordinator {
             });
         }
         let registered_open = open && tail == TurnTail::Copy && refs.len() == done;
-        let last_open = registered_open
-            .then(|| refs.last().map(|r| r.block))
-            .flatten();
-        // The turn succeeded: its demotions' index moves apply now, so the
-        // chain below is found under the handles the table holds.
-        let moves = std::mem::take(&mut s.relocations);
+        let s = self.seqs.get_mut(&seq).ok_or(CoordError::UnknownSeq(seq))?;
+        if tail == TurnTail::Seal {
+            s.table.seal();
+        }
+        // The turn so far succeeded: its demotions' index moves apply now,
+        // so the chain below is found under the handles the table holds.
+        let moves = s
+            .turn
+            .as_mut()
+            .map(|t| std::mem::take(&mut t.relocations))
+            .unwrap_or_default();
         follow_moves(&mut s.partial, &moves);
-        let before = std::mem::replace(&mut s.partial, last_open);
+        let before = s.partial.take();
         let k = s.indexed.min(refs.len());
-        s.indexed = refs.len() - usize::from(registered_open);
         self.relocate(&moves)?;
         let Some(index) = self.index.as_mut() else {
             return Ok(0);
@@ -1522,25 +1755,36 @@ impl Coordinator {
                 index.forget(b);
             }
         }
-        // Only what is new, below the last entry registered before; from
-        // the start when that entry is gone (reclaimed, or its chain
-        // changed).
+        // Only what is new, below the last entry registered before (if the
+        // index still holds it there); else from the start.
         let done_tokens: usize = refs[..k].iter().map(|r| r.len as usize).sum();
         let extended = match k {
             0 => None,
-            _ => index.extend(refs[k - 1].block, &tokens[done_tokens..covered], &refs[k..])?,
+            _ => index.extend(
+                refs[k - 1],
+                done_tokens,
+                &tokens[done_tokens..covered],
+                &refs[k..],
+            )?,
         };
-        let new = match extended {
-            Some(_) => &refs[k..],
-            None => {
-                index.insert(&tokens[..covered], extra, &refs)?;
-                &refs[..]
-            }
+        let (start, out) = match extended {
+            Some(out) => (k, out),
+            None => (0, index.insert(&tokens[..covered], extra, &refs)?),
         };
-        for r in new {
-            self.mark_cached(r.block)?;
+        // The index follows the chain through blocks it already holds (ours
+        // or another sequence's copy of the same content), adds ours after
+        // them, and stops at the first it refuses: only that far is the
+        // chain ours to continue.
+        let first_new = start + out.already_cached;
+        let chained = first_new + out.new;
+        for &r in &refs[first_new..chained] {
+            self.mark_cached(r)?;
         }
-        Ok(covered)
+        let s = self.seqs.get_mut(&seq).ok_or(CoordError::UnknownSeq(seq))?;
+        let last_open = registered_open && chained == refs.len();
+        s.indexed = chained - usize::from(last_open);
+        s.partial = last_open.then(|| refs[chained - 1].block);
+        Ok(refs[..chained].iter().map(|r| r.len as usize).sum())
     }
 
     /// A new sequence that reads what `seq` holds: the same entries with
@@ -1563,20 +1807,26 @@ impl Coordinator {
     }
 
     /// Starts a turn: the table is kept, with references of its own, so
-    /// that [`rollback_turn`](Self::rollback_turn) can restore it exactly
-    /// after the turn's steps demoted or dropped entries.
+    /// that [`rollback_turn`](Self::rollback_turn) can restore it after
+    /// the turn's steps demoted or dropped entries.
     pub fn begin_turn(&mut self, seq: SeqId) -> Result<()> {
         let s = self.seq(seq)?;
-        if s.snapshot.is_some() || s.pending.is_some() {
+        if s.turn.is_some() || s.pending.is_some() {
             return Err(CoordError::Order {
                 seq,
                 what: "a turn is already in progress",
             });
         }
-        let snap = s.table.clone();
-        let held: Vec<BlockId> = snap.held().collect();
+        let turn = Turn {
+            table: s.table.clone(),
+            copy_tail: s.copy_tail,
+            partial: s.partial,
+            indexed: s.indexed,
+            relocations: Vec::new(),
+        };
+        let held: Vec<BlockId> = turn.table.held().collect();
         self.retain_all(&held)?;
-        self.seq_mut(seq)?.snapshot = Some(snap);
+        self.seq_mut(seq)?.turn = Some(turn);
         Ok(())
     }
 
@@ -1599,12 +1849,11 @@ impl Coordinator {
     pub fn end_turn_labelled(&mut self, seq: SeqId, t: &TurnInput) -> Result<TurnLifecycle> {
         self.idle(seq, "turn ended during a step")?;
         let s = self.seqs.get_mut(&seq).ok_or(CoordError::UnknownSeq(seq))?;
-        let snap = s.snapshot.take();
-        let moves = std::mem::take(&mut s.relocations);
         let end = s.table.positions();
-        self.relocate(&moves)?;
-        if let Some(mut snap) = snap {
-            self.release_all(&snap.clear())?;
+        if let Some(mut turn) = s.turn.take() {
+            follow_moves(&mut s.partial, &turn.relocations);
+            self.relocate(&turn.relocations)?;
+            self.release_all(&turn.table.clear())?;
         }
         let Some(lc) = self.lifecycle.as_mut() else {
             return Ok(TurnLifecycle::default());
@@ -1639,19 +1888,24 @@ impl Coordinator {
         })
     }
 
-    /// A segment handed out for summarising was replaced (`replaced`: its
-    /// entries are dropped now, its blocks released) or not (it is kept for
-    /// good). Returns the entries dropped.
+    /// A segment [`end_turn_labelled`](Self::end_turn_labelled) handed out
+    /// for summarising was replaced (`replaced`: its entries are dropped
+    /// now, its blocks released) or not (it is kept for good). Returns the
+    /// entries dropped. A segment that was not handed out (or was answered
+    /// already) is refused, and nothing changes.
     pub fn compressed(&mut self, seq: SeqId, seg: Segment, replaced: bool) -> Result<usize> {
         self.idle(seq, "compressed during a step")?;
-        let mut freed = vec![seg.range.clone()];
-        if let Some(lc) = self.lifecycle.as_mut() {
-            lc.compressed(seq, seg, replaced);
-            freed = lc.freed(seq);
-        }
+        let Some(lc) = self.lifecycle.as_mut() else {
+            return Err(CoordError::Order {
+                seq,
+                what: "compressed a segment without a lifecycle (none was handed out)",
+            });
+        };
+        lc.compressed(seq, seg, replaced)?;
         if !replaced {
             return Ok(0);
         }
+        let freed = lc.freed(seq);
         self.counters.lifecycle_compressed += 1;
         self.drop_ranges(seq, &freed)
     }
@@ -1684,28 +1938,74 @@ impl Coordinator {
     }
 
     /// The turn failed: any step in flight is aborted and the table is
-    /// restored to the turn's start, with the same blocks.
+    /// restored to the turn's start, with the same blocks. If others may
+    /// read rows the turn wrote into the open last block (a fork, a prefix
+    /// hit, the index), that block comes back sealed and the next step
+    /// copies its tokens into a block of the sequence's own, so those rows
+    /// are never written again. Without a turn in progress it is refused
+    /// and nothing changes.
     pub fn rollback_turn(&mut self, seq: SeqId) -> Result<()> {
-        if self.seq(seq)?.pending.is_some() {
-            self.abort(seq)?;
-        }
-        let s = self.seq_mut(seq)?;
-        s.relocations.clear();
-        let Some(snap) = s.snapshot.take() else {
+        if self.seq(seq)?.turn.is_none() {
             return Err(CoordError::Order {
                 seq,
                 what: "rollback without a turn in progress",
             });
+        }
+        if self.seq(seq)?.pending.is_some() {
+            self.abort(seq)?;
+        }
+        let s = self.seq_mut(seq)?;
+        let Some(turn) = s.turn.take() else {
+            return Err(CoordError::UnknownSeq(seq));
         };
-        let mut now = std::mem::replace(&mut s.table, snap);
-        let held = now.clear();
-        self.release_all(&held)
+        let mut now = std::mem::replace(&mut s.table, turn.table);
+        s.copy_tail = turn.copy_tail;
+        s.partial = turn.partial;
+        s.indexed = turn.indexed;
+        let open = match s.table.entries().last() {
+            Some(e) if s.table.is_open() => e.slot().block().map(|b| (b, e.tokens())),
+            _ => None,
+        };
+        self.release_all(&now.clear())?;
+        if let Some((b, len)) = open {
+            // Its rows after the snapshot's are written again: a cold copy
+            // of the turn's content is not its copy.
+            self.demoted.remove(&b);
+            if self.reads_past(seq, b, len) {
+                let s = self.seq_mut(seq)?;
+                s.table.seal();
+                s.copy_tail = true;
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether anyone but `seq` may read rows of hot block `b` from row
+    /// `len` on: the index (it was given more tokens of `b`), or another
+    /// sequence's table, turn snapshot or planned table listing `b` with
+    /// more tokens.
+    fn reads_past(&self, seq: SeqId, b: BlockId, len: u32) -> bool {
+        let past = |t: &BlockTable| {
+            t.entries()
+                .iter()
+                .any(|e| e.slot().block() == Some(b) && e.tokens() > len)
+        };
+        self.cached.get(&b).is_some_and(|&l| l > len)
+            || self
+                .seqs
+                .iter()
+                .filter(|(id, _)| **id != seq)
+                .any(|(_, o)| {
+                    past(&o.table)
+                        || o.turn.as_ref().is_some_and(|t| past(&t.table))
+                        || o.pending.as_ref().is_some_and(|p| past(&p.next))
+                })
     }
 
     /// Ends a sequence: aborts a step in flight, rolls back a turn in
     /// progress, releases its blocks (cached ones stay matchable).
     pub fn close(&mut self, seq: SeqId) -> Result<()> {
-        if self.seq(seq)?.snapshot.is_some() {
+        if self.seq(seq)?.turn.is_some() {
             self.rollback_turn(seq)?;
         } else if self.seq(seq)?.pending.is_some() {
             self.abort(seq)?;

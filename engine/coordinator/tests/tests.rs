@@ -3,6 +3,9 @@
 //! lifecycle, bad input, and many threads over one budget. No tensors.
 #![allow(clippy::unwrap_used, clippy::single_range_in_vec_init)]
 
+mod model;
+mod regressions;
+
 use std::sync::{Arc, Mutex};
 
 use kvforge_coordinator::{
