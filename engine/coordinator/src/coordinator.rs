@@ -273,6 +273,8 @@ struct IdleCuts {
 
 /// A step's decisions, from the checks of `plan` to `take_and_build`.
 struct Build {
+    /// What idle sequences give up for the step.
+    idle: IdleCuts,
     next: BlockTable,
     plan: Plan,
     release: Vec<BlockId>,
@@ -568,21 +570,28 @@ impl Coordinator {
         self.tiers.in_use_bytes()
     }
 
-    /// Bytes in use once every step in flight is committed: blocks a
-    /// pending step releases, and no one else holds, do not count.
-    fn projected_bytes(&self) -> u64 {
-        let mut releases: HashMap<BlockId, u32> = HashMap::new();
-        for p in self.seqs.values().filter_map(|s| s.pending.as_ref()) {
-            for &b in &p.release {
-                *releases.entry(b).or_default() += 1;
+    /// Bytes in use however the steps in flight end: each one, committed,
+    /// gives back the blocks it releases and, aborted, those it took —
+    /// counted only where it is their only holder. What an
+    /// [`open`](Self::open) may not push over the budget.
+    fn worst_bytes(&self) -> u64 {
+        let frees = |list: &[BlockId]| -> u64 {
+            let mut n: HashMap<BlockId, u32> = HashMap::new();
+            for &b in list {
+                *n.entry(b).or_default() += 1;
             }
-        }
-        let freed: u64 = releases
-            .iter()
-            .filter(|&(&b, &n)| self.tiers.ref_count(b).is_ok_and(|c| c == n))
-            .map(|(&b, _)| self.bytes_of(b))
+            n.iter()
+                .filter(|&(&b, &k)| self.tiers.ref_count(b).is_ok_and(|c| c == k))
+                .map(|(&b, _)| self.bytes_of(b))
+                .sum()
+        };
+        let credit: u64 = self
+            .seqs
+            .values()
+            .filter_map(|s| s.pending.as_ref())
+            .map(|p| frees(&p.release).min(frees(&p.taken)))
             .sum();
-        self.tiers.in_use_bytes().saturating_sub(freed)
+        self.tiers.in_use_bytes().saturating_sub(credit)
     }
 
     /// Bytes of one block of `b`'s tier.
@@ -693,7 +702,8 @@ impl Coordinator {
     /// is always computed, for its logits), hot and cold blocks as they
     /// are cached, with a reference on each. The match is cut where
     /// reviving cached blocks (or keeping blocks a step in flight is
-    /// about to free) would put the bytes in use over the budget.
+    /// about to free) would put the bytes in use over the budget, whether
+    /// the steps in flight are committed or aborted.
     pub fn open(&mut self, tokens: &[u32], extra: &ExtraKeys) -> Result<Opened> {
         let Some(index) = self.index.as_mut() else {
             return Ok(Opened {
@@ -712,7 +722,7 @@ impl Coordinator {
                 m.truncate(m.blocks.len() - 1);
             }
         }
-        while self.projected_bytes() > self.budget {
+        while self.worst_bytes() > self.budget {
             let Some(last) = m.blocks.last().copied() else {
                 break;
             };
@@ -841,9 +851,11 @@ impl Coordinator {
             .saturating_add(step_bytes)
             .saturating_sub(freed);
         // Idle sequences give up entries, least recently stepped first,
-        // when that makes the step fit; nothing is dropped yet.
+        // when that makes the step fit; nothing is dropped yet. The cold
+        // copies the step reuses stay (it takes them before the cuts).
         let idle = if want > self.budget {
-            self.idle_cuts(seq, want)?
+            let keep: Vec<BlockId> = reuse.iter().map(|&(_, _, c)| c).collect();
+            self.idle_cuts(seq, want, &keep)?
         } else {
             IdleCuts::default()
         };
@@ -869,13 +881,13 @@ impl Coordinator {
                 )));
             }
         }
-        // 3. The step happens: idle sequences give up what was chosen,
-        // then references are taken; a failure from here on (a broken pool
+        // 3. The step happens: references are taken, idle sequences give
+        // up what was chosen; a failure from here on (a broken pool
         // contract) gives back everything taken.
-        self.apply_idle_cuts(idle)?;
         let mut taken = Vec::new();
         let built = self.take_and_build(
             Build {
+                idle,
                 next,
                 plan,
                 release,
@@ -990,6 +1002,7 @@ impl Coordinator {
     /// the caller gives back `taken`.
     fn take_and_build(&mut self, b: Build, taken: &mut Vec<BlockId>) -> Result<(Plan, Pending)> {
         let Build {
+            idle,
             mut next,
             mut plan,
             mut release,
@@ -1008,6 +1021,7 @@ impl Coordinator {
             self.retain_all(&[c])?;
             taken.push(c);
         }
+        self.apply_idle_cuts(idle)?;
         let cold_new = self.allocate(COLD, fresh.len(), taken)?;
         let mut hot_new = &self.allocate(HOT, need_hot, taken)?[..];
         let reused = reuse.iter().map(|&(entry, hot, cold)| Demotion {
@@ -1233,7 +1247,7 @@ impl Coordinator {
     /// fits. Nothing is dropped here ([`apply_idle_cuts`](Self::apply_idle_cuts)
     /// does). Per-lane and token-level policies (whose victims need the
     /// engine's packing) and policies that name nothing free nothing here.
-    fn idle_cuts(&mut self, stepping: SeqId, want: u64) -> Result<IdleCuts> {
+    fn idle_cuts(&mut self, stepping: SeqId, want: u64, keep: &[BlockId]) -> Result<IdleCuts> {
         let mut order: Vec<(u64, SeqId)> = self
             .seqs
             .iter()
@@ -1269,7 +1283,7 @@ impl Coordinator {
             for &b in &release {
                 let n = let_go.entry(b).or_default();
                 *n += 1;
-                if self.tiers.ref_count(b).is_ok_and(|c| c == *n) {
+                if !keep.contains(&b) && self.tiers.ref_count(b).is_ok_and(|c| c == *n) {
                     out.bytes += self.bytes_of(b);
                     if TieredPool::tier_of(b) == HOT {
                         out.hot += 1;

@@ -753,3 +753,122 @@ fn config_prefix(tail: TurnTail) -> CoordinatorConfig {
     cfg.prefix = Some(prefix(tail));
     cfg
 }
+
+/// Drops every live entry of one sequence but its last (for idle cuts).
+struct DropAllOf(u64);
+
+impl kvforge_evict::EvictionPolicy for DropAllOf {
+    fn name(&self) -> String {
+        "drop-all-of".into()
+    }
+    fn victims(
+        &mut self,
+        seq: u64,
+        table: &BlockTable,
+        _p: kvforge_evict::Pressure,
+        out: &mut Vec<usize>,
+    ) {
+        if seq != self.0 {
+            return;
+        }
+        let n = table.entries().len();
+        out.extend((0..n.saturating_sub(1)).filter(|&i| table.entries()[i].slot().is_live()));
+    }
+}
+
+/// M (found by the model's 10^5-case run): a step reuses another holder's
+/// cold copy of a hot block it demotes, and only fits by cutting idle
+/// sequences; the cut drops the copy's only holder. The plan must not count
+/// the copy as freed (it keeps it), and must not take a copy that is gone.
+#[test]
+fn an_idle_cut_does_not_free_the_cold_copy_the_step_reuses() {
+    let hot = layout().block_bytes();
+    let mut cfg = CoordinatorConfig::new(layout(), 16);
+    cfg.budget_bytes = 5 * hot;
+    cfg.cold = Some(cold(4, 0));
+    let mut c = Coordinator::new(cfg).unwrap();
+    // A computes 3 blocks; B and D read them too.
+    let a = c.open_empty();
+    c.plan(a, 12).unwrap();
+    c.commit(a).unwrap();
+    let b = c.fork(a).unwrap();
+    let d = c.fork(a).unwrap();
+    // A's next token: its blocks 0 and 1 go cold (C0, C1, held by A only).
+    let p = c.plan(a, 1).unwrap();
+    assert_eq!(p.demotions.len(), 2);
+    let copies: Vec<_> = p.demotions.iter().map(|d| d.cold).collect();
+    c.commit(a).unwrap();
+    let a_before = c.table(a).unwrap().clone();
+    // B's step reuses C0 and C1 and only fits if idle A gives up entries:
+    // the policy would cut all of A, C0 and C1 included.
+    c.set_eviction_policy(Some(Box::new(DropAllOf(a))));
+    match c.plan(b, 1) {
+        Ok(p) => {
+            assert!(
+                p.demotions
+                    .iter()
+                    .all(|d| copies.contains(&d.cold) || d.quantize)
+            );
+            c.commit(b).unwrap();
+            assert!(c.bytes_in_use() <= c.budget());
+        }
+        Err(e) => {
+            assert!(matches!(e, CoordError::CacheFull(_)), "{e}");
+            assert_eq!(c.table(a).unwrap(), &a_before, "a refused plan cut nothing");
+        }
+    }
+    for &cc in &copies {
+        assert!(c.pools().ref_count(cc).unwrap() >= 1, "{cc:?} still held");
+    }
+    for s in [a, b, d] {
+        c.close(s).unwrap();
+    }
+    assert_eq!(c.bytes_in_use(), 0);
+}
+
+/// B3 (found by the model's 10^5-case run): a prefix hit revives cached
+/// blocks while another sequence's step that frees blocks is in flight;
+/// that step is then aborted and frees nothing. The hit may only take what
+/// fits however the step ends.
+#[test]
+fn a_prefix_hit_during_a_step_that_is_aborted_stays_within_the_budget() {
+    let hot = layout().block_bytes();
+    let mut cfg = CoordinatorConfig::new(layout(), 16);
+    cfg.budget_bytes = 5 * hot;
+    cfg.prefix = Some(prefix(TurnTail::Skip));
+    cfg.cold = Some(cold(4, 0));
+    let mut c = Coordinator::new(cfg).unwrap();
+    let ns = ExtraKeys::default();
+    // X leaves three cached cold blocks behind (positions 0..12).
+    let xt: Vec<u32> = (0..17).collect();
+    let x = c.open(&xt, &ns).unwrap().seq;
+    c.plan(x, 16).unwrap();
+    c.commit(x).unwrap();
+    c.register(x, &xt[..16], &ns).unwrap();
+    assert_eq!(c.plan(x, 1).unwrap().demotions.len(), 3);
+    c.commit(x).unwrap();
+    c.close(x).unwrap();
+    assert_eq!(c.bytes_in_use(), 0);
+    // A holds four hot blocks; its next step drops three of them.
+    let a = c.open_empty();
+    c.plan(a, 16).unwrap();
+    c.commit(a).unwrap();
+    c.set_eviction_policy(Some(Box::new(
+        kvforge_evict::SinkWindow::new(0, 4).unwrap(),
+    )));
+    let p = c.plan(a, 1).unwrap();
+    assert_eq!(p.drops.len(), 3);
+    // B asks for X's prompt while A's step is in flight; then A's step fails.
+    let b = c.open(&[xt.clone(), vec![99]].concat(), &ns).unwrap();
+    c.abort(a).unwrap();
+    assert!(
+        c.bytes_in_use() <= c.budget(),
+        "B reused {}: {} bytes in use over the budget of {}",
+        b.reused,
+        c.bytes_in_use(),
+        c.budget()
+    );
+    assert!(b.reused > 0, "what fits is still reused");
+    c.close(a).unwrap();
+    c.close(b.seq).unwrap();
+}
