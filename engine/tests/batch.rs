@@ -5,7 +5,7 @@
 use kvforge_engine::ppl::greedy_token;
 use kvforge_engine::{Axis, Device, Kind, KvQuant, KvStore, PagedKvCache, Sequence, Tensor};
 
-use super::{max_diff, tiny};
+use super::tiny;
 
 fn cache() -> PagedKvCache {
     let model = tiny();
@@ -64,30 +64,27 @@ fn a_batch_decodes_what_the_sequences_decode_one_by_one() {
             want_logits.push(last[i].shallow_clone());
         }
     }
-    // As one batch.
+    // As one batch, teacher-forced with the tokens decoded one by one (the
+    // batch's matmuls are another computation order): the logits agree
+    // within 1e-4, the argmax too wherever the top-2 gap exceeds that.
     let c2 = cache();
     let (mut bseqs, first) = prefill(&model, &c2);
-    let mut toks: Vec<u32> = first.iter().map(|l| greedy_token(l).unwrap()).collect();
-    let mut got: Vec<Vec<u32>> = vec![Vec::new(); bseqs.len()];
-    let mut at = 0;
-    for _ in 0..30 {
-        for (g, &t) in got.iter_mut().zip(&toks) {
-            g.push(t);
-        }
+    for (l, w) in first.iter().zip(&want) {
+        assert_eq!(greedy_token(l).unwrap(), w[0], "the same prefill");
+    }
+    let mut got_rows = Vec::new();
+    for step in 0..30 {
+        let toks: Vec<u32> = want.iter().map(|w| w[step]).collect();
         let mut views: Vec<_> = bseqs.iter_mut().map(|s| c2.view(s)).collect();
         let mut stores: Vec<&mut dyn KvStore> =
             views.iter_mut().map(|v| v as &mut dyn KvStore).collect();
         let logits = model.forward_batch(&toks, &mut stores).unwrap();
         assert_eq!(logits.size(), [4, 97]);
-        for (i, t) in toks.iter_mut().enumerate() {
-            let row = logits.get(i as i64).unsqueeze(0);
-            let d = max_diff(&row, &want_logits[at]);
-            assert!(d < 1e-4, "step {at}: {d}");
-            at += 1;
-            *t = greedy_token(&row).unwrap();
-        }
+        got_rows.extend(super::forced::rows(&logits));
     }
-    assert_eq!(got, want, "greedy tokens of the batch");
+    let want_rows: Vec<Vec<f32>> = want_logits.iter().flat_map(super::forced::rows).collect();
+    let a = super::forced::agree(&got_rows, &want_rows, 1e-4).unwrap();
+    assert!(a.decided > 100, "{a:?}");
     // The same tables, up to which block ids the pools handed out (the
     // batch allocates in another order).
     let layout = |c: &PagedKvCache, s: &Sequence| -> Vec<(bool, u64, u32)> {
@@ -152,11 +149,14 @@ fn a_bad_batch_commits_nothing() {
     }
 }
 
-/// `Engine::generate_batch` on the real model: every sequence gets the
-/// greedy tokens `generate` gives it alone, sequences stop on their own
-/// (max tokens, the caller), and bad batches are refused before any work.
+/// `Engine::generate_batch` on the real model: every sequence follows the
+/// greedy tokens `generate` gives it alone up to their first near-tie (the
+/// batch's matmuls are another computation order), sequences stop on
+/// their own (max tokens, the caller), and bad batches are refused before
+/// any work.
 #[test]
-fn generate_batch_equals_generate_one_by_one() {
+fn generate_batch_follows_generate_one_by_one() {
+    use super::forced::{REAL_TOL, follows, forced, top2};
     use kvforge_engine::{Message, SamplingParams, Tokenizer};
     let engine = super::smollm2();
     let prompts: Vec<Vec<u32>> = ["What is a cat?", "Name three colors.", "Hi!"]
@@ -177,11 +177,18 @@ fn generate_batch_equals_generate_one_by_one() {
         })
         .collect();
     let mut want = Vec::new();
+    let mut want_rows = Vec::new();
     for (p, sp) in prompts.iter().zip(&params) {
         let mut s = Sequence::default();
         let g = engine.generate(&mut s, p, sp, &mut |_, _| true).unwrap();
         engine.cache.free(&mut s).unwrap();
+        // The logits each token was picked from (the same schedule).
+        let rows = forced(&engine, &mut s, p, &g.tokens);
+        engine.cache.free(&mut s).unwrap();
+        let picked: Vec<u32> = rows.iter().map(|r| top2(r).0 as u32).collect();
+        assert_eq!(picked, g.tokens);
         want.push(g.tokens);
+        want_rows.push(rows);
     }
     let mut seqs: Vec<Sequence> = (0..3).map(|_| Sequence::default()).collect();
     let mut seen = vec![0usize; 3];
@@ -191,8 +198,11 @@ fn generate_batch_equals_generate_one_by_one() {
             true
         })
         .unwrap();
-    let got_tokens: Vec<Vec<u32>> = got.iter().map(|g| g.tokens.clone()).collect();
-    assert_eq!(got_tokens, want);
+    for (i, g) in got.iter().enumerate() {
+        assert_eq!(g.tokens.len(), want[i].len());
+        follows(&g.tokens, &want[i], &want_rows[i], REAL_TOL)
+            .unwrap_or_else(|e| panic!("sequence {i}: {e}"));
+    }
     assert_eq!(seen, vec![12, 5, 9]);
     for (s, (p, g)) in seqs.iter().zip(prompts.iter().zip(&got)) {
         // The last sampled token is not fed back.
@@ -211,7 +221,7 @@ fn generate_batch_equals_generate_one_by_one() {
         })
         .unwrap();
     assert_eq!(got[1].tokens.len(), 2);
-    assert_eq!(got[0].tokens, want[0]);
+    follows(&got[0].tokens, &want[0], &want_rows[0], REAL_TOL).unwrap();
     for s in seqs.iter_mut() {
         engine.cache.free(s).unwrap();
     }

@@ -35,7 +35,15 @@ fn manager(cfg: EngineConfig) -> CacheManager {
         seed: Some(3),
         ..Default::default()
     };
-    CacheManager::new(engine, reuse).unwrap()
+    checked(CacheManager::new(engine, reuse).unwrap())
+}
+
+/// The manager with every coordinator invariant checked after each of its
+/// coordinator's calls (every plan, commit, abort, open, register, turn):
+/// a broken one fails the request.
+fn checked(m: CacheManager) -> CacheManager {
+    m.engine().cache.coordinator().check_every_call(true);
+    m
 }
 
 fn cold_cfg() -> EngineConfig {
@@ -141,7 +149,7 @@ fn real_model_reuse_with_a_cold_tier_gives_the_outputs_of_the_same_schedule() {
             seed: Some(5),
             ..Default::default()
         };
-        CacheManager::new(engine, reuse).unwrap()
+        checked(CacheManager::new(engine, reuse).unwrap())
     };
     let tok = make().with_engine(|e| {
         ["Hi! Who are you?", "Name a color.", "And another one?"]

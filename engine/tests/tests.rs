@@ -15,6 +15,7 @@ use tch::Tensor;
 
 mod batch;
 mod compose;
+mod forced;
 mod fused;
 mod hardening;
 mod lifecycle;
@@ -237,6 +238,10 @@ fn smollm2() -> Engine {
     Engine::load(&model_path(), &cfg).unwrap()
 }
 
+/// Logits against transformers' on the same weights in f32: measured
+/// 4.05e-5 here (README); another CPU's kernels stay far below this.
+const PARITY_TOL: f64 = 1e-3;
+
 #[test]
 fn real_model_matches_transformers_logits_greedy_and_tokens() {
     let fx = fixture();
@@ -254,30 +259,35 @@ fn real_model_matches_transformers_logits_greedy_and_tokens() {
             }
         }
         if let Some(greedy) = p.get("greedy") {
+            // transformers' 40 greedy tokens (past eos), teacher-forced: we
+            // pick each one wherever our top-2 gap exceeds twice the parity
+            // tolerance (two computation orders: a closer race may go
+            // either way).
             let want = ids(greedy);
-            // transformers generated past eos; so do we, to compare 40 tokens.
-            let params = SamplingParams {
-                max_tokens: want.len(),
-                ignore_eos: true,
-                ..Default::default()
-            };
-            let mut seq = Sequence::default();
-            let g = engine
-                .generate(&mut seq, &prompt, &params, &mut |_, _| true)
-                .unwrap();
-            engine.cache.free(&mut seq).unwrap();
-            let n = g.tokens.len();
-            assert!(n >= 32, "greedy stopped after {n} tokens");
-            assert_eq!(
-                g.tokens[..],
-                want[..n],
-                "greedy continuation differs from transformers"
+            let mut all = prompt.clone();
+            all.extend(&want);
+            let rows = forced::rows(&prompt_logits(&engine, &all));
+            let mut decided = 0;
+            for (j, &w) in want.iter().enumerate() {
+                let (arg, gap) = forced::top2(&rows[prompt.len() - 1 + j]);
+                if gap > 2.0 * PARITY_TOL as f32 {
+                    decided += 1;
+                    assert_eq!(
+                        arg as u32, w,
+                        "token {j} of transformers' greedy continuation"
+                    );
+                }
+            }
+            assert!(
+                decided >= 32,
+                "only {decided} of {} tokens decided",
+                want.len()
             );
         }
     }
     eprintln!("max |logit difference| vs transformers (top-5, every position): {worst:.3e}");
     assert!(
-        worst <= 1e-3,
+        worst <= PARITY_TOL,
         "max |logit difference| vs transformers: {worst}"
     );
     for t in fx["tokenizer"].as_array().unwrap() {
@@ -823,29 +833,31 @@ fn assert_one_line_error(args: &[&str], needle: &str) {
     assert!(lines[0].contains(needle), "{args:?}: {err}");
 }
 
-/// Several `--prompt`s are decoded as one batch: one reply line each, the
-/// first the reply that prompt gets alone (greedy; f32 KV, so that the
-/// batch's other matmul shapes cannot flip a near-tie through f16
-/// rounding), and a report per sequence.
+/// Several `--prompt`s are decoded as one batch: one reply line each, in
+/// prompt order, and a report per sequence. (That a sequence decoded in a
+/// batch gets the tokens it gets alone holds only up to rounding — two
+/// computation orders — and is checked teacher-forced in
+/// `batch::generate_batch_follows_generate_one_by_one`.)
 #[test]
 fn cli_generate_decodes_several_prompts_as_one_batch() {
     let args = [
         "generate",
         "--max-tokens",
         "8",
-        "--kv-dtype",
-        "f32",
         "--prompt",
         "Name a fruit.",
+        "--prompt",
+        "What is 2+2?",
     ];
-    let (alone, _) = kvforge_ok(&args);
-    let mut two = args.to_vec();
-    two.extend(["--prompt", "What is 2+2?"]);
-    let (out, err) = kvforge_ok(&two);
+    let (out, err) = kvforge_ok(&args);
     let lines: Vec<&str> = out.lines().collect();
     assert_eq!(lines.len(), 2, "{out}");
-    assert_eq!(lines[0], format!("[0] {}", alone.trim_end()));
-    assert!(lines[1].starts_with("[1] "), "{out}");
+    for (i, l) in lines.iter().enumerate() {
+        let reply = l
+            .strip_prefix(&format!("[{i}] "))
+            .unwrap_or_else(|| panic!("{out}"));
+        assert!(!reply.trim().is_empty(), "reply {i} is empty: {out}");
+    }
     assert_eq!(err.matches("prompt tokens").count(), 2, "{err}");
 }
 

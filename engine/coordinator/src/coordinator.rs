@@ -90,14 +90,14 @@ pub struct Opened {
     pub reused: usize,
 }
 
-struct Pending {
+pub(crate) struct Pending {
     /// The table after the step (what attention reads during it).
-    next: BlockTable,
+    pub(crate) next: BlockTable,
     /// References taken by the plan (allocations, retains): given back by
     /// an abort, kept by a commit.
-    taken: Vec<BlockId>,
+    pub(crate) taken: Vec<BlockId>,
     /// References the commit gives back (demoted, dropped, aliased).
-    release: Vec<BlockId>,
+    pub(crate) release: Vec<BlockId>,
     /// Fresh demotions (hot, cold or canonical) for the commit to record.
     demoted: Vec<(BlockId, BlockId, bool)>,
     /// Cold blocks quantized by this step (offered to the deduplicator).
@@ -115,6 +115,10 @@ struct Pending {
     /// Hot blocks an in-place pack or compaction rewrites: a cold copy
     /// made of their old content must not be reused after the commit.
     rewritten: Vec<BlockId>,
+    /// Every block the engine writes for the step and the first row it
+    /// writes (rows before it stay): new tokens, copies, packs,
+    /// compactions, fresh cold copies.
+    pub(crate) written: Vec<(BlockId, u32)>,
 }
 
 /// The hole mask of a block of `bs` rows whose first `live` rows are live.
@@ -292,9 +296,9 @@ struct Build {
 }
 
 /// A turn in progress: what [`Coordinator::rollback_turn`] restores.
-struct Turn {
+pub(crate) struct Turn {
     /// The table at the start of the turn, holding references of its own.
-    table: BlockTable,
+    pub(crate) table: BlockTable,
     /// The sequence's registration state at the start of the turn.
     copy_tail: bool,
     partial: Option<BlockId>,
@@ -305,11 +309,11 @@ struct Turn {
     relocations: Vec<(BlockId, BlockId)>,
 }
 
-struct SeqState {
-    table: BlockTable,
-    pending: Option<Pending>,
+pub(crate) struct SeqState {
+    pub(crate) table: BlockTable,
+    pub(crate) pending: Option<Pending>,
     /// The turn in progress, if any.
-    turn: Option<Turn>,
+    pub(crate) turn: Option<Turn>,
     /// The last entry is a partial block that others may read (matched
     /// from the index, forked, or given back by a rollback after others
     /// took it): the next step copies it into a block of the sequence's
@@ -336,31 +340,33 @@ struct SeqState {
 /// pools apply.
 pub struct Coordinator {
     cfg: CoordinatorConfig,
-    budget: u64,
-    tiers: TieredPool,
+    pub(crate) budget: u64,
+    pub(crate) tiers: TieredPool,
     index: Option<Box<dyn PrefixMatcher>>,
     tier_policy: Option<Box<dyn TierPolicy>>,
     evict: Option<Box<dyn EvictionPolicy>>,
     dedup: Option<Box<dyn Deduplicator>>,
     lifecycle: Option<Lifecycle>,
-    seqs: BTreeMap<SeqId, SeqState>,
+    pub(crate) seqs: BTreeMap<SeqId, SeqState>,
     next_seq: SeqId,
     /// Hot block -> the cold block its content was quantized into, so a
     /// second holder of the hot block reuses that copy.
-    demoted: HashMap<BlockId, BlockId>,
+    pub(crate) demoted: HashMap<BlockId, BlockId>,
     /// Blocks marked cached (the index may hand them out: their content
     /// must outlive their last holder and never change), with the most
     /// tokens the index was given for each; and cold blocks whose last
     /// holder let go of them without that: the engine may free their
     /// storage.
-    cached: HashMap<BlockId, u32>,
-    freed_cold: Vec<BlockId>,
+    pub(crate) cached: HashMap<BlockId, u32>,
+    pub(crate) freed_cold: Vec<BlockId>,
     /// Lanes of a block: layers × KV heads (head-wise eviction).
     lanes: usize,
     /// The most bytes in use right after a plan (blocks a step holds
     /// until its commit included), since the last reset.
     step_peak: u64,
     counters: Counters,
+    /// Check every invariant after each public call.
+    check: bool,
 }
 
 impl Coordinator {
@@ -483,8 +489,25 @@ impl Coordinator {
             lanes: (hot.layers() * hot.kv_heads()) as usize,
             step_peak: 0,
             counters: Counters::default(),
+            check: false,
             cfg,
         })
+    }
+
+    /// Runs [`testing::check_invariants`](crate::testing::check_invariants)
+    /// after every public call that changes state, turning a broken
+    /// invariant into [`CoordError::Invariant`] (for tests and debugging:
+    /// it walks every table).
+    pub fn check_every_call(&mut self, on: bool) {
+        self.check = on;
+    }
+
+    /// `r`, or the broken invariant when checking is on.
+    fn checked<T>(&self, r: Result<T>) -> Result<T> {
+        if self.check && r.is_ok() {
+            crate::testing::check_invariants(self).map_err(CoordError::Invariant)?;
+        }
+        r
     }
 
     /// Replaces the eviction policy (a researcher's own); `None` turns
@@ -705,6 +728,11 @@ impl Coordinator {
     /// about to free) would put the bytes in use over the budget, whether
     /// the steps in flight are committed or aborted.
     pub fn open(&mut self, tokens: &[u32], extra: &ExtraKeys) -> Result<Opened> {
+        let r = self.open_call(tokens, extra);
+        self.checked(r)
+    }
+
+    fn open_call(&mut self, tokens: &[u32], extra: &ExtraKeys) -> Result<Opened> {
         let Some(index) = self.index.as_mut() else {
             return Ok(Opened {
                 seq: self.open_empty(),
@@ -758,6 +786,11 @@ impl Coordinator {
     /// idle sequences, those are dropped first; an abort does not bring
     /// them back.
     pub fn plan(&mut self, seq: SeqId, n: usize) -> Result<Plan> {
+        let r = self.plan_call(seq, n);
+        self.checked(r)
+    }
+
+    fn plan_call(&mut self, seq: SeqId, n: usize) -> Result<Plan> {
         let bs = self.block_size();
         let s = self.seq(seq)?;
         if s.pending.is_some() {
@@ -1139,7 +1172,22 @@ impl Coordinator {
             });
             left -= take;
         }
+        let written = plan
+            .writes
+            .iter()
+            .map(|w| (w.block, w.offset))
+            .chain(plan.copies.iter().map(|c| (c.dst, 0)))
+            .chain(plan.pack.iter().flat_map(|p| p.dst.iter().map(|&b| (b, 0))))
+            .chain(plan.rows.iter().flat_map(|p| p.dst.iter().map(|&b| (b, 0))))
+            .chain(
+                plan.demotions
+                    .iter()
+                    .filter(|d| d.quantize)
+                    .map(|d| (d.cold, 0)),
+            )
+            .collect();
         let pending = Pending {
+            written,
             next,
             taken: Vec::new(),
             release,
@@ -1482,6 +1530,17 @@ impl Coordinator {
         content: &Content,
         stored: &mut dyn FnMut(BlockId) -> Option<Content>,
     ) -> Result<Option<BlockId>> {
+        let r = self.share_call(seq, cold, content, stored);
+        self.checked(r)
+    }
+
+    fn share_call(
+        &mut self,
+        seq: SeqId,
+        cold: BlockId,
+        content: &Content,
+        stored: &mut dyn FnMut(BlockId) -> Option<Content>,
+    ) -> Result<Option<BlockId>> {
         let Some(d) = self.dedup.as_mut() else {
             return Ok(None);
         };
@@ -1492,6 +1551,8 @@ impl Coordinator {
                 what: "shared a block this step did not quantize",
             });
         };
+        // Its content is written (it is offered): others may read it now.
+        p.written.retain(|&(b, _)| b != cold);
         let Some(canonical) = d.offer(cold, content, stored)? else {
             return Ok(None);
         };
@@ -1603,6 +1664,11 @@ impl Coordinator {
     /// demoted, dropped and aliased blocks are released, demoted blocks
     /// that the index held now point at their cold copies.
     pub fn commit(&mut self, seq: SeqId) -> Result<()> {
+        let r = self.commit_call(seq);
+        self.checked(r)
+    }
+
+    fn commit_call(&mut self, seq: SeqId) -> Result<()> {
         let p = self.take_pending(seq, "commit without a planned step")?;
         self.counters.steps += 1;
         self.counters.evicted_entries += p.evicted as u64;
@@ -1663,6 +1729,11 @@ impl Coordinator {
     /// index are as they were before [`plan`](Self::plan). An in-place
     /// [`Pack`] the engine carried out is the engine's to undo first.
     pub fn abort(&mut self, seq: SeqId) -> Result<()> {
+        let r = self.abort_call(seq);
+        self.checked(r)
+    }
+
+    fn abort_call(&mut self, seq: SeqId) -> Result<()> {
         let p = self.take_pending(seq, "abort without a planned step")?;
         if let Some(d) = self.dedup.as_mut() {
             for &b in &p.fresh_cold {
@@ -1701,6 +1772,11 @@ impl Coordinator {
 
     /// Seals the last block: the next token starts a new one.
     pub fn seal(&mut self, seq: SeqId) -> Result<()> {
+        let r = self.seal_call(seq);
+        self.checked(r)
+    }
+
+    fn seal_call(&mut self, seq: SeqId) -> Result<()> {
         self.idle(seq, "sealed during a step")?;
         self.seq_mut(seq)?.table.seal();
         Ok(())
@@ -1716,6 +1792,11 @@ impl Coordinator {
     /// is indexed elsewhere as another sequence's entry (a shared partial
     /// block), whose chain cannot be continued.
     pub fn register(&mut self, seq: SeqId, tokens: &[u32], extra: &ExtraKeys) -> Result<usize> {
+        let r = self.register_call(seq, tokens, extra);
+        self.checked(r)
+    }
+
+    fn register_call(&mut self, seq: SeqId, tokens: &[u32], extra: &ExtraKeys) -> Result<usize> {
         let Some(tail) = self.tail() else {
             return Ok(0);
         };
@@ -1806,6 +1887,11 @@ impl Coordinator {
     /// first step copies a partial last block into a block of its own, so
     /// the two never write into one block. `seq` must be between steps.
     pub fn fork(&mut self, seq: SeqId) -> Result<SeqId> {
+        let r = self.fork_call(seq);
+        self.checked(r)
+    }
+
+    fn fork_call(&mut self, seq: SeqId) -> Result<SeqId> {
         self.idle(seq, "forked during a step")?;
         let mut table = self.seq(seq)?.table.clone();
         let held: Vec<BlockId> = table.held().collect();
@@ -1824,6 +1910,11 @@ impl Coordinator {
     /// that [`rollback_turn`](Self::rollback_turn) can restore it after
     /// the turn's steps demoted or dropped entries.
     pub fn begin_turn(&mut self, seq: SeqId) -> Result<()> {
+        let r = self.begin_turn_call(seq);
+        self.checked(r)
+    }
+
+    fn begin_turn_call(&mut self, seq: SeqId) -> Result<()> {
         let s = self.seq(seq)?;
         if s.turn.is_some() || s.pending.is_some() {
             return Err(CoordError::Order {
@@ -1861,6 +1952,11 @@ impl Coordinator {
     /// in the report (answer with
     /// [`compressed`](Self::compressed)).
     pub fn end_turn_labelled(&mut self, seq: SeqId, t: &TurnInput) -> Result<TurnLifecycle> {
+        let r = self.end_turn_labelled_call(seq, t);
+        self.checked(r)
+    }
+
+    fn end_turn_labelled_call(&mut self, seq: SeqId, t: &TurnInput) -> Result<TurnLifecycle> {
         self.idle(seq, "turn ended during a step")?;
         let s = self.seqs.get_mut(&seq).ok_or(CoordError::UnknownSeq(seq))?;
         let end = s.table.positions();
@@ -1908,6 +2004,11 @@ impl Coordinator {
     /// entries dropped. A segment that was not handed out (or was answered
     /// already) is refused, and nothing changes.
     pub fn compressed(&mut self, seq: SeqId, seg: Segment, replaced: bool) -> Result<usize> {
+        let r = self.compressed_call(seq, seg, replaced);
+        self.checked(r)
+    }
+
+    fn compressed_call(&mut self, seq: SeqId, seg: Segment, replaced: bool) -> Result<usize> {
         self.idle(seq, "compressed during a step")?;
         let Some(lc) = self.lifecycle.as_mut() else {
             return Err(CoordError::Order {
@@ -1959,6 +2060,11 @@ impl Coordinator {
     /// are never written again. Without a turn in progress it is refused
     /// and nothing changes.
     pub fn rollback_turn(&mut self, seq: SeqId) -> Result<()> {
+        let r = self.rollback_turn_call(seq);
+        self.checked(r)
+    }
+
+    fn rollback_turn_call(&mut self, seq: SeqId) -> Result<()> {
         if self.seq(seq)?.turn.is_none() {
             return Err(CoordError::Order {
                 seq,
@@ -2019,6 +2125,11 @@ impl Coordinator {
     /// Ends a sequence: aborts a step in flight, rolls back a turn in
     /// progress, releases its blocks (cached ones stay matchable).
     pub fn close(&mut self, seq: SeqId) -> Result<()> {
+        let r = self.close_call(seq);
+        self.checked(r)
+    }
+
+    fn close_call(&mut self, seq: SeqId) -> Result<()> {
         if self.seq(seq)?.turn.is_some() {
             self.rollback_turn(seq)?;
         } else if self.seq(seq)?.pending.is_some() {

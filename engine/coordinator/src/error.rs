@@ -8,8 +8,12 @@ use kvforge_quant::QuantError;
 
 use crate::SeqId;
 
-/// Everything the coordinator refuses. Every error leaves tables, pools
-/// and index as they were before the call.
+/// Everything the coordinator refuses. Every error but `Pool`, `Prefix`
+/// and `Invariant` leaves tables, reference counts, pools, index and the
+/// other sequences as they were before the call (the policies may have
+/// been asked, as for a step that is aborted). Those three report a broken
+/// internal contract — a bug, not bad input: the call stopped where it
+/// found it, and what it had done is kept.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum CoordError {
     /// A configuration that cannot work (or options that cannot be
@@ -35,6 +39,10 @@ pub enum CoordError {
     /// The byte budget or a tier's blocks cannot hold the step.
     #[error("KV cache full: {0}")]
     CacheFull(String),
+    /// A coordinator invariant is broken (a bug; only reported with
+    /// [`Coordinator::check_every_call`](crate::Coordinator::check_every_call)).
+    #[error("coordinator invariant broken: {0}")]
+    Invariant(String),
     /// A pool contract broke (a bug, not bad input).
     #[error(transparent)]
     Pool(#[from] PoolError),

@@ -57,6 +57,7 @@ mod config;
 mod coordinator;
 mod error;
 mod plan;
+pub mod testing;
 
 pub use config::{
     ColdConfig, CoordinatorConfig, DedupConfig, EvictionConfig, IndexKind, LifecycleConfig,

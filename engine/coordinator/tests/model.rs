@@ -17,6 +17,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use kvforge_coordinator::testing::check_invariants;
 use kvforge_coordinator::{
     COLD, ColdConfig, Content, CoordError, Coordinator, CoordinatorConfig, DedupConfig,
     EvictionConfig, HOT, IndexKind, Label, LifecycleConfig, Plan, PrefixConfig, Score, Segment,
@@ -357,6 +358,8 @@ fn make(r: &mut Rng) -> (Feat, Coordinator) {
             };
             c.set_eviction_policy(Some(Box::new(p)));
         }
+        // Every public call checks every invariant as well.
+        c.check_every_call(true);
         if lifecycle == 3 {
             let params = LifecycleParams {
                 delay: r.below(3) as u32,
@@ -609,6 +612,7 @@ impl World {
     }
 
     fn check_all(&mut self, op: &str) -> Result<(), Defect> {
+        check_invariants(&self.c).map_err(|e| defect("invariant", format!("{op}: {e}")))?;
         for (&id, m) in &self.seqs {
             // A step in flight may have permuted its blocks in place: its
             // view is what reads them now.

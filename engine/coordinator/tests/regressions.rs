@@ -14,6 +14,8 @@ use kvforge_pool::{BlockAllocator, BlockTable, KvLayout, StorageFormat};
 use kvforge_prefix::ExtraKeys;
 use kvforge_quant::TierPolicy;
 
+use crate::checked;
+
 const BS: u32 = 4;
 
 fn layout() -> KvLayout {
@@ -64,7 +66,7 @@ fn a_prefix_hit_on_cached_cold_blocks_goes_over_the_budget() {
     let mut cfg = CoordinatorConfig::new(layout(), 8);
     cfg.prefix = Some(prefix(TurnTail::Skip));
     cfg.cold = Some(cold(4, 0));
-    let mut c = Coordinator::new(cfg).unwrap();
+    let mut c = checked(cfg);
     let budget = c.budget();
     let hot_bytes = layout().block_bytes();
     // A: 6 full blocks + 1 token; 5 of them go cold after one more step.
@@ -120,7 +122,7 @@ impl TierPolicy for Twice {
 fn a_tier_policy_naming_an_entry_twice_is_refused() {
     let mut cfg = CoordinatorConfig::new(layout(), 16);
     cfg.cold = Some(cold(4, 0));
-    let mut c = Coordinator::new(cfg).unwrap();
+    let mut c = checked(cfg);
     c.set_tier_policy(Box::new(Twice)).unwrap();
     let a = c.open_empty();
     c.plan(a, 8).unwrap();
@@ -159,7 +161,7 @@ fn a_tier_policy_naming_an_entry_twice_is_refused() {
 fn a_holed_entry_named_for_demotion_leaks_the_blocks_the_plan_took() {
     let mut cfg = CoordinatorConfig::new(layout(), 32);
     cfg.cold = Some(cold(4, 0));
-    let mut c = Coordinator::new(cfg).unwrap();
+    let mut c = checked(cfg);
     let p = Scored::new(Score::KeyDiff, Trigger::Tokens(18), 4, 8)
         .unwrap()
         .per_token()
@@ -222,7 +224,7 @@ fn a_holed_entry_named_for_demotion_leaks_the_blocks_the_plan_took() {
 fn a_failed_plan_leaves_idle_sequences_evicted() {
     let mut cfg = CoordinatorConfig::new(layout(), 8);
     cfg.eviction = Some(EvictionConfig::SinkWindow { sink: 0, window: 4 });
-    let mut c = Coordinator::new(cfg).unwrap();
+    let mut c = checked(cfg);
     // Idle sequence i: 3 blocks (12 tokens), the first 2 outside its window
     // (SinkWindow drops them at its next step, or when another needs room).
     let i = c.open_empty();
@@ -249,7 +251,7 @@ fn a_failed_plan_leaves_idle_sequences_evicted() {
 fn an_aborted_plan_leaves_idle_sequences_evicted_as_documented() {
     let mut cfg = CoordinatorConfig::new(layout(), 8);
     cfg.eviction = Some(EvictionConfig::SinkWindow { sink: 0, window: 4 });
-    let mut c = Coordinator::new(cfg).unwrap();
+    let mut c = checked(cfg);
     let i = c.open_empty();
     c.plan(i, 16).unwrap();
     c.commit(i).unwrap();
@@ -271,7 +273,7 @@ fn an_aborted_plan_leaves_idle_sequences_evicted_as_documented() {
 fn a_refused_register_under_seal_changes_nothing() {
     let mut cfg = CoordinatorConfig::new(layout(), 16);
     cfg.prefix = Some(prefix(TurnTail::Seal));
-    let mut c = Coordinator::new(cfg).unwrap();
+    let mut c = checked(cfg);
     let s = c.open_empty();
     c.plan(s, 6).unwrap();
     c.commit(s).unwrap();
@@ -292,7 +294,7 @@ fn a_refused_register_under_seal_changes_nothing() {
 fn a_rolled_back_block_refilled_reuses_the_cold_copy_of_its_old_content() {
     let mut cfg = CoordinatorConfig::new(layout(), 32);
     cfg.cold = Some(cold(4, 0));
-    let mut c = Coordinator::new(cfg).unwrap();
+    let mut c = checked(cfg);
     let s = c.open_empty();
     c.plan(s, 2).unwrap(); // P: rows 0..2, open
     c.commit(s).unwrap();
@@ -340,7 +342,7 @@ fn a_near_duplicate_canonical_is_handed_out_as_a_prefix_hit() {
         threshold: 0.9,
         ..SimHashConfig::default()
     }));
-    let mut c = Coordinator::new(cfg).unwrap();
+    let mut c = checked(cfg);
     let ns = ExtraKeys::default();
     let vec_of = |seed: f32| Content {
         bytes: vec![seed as u8],
@@ -420,7 +422,7 @@ fn a_prefix_hit_between_plan_and_commit_goes_over_the_budget() {
     let mut cfg = CoordinatorConfig::new(layout(), 4);
     cfg.prefix = Some(prefix(TurnTail::Skip));
     cfg.cold = Some(cold(4, 0));
-    let mut c = Coordinator::new(cfg).unwrap();
+    let mut c = checked(cfg);
     let ns = ExtraKeys::default();
     let toks: Vec<u32> = (0..12).collect();
     let a = c.open(&toks, &ns).unwrap().seq;
@@ -496,7 +498,7 @@ fn after_a_rollback_the_sequence_writes_into_rows_a_fork_reads() {
 fn after_a_rollback_the_sequence_writes_into_rows_a_prefix_hit_reads() {
     let mut cfg = CoordinatorConfig::new(layout(), 16);
     cfg.prefix = Some(prefix(TurnTail::Skip));
-    let mut c = Coordinator::new(cfg).unwrap();
+    let mut c = checked(cfg);
     let ns = ExtraKeys::default();
     let s = c.open_empty();
     c.plan(s, 1).unwrap();
@@ -529,7 +531,7 @@ fn a_rolled_back_block_refilled_reuses_a_cold_copy_kept_alive_by_an_alias() {
     let mut cfg = CoordinatorConfig::new(layout(), 32);
     cfg.cold = Some(cold(4, 0));
     cfg.dedup = Some(DedupConfig::Exact);
-    let mut c = Coordinator::new(cfg).unwrap();
+    let mut c = checked(cfg);
     let mut stored: std::collections::HashMap<kvforge_pool::BlockId, Content> =
         std::collections::HashMap::new();
     let content = |tag: u8| Content {
@@ -588,7 +590,7 @@ fn a_rolled_back_block_refilled_reuses_a_cold_copy_kept_alive_by_an_alias() {
 fn a_block_packed_in_place_reuses_the_cold_copy_of_its_old_content() {
     let mut cfg = CoordinatorConfig::new(layout(), 64);
     cfg.cold = Some(cold(4, 0));
-    let mut c = Coordinator::new(cfg).unwrap();
+    let mut c = checked(cfg);
     let per_head = || {
         Box::new(
             Scored::new(Score::KeyDiff, Trigger::Tokens(16), 0, 4)
@@ -665,7 +667,7 @@ fn blocks_computed_after_token_level_holes_are_registered_as_the_plain_prefix() 
         per_head: false,
         per_token: true,
     });
-    let mut c = Coordinator::new(cfg).unwrap();
+    let mut c = checked(cfg);
     let ns = ExtraKeys::default();
     let toks: Vec<u32> = (0..32).collect();
     let s = c.open(&toks[..24], &ns).unwrap().seq;
@@ -716,7 +718,7 @@ fn blocks_computed_after_token_level_holes_are_registered_as_the_plain_prefix() 
 /// the index now says block Q holds position 7, but Q holds position 8.
 #[test]
 fn a_registration_extends_below_another_sequences_entry_of_a_shared_block() {
-    let mut c = Coordinator::new(config_prefix(TurnTail::Copy)).unwrap();
+    let mut c = checked(config_prefix(TurnTail::Copy));
     let ns = ExtraKeys::default();
     let toks: Vec<u32> = (0..9).collect();
     let a = c.open_empty();
@@ -786,7 +788,7 @@ fn an_idle_cut_does_not_free_the_cold_copy_the_step_reuses() {
     let mut cfg = CoordinatorConfig::new(layout(), 16);
     cfg.budget_bytes = 5 * hot;
     cfg.cold = Some(cold(4, 0));
-    let mut c = Coordinator::new(cfg).unwrap();
+    let mut c = checked(cfg);
     // A computes 3 blocks; B and D read them too.
     let a = c.open_empty();
     c.plan(a, 12).unwrap();
@@ -837,7 +839,7 @@ fn a_prefix_hit_during_a_step_that_is_aborted_stays_within_the_budget() {
     cfg.budget_bytes = 5 * hot;
     cfg.prefix = Some(prefix(TurnTail::Skip));
     cfg.cold = Some(cold(4, 0));
-    let mut c = Coordinator::new(cfg).unwrap();
+    let mut c = checked(cfg);
     let ns = ExtraKeys::default();
     // X leaves three cached cold blocks behind (positions 0..12).
     let xt: Vec<u32> = (0..17).collect();

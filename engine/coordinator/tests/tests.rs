@@ -18,6 +18,13 @@ use kvforge_prefix::{ExtraKeys, MatchStats};
 
 const BS: u32 = 4;
 
+/// A coordinator that checks every invariant after each public call.
+pub(crate) fn checked(cfg: CoordinatorConfig) -> Coordinator {
+    let mut c = Coordinator::new(cfg).unwrap();
+    c.check_every_call(true);
+    c
+}
+
 fn layout() -> KvLayout {
     KvLayout::new(2, 2, 8, BS, StorageFormat::F16).unwrap()
 }
@@ -104,7 +111,7 @@ fn step(c: &mut Coordinator, seq: SeqId, n: usize) -> kvforge_coordinator::Plan 
 
 #[test]
 fn a_step_allocates_fills_the_open_block_and_commits() {
-    let mut c = Coordinator::new(config(16)).unwrap();
+    let mut c = checked(config(16));
     let s = c.open_empty();
     let p = step(&mut c, s, 6);
     assert_eq!(p.start, 0);
@@ -124,7 +131,7 @@ fn a_step_allocates_fills_the_open_block_and_commits() {
 
 #[test]
 fn the_abort_of_every_kind_of_operation_leaves_everything_as_it_was() {
-    let mut c = Coordinator::new(all_on(64)).unwrap();
+    let mut c = checked(all_on(64));
     let e = ExtraKeys::default();
     // A sequence long enough for demotions and drops, registered so that a
     // second one shares (and reuses the cold copies of) its blocks.
@@ -153,7 +160,7 @@ fn the_abort_of_every_kind_of_operation_leaves_everything_as_it_was() {
         step(&mut c, seq, n);
     }
     // The plans above covered every kind of operation.
-    let mut c2 = Coordinator::new(all_on(64)).unwrap();
+    let mut c2 = checked(all_on(64));
     let s = c2.open_empty();
     step(&mut c2, s, 28);
     let p = c2.plan(s, 1).unwrap();
@@ -169,7 +176,7 @@ fn the_abort_of_every_kind_of_operation_leaves_everything_as_it_was() {
 fn demotion_moves_full_blocks_out_of_the_window_and_keeps_the_sink() {
     let mut cfg = config(64);
     cfg.cold = Some(cold());
-    let mut c = Coordinator::new(cfg).unwrap();
+    let mut c = checked(cfg);
     let s = c.open_empty();
     step(&mut c, s, 22);
     let hot_before = c.tier_stats()[HOT].pool.in_use;
@@ -197,7 +204,7 @@ fn demotion_moves_full_blocks_out_of_the_window_and_keeps_the_sink() {
 fn a_quantized_prefix_is_matched_across_requests_and_counted_once() {
     let mut cfg = config(64);
     cfg.cold = Some(cold());
-    let mut c = Coordinator::new(cfg).unwrap();
+    let mut c = checked(cfg);
     let e = ExtraKeys::namespace("tenant");
     let tokens: Vec<u32> = (100..130).collect();
     // Request 1 prefills 24, registers, then decodes (its old blocks go cold
@@ -237,7 +244,7 @@ fn a_quantized_prefix_is_matched_across_requests_and_counted_once() {
 fn a_second_holder_reuses_the_cold_copy_instead_of_quantizing_again() {
     let mut cfg = config(64);
     cfg.cold = Some(cold());
-    let mut c = Coordinator::new(cfg).unwrap();
+    let mut c = checked(cfg);
     let e = ExtraKeys::default();
     let tokens: Vec<u32> = (0..40).collect();
     let a = c.open(&tokens, &e).unwrap().seq;
@@ -271,7 +278,7 @@ fn a_second_holder_reuses_the_cold_copy_instead_of_quantizing_again() {
 fn eviction_drops_entries_and_keeps_positions() {
     let mut cfg = config(64);
     cfg.eviction = Some(EvictionConfig::SinkWindow { sink: 4, window: 8 });
-    let mut c = Coordinator::new(cfg).unwrap();
+    let mut c = checked(cfg);
     let s = c.open_empty();
     step(&mut c, s, 20);
     let p = step(&mut c, s, 1);
@@ -301,7 +308,7 @@ fn scored_eviction_keeps_the_entry_attention_favours() {
         per_head: false,
         per_token: false,
     });
-    let mut c = Coordinator::new(cfg).unwrap();
+    let mut c = checked(cfg);
     assert!(c.wants_attention());
     let s = c.open_empty();
     // 24 tokens: entries of 4 at 0, 4, …, 20; entry 2 (8..12) draws the
@@ -336,7 +343,7 @@ fn keydiff_eviction_keeps_the_entry_whose_keys_stand_out() {
         per_head: false,
         per_token: false,
     });
-    let mut c = Coordinator::new(cfg).unwrap();
+    let mut c = checked(cfg);
     assert!(c.wants_keys() && !c.wants_attention());
     let s = c.open_empty();
     for n in [12, 12] {
@@ -378,7 +385,7 @@ fn per_head_in(
         per_head: true,
         per_token: false,
     });
-    let mut c = Coordinator::new(cfg).unwrap();
+    let mut c = checked(cfg);
     assert!(c.per_lane() && c.wants_keys());
     let s = c.open_empty();
     c.plan(s, first).unwrap();
@@ -544,7 +551,7 @@ fn a_per_lane_answer_that_breaks_the_contract_is_refused_and_changes_nothing() {
         (vec![3, 3, 3, 3], "not a full, closed hot block"),
         (vec![9, 9, 9, 9], "not a full, closed hot block"),
     ] {
-        let mut c = Coordinator::new(config(64)).unwrap();
+        let mut c = checked(config(64));
         let s = c.open_empty();
         step(&mut c, s, 14);
         c.set_eviction_policy(Some(Box::new(Bad(answer))));
@@ -580,7 +587,7 @@ fn token_case(mut cfg: CoordinatorConfig) -> (Coordinator, SeqId, Vec<BlockId>) 
         per_head: false,
         per_token: true,
     });
-    let mut c = Coordinator::new(cfg).unwrap();
+    let mut c = checked(cfg);
     assert!(c.token_level() && c.wants_keys() && !c.per_lane());
     let s = c.open_empty();
     c.plan(s, 24).unwrap();
@@ -712,7 +719,7 @@ fn a_token_level_answer_that_breaks_the_contract_is_refused_and_changes_nothing(
         (vec![(3, 0)], "not a full, closed hot block"),
         (vec![(9, 0)], "entry 9 does not exist"),
     ] {
-        let mut c = Coordinator::new(config(64)).unwrap();
+        let mut c = checked(config(64));
         let s = c.open_empty();
         step(&mut c, s, 14);
         c.set_eviction_policy(Some(Box::new(Bad(answer))));
@@ -723,7 +730,7 @@ fn a_token_level_answer_that_breaks_the_contract_is_refused_and_changes_nothing(
         c.close(s).unwrap();
     }
     // Every row of an entry: it is dropped, not holed.
-    let mut c = Coordinator::new(config(64)).unwrap();
+    let mut c = checked(config(64));
     let s = c.open_empty();
     step(&mut c, s, 14);
     let all: Vec<(usize, u32)> = (0..4).map(|r| (1, r)).collect();
@@ -748,7 +755,7 @@ fn a_token_level_answer_that_breaks_the_contract_is_refused_and_changes_nothing(
 
 #[test]
 fn a_failed_turn_rolls_back_exactly_after_demotions_and_drops() {
-    let mut c = Coordinator::new(all_on(64)).unwrap();
+    let mut c = checked(all_on(64));
     let s = c.open_empty();
     step(&mut c, s, 10);
     c.begin_turn(s).unwrap();
@@ -778,7 +785,7 @@ fn a_failed_turn_rolls_back_exactly_after_demotions_and_drops() {
 fn lifecycle_drops_old_turns_at_turn_end() {
     let mut cfg = config(64);
     cfg.lifecycle = Some(LifecycleConfig::RecentTurns { keep: 1 });
-    let mut c = Coordinator::new(cfg).unwrap();
+    let mut c = checked(cfg);
     let s = c.open_empty();
     for n in [8, 8, 8] {
         c.begin_turn(s).unwrap();
@@ -822,7 +829,7 @@ fn model_labels_queue_revive_and_free_segments_and_compression_replaces_one() {
         min_match: 3,
         compress_min: Some(4),
     });
-    let mut c = Coordinator::new(cfg).unwrap();
+    let mut c = checked(cfg);
     assert_eq!(c.lifecycle_source(), Some(LabelSource::Constrained));
     let s = c.open_empty();
     let tokens: Vec<u32> = (0..200).map(|i| 1000 + i).collect();
@@ -893,7 +900,7 @@ fn a_pending_segment_a_later_turn_quotes_is_kept() {
         min_match: 3,
         compress_min: None,
     });
-    let mut c = Coordinator::new(cfg).unwrap();
+    let mut c = checked(cfg);
     let s = c.open_empty();
     let mut tokens: Vec<u32> = (0..200).map(|i| 1000 + i).collect();
     // Turn 3 (positions 24..32) repeats positions 9..12 of turn 1.
@@ -920,7 +927,7 @@ fn a_pending_segment_a_later_turn_quotes_is_kept() {
 fn a_block_between_two_turns_freed_at_different_ends_is_dropped() {
     let mut cfg = config(64);
     cfg.lifecycle = Some(LifecycleConfig::RecentTurns { keep: 1 });
-    let mut c = Coordinator::new(cfg).unwrap();
+    let mut c = checked(cfg);
     let s = c.open_empty();
     // Turns of 6 tokens over 4-token blocks: block 16..20 holds the end of
     // turn 2 and the start of turn 3, freed one turn end apart.
@@ -938,7 +945,7 @@ fn a_block_between_two_turns_freed_at_different_ends_is_dropped() {
 
 #[test]
 fn a_fork_reads_the_same_blocks_and_writes_its_own() {
-    let mut c = Coordinator::new(config(64)).unwrap();
+    let mut c = checked(config(64));
     let s = c.open_empty();
     step(&mut c, s, 10); // blocks 0..4, 4..8, 8..10 (open)
     let before = c.pools().stats().in_use;
@@ -1004,7 +1011,7 @@ fn bad_configurations_and_calls_are_clear_errors_that_change_nothing() {
     assert!(err(CoordinatorConfig::new(layout(), 0)).contains("at least one block"));
     assert!("btree".parse::<IndexKind>().is_err());
 
-    let mut c = Coordinator::new(all_on(8)).unwrap();
+    let mut c = checked(all_on(8));
     let s = c.open_empty();
     step(&mut c, s, 5);
     let before = state(&c, &[s]);
@@ -1043,7 +1050,7 @@ fn the_budget_covers_every_tier() {
     let mut cfg = config(64);
     cfg.cold = Some(cold());
     cfg.budget_bytes = 6 * layout().block_bytes();
-    let mut c = Coordinator::new(cfg).unwrap();
+    let mut c = checked(cfg);
     let s = c.open_empty();
     step(&mut c, s, 20);
     let mut steps = 0;
@@ -1060,7 +1067,7 @@ fn the_budget_covers_every_tier() {
 
 #[test]
 fn many_threads_share_prefixes_over_one_budget_and_leak_nothing() {
-    let c = Arc::new(Mutex::new(Coordinator::new(all_on(256)).unwrap()));
+    let c = Arc::new(Mutex::new(checked(all_on(256))));
     let threads: Vec<_> = (0..8u32)
         .map(|t| {
             let c = Arc::clone(&c);
@@ -1146,7 +1153,7 @@ fn many_threads_share_prefixes_over_one_budget_and_leak_nothing() {
 
 #[test]
 fn a_continued_partial_block_is_copied_not_sealed() {
-    let mut c = Coordinator::new(config(64)).unwrap();
+    let mut c = checked(config(64));
     let e = ExtraKeys::default();
     let tokens: Vec<u32> = (0..40).collect();
     // A holds 10 tokens: two full blocks and an open one of 2.
@@ -1189,7 +1196,7 @@ fn a_continued_partial_block_is_copied_not_sealed() {
     // With sealing instead, the partial block stays partial in A's table.
     let mut cfg = config(64);
     cfg.prefix.as_mut().unwrap().tail = kvforge_coordinator::TurnTail::Seal;
-    let mut c = Coordinator::new(cfg).unwrap();
+    let mut c = checked(cfg);
     let a = c.open_empty();
     step(&mut c, a, 10);
     c.register(a, &tokens[..10], &e).unwrap();
@@ -1212,7 +1219,7 @@ fn registering_a_turn_costs_its_new_tokens_not_the_conversation() {
                 tail,
             });
             cfg.cold = Some(cold());
-            let mut c = Coordinator::new(cfg).unwrap();
+            let mut c = checked(cfg);
             let e = ExtraKeys::default();
             let s = c.open_empty();
             let mut tokens: Vec<u32> = Vec::new();
@@ -1269,7 +1276,7 @@ fn a_policy_that_breaks_its_contract_is_an_error_that_changes_nothing() {
     }
     let mut cfg = config(64);
     cfg.cold = Some(cold());
-    let mut c = Coordinator::new(cfg).unwrap();
+    let mut c = checked(cfg);
     let s = c.open_empty();
     step(&mut c, s, 30);
     let before = state(&c, &[s]);
@@ -1297,7 +1304,7 @@ fn a_policy_that_breaks_its_contract_is_an_error_that_changes_nothing() {
     step(&mut c, s, 1);
     c.close(s).unwrap();
     // No cold tier, no tier policy to set.
-    let mut plain = Coordinator::new(config(8)).unwrap();
+    let mut plain = checked(config(8));
     assert!(plain.set_tier_policy(Box::new(OpenTail)).is_err());
 }
 
@@ -1310,7 +1317,7 @@ fn near_duplicate_aliasing_racing_eviction_on_eight_threads_never_reads_a_freed_
         tables: 2,
         seed: 1,
     }));
-    let c = Arc::new(Mutex::new(Coordinator::new(cfg).unwrap()));
+    let c = Arc::new(Mutex::new(checked(cfg)));
     // Cold blocks' stored content, as the engine's cold tier keeps it: put
     // when a block is quantized, removed when the coordinator frees it.
     let store = Arc::new(Mutex::new(
@@ -1430,7 +1437,7 @@ fn a_full_budget_takes_entries_from_idle_sequences() {
         let mut cfg = CoordinatorConfig::new(layout(), 64);
         cfg.budget_bytes = 10 * bb;
         cfg.eviction = eviction;
-        Coordinator::new(cfg).unwrap()
+        checked(cfg)
     };
     let mut c = build(Some(EvictionConfig::Scored {
         score: Score::Lfu,
