@@ -8,12 +8,14 @@ use kvforge_quant::QuantError;
 
 use crate::SeqId;
 
-/// Everything the coordinator refuses. Every error but `Pool`, `Prefix`
-/// and `Invariant` leaves tables, reference counts, pools, index and the
+/// Everything the coordinator refuses. Every error but `Pool`, `Prefix`,
+/// `Invariant` and `Injected` leaves tables, reference counts, pools, index and the
 /// other sequences as they were before the call (the policies may have
-/// been asked, as for a step that is aborted). Those three report a broken
-/// internal contract — a bug, not bad input: the call stopped where it
-/// found it, and what it had done is kept.
+/// been asked, as for a step that is aborted). The first three report a
+/// broken internal contract — a bug, not bad input: the call stopped where
+/// it found it, and what it had done is kept; a plan gives back every
+/// reference it took on any error, `Injected` included (its only exception:
+/// idle sequences' entries dropped to make the step fit stay dropped).
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum CoordError {
     /// A configuration that cannot work (or options that cannot be
@@ -43,6 +45,13 @@ pub enum CoordError {
     /// [`Coordinator::check_every_call`](crate::Coordinator::check_every_call)).
     #[error("coordinator invariant broken: {0}")]
     Invariant(String),
+    /// A failure a test injected into a plan
+    /// ([`testing::fail_plan_at`](crate::testing::fail_plan_at)).
+    #[error("a failure injected at the {phase:?} phase of a plan")]
+    Injected {
+        /// Where.
+        phase: crate::Phase,
+    },
     /// A pool contract broke (a bug, not bad input).
     #[error(transparent)]
     Pool(#[from] PoolError),

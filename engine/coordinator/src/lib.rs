@@ -64,7 +64,7 @@ pub use config::{
     PrefixConfig, TurnTail,
 };
 pub use coordinator::{
-    COLD, Coordinator, Counters, HOT, Opened, SeqId, TierStats, TurnInput, TurnLifecycle,
+    COLD, Coordinator, Counters, HOT, Opened, Phase, SeqId, TierStats, TurnInput, TurnLifecycle,
 };
 pub use error::{CoordError, Result};
 pub use kvforge_evict::{Score, Trigger};

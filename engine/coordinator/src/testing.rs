@@ -169,3 +169,13 @@ fn writes(c: &Coordinator, writer: SeqId, written: &[(BlockId, u32)]) -> Result<
     }
     Ok(())
 }
+
+/// Makes the next [`plan`](Coordinator::plan) of `c` fail at `phase` with
+/// [`CoordError::Injected`](crate::CoordError::Injected), if it gets that
+/// far (the next plan clears it either way): what the plan took before is
+/// given back, so the state is as before the call — but for idle
+/// sequences' entries dropped to make the step fit (from
+/// [`Phase::Allocate`](crate::Phase::Allocate) on).
+pub fn fail_plan_at(c: &mut Coordinator, phase: crate::Phase) {
+    c.fail_at = Some(phase);
+}

@@ -17,11 +17,11 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use kvforge_coordinator::testing::check_invariants;
+use kvforge_coordinator::testing::{check_invariants, fail_plan_at};
 use kvforge_coordinator::{
     COLD, ColdConfig, Content, CoordError, Coordinator, CoordinatorConfig, DedupConfig,
-    EvictionConfig, HOT, IndexKind, Label, LifecycleConfig, Plan, PrefixConfig, Score, Segment,
-    SeqId, SimHashConfig, Slot, TieredPool, Trigger, TurnTail,
+    EvictionConfig, HOT, IndexKind, Label, LifecycleConfig, Phase, Plan, PrefixConfig, Score,
+    Segment, SeqId, SimHashConfig, Slot, TieredPool, Trigger, TurnTail,
 };
 use kvforge_evict::Scored;
 use kvforge_lifecycle::{LifecycleParams, LifecyclePolicy};
@@ -402,6 +402,7 @@ struct Stats {
     closes: usize,
     idle_evictions: u64,
     bad_calls: usize,
+    injected: usize,
 }
 
 impl Stats {
@@ -429,6 +430,7 @@ impl Stats {
         self.closes += o.closes;
         self.idle_evictions += o.idle_evictions;
         self.bad_calls += o.bad_calls;
+        self.injected += o.injected;
     }
 }
 
@@ -988,6 +990,27 @@ impl World {
                 }
                 let before = self.snap();
                 let idle_before = self.c.counters().evicted_idle_entries;
+                // Sometimes a failure is injected into one phase: the plan
+                // gives back everything it took.
+                if r.chance(10) {
+                    let phase = Phase::ALL[r.below(Phase::ALL.len())];
+                    fail_plan_at(&mut self.c, phase);
+                    match self.c.plan(id, n) {
+                        Err(CoordError::Injected { .. }) => self.st.injected += 1,
+                        Err(CoordError::CacheFull(_)) => {}
+                        other => {
+                            return Err(defect("injection", format!("{phase:?}: {other:?}")));
+                        }
+                    }
+                    let excuse = (phase >= Phase::Allocate).then_some(idle_before);
+                    self.check_after_refusal(
+                        &before,
+                        excuse,
+                        &format!("plan failed at {phase:?}"),
+                    )?;
+                    self.check_all("injected failure")?;
+                    return Ok(());
+                }
                 match self.c.plan(id, n) {
                     Err(CoordError::CacheFull(m)) => {
                         self.st.refused += 1;

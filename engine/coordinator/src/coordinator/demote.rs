@@ -8,6 +8,7 @@ use crate::{CoordError, Result};
 
 use super::Coordinator;
 use super::pack::Rewrite;
+use super::step::Draft;
 
 /// The partial block a sequence registered moved to its cold copy: its
 /// index entry moves with it.
@@ -20,6 +21,21 @@ pub(super) fn follow_moves(partial: &mut Option<BlockId>, moves: &[(BlockId, Blo
 }
 
 impl Coordinator {
+    /// The tier policy's demotions for the planned table, checked; each
+    /// reuses another holder's cold copy of the same block (held copies
+    /// only: reviving a cached one would cost bytes) or is quantized anew.
+    pub(super) fn choose_demotions(&self, d: &mut Draft) -> Result<()> {
+        for (i, hot) in self.demotions(&d.next, d.rewrite())? {
+            match self.demoted.get(&hot) {
+                Some(&c) if self.tiers.ref_count(c).is_ok_and(|k| k > 0) => {
+                    d.reuse.push((i, hot, c));
+                }
+                _ => d.fresh.push((i, hot)),
+            }
+        }
+        Ok(())
+    }
+
     /// The tier policy's answer for `next`, checked: strictly ascending
     /// entries, each a full, closed hot block without holes. Entries a
     /// head-wise pack or a compaction rewrites this step stay hot.

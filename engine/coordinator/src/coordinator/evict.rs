@@ -8,6 +8,7 @@ use kvforge_pool::{BlockAllocator, BlockId, BlockTable, Slot, TieredPool};
 
 use crate::{CoordError, Result};
 
+use super::step::Draft;
 use super::{Coordinator, HOT, SeqId};
 
 /// Marks the policy's `victims` of `table` dropped and adds their blocks
@@ -72,37 +73,30 @@ pub(super) struct IdleCuts {
 }
 
 impl Coordinator {
-    /// The eviction policy's victims among `seq`'s own entries, applied to
-    /// the planned table `next` (their blocks to `release`, dropped entries
-    /// to `drops`). Returns a per-lane policy's answer (packed afterwards)
-    /// and the rows a token-level policy marked invalid.
-    pub(super) fn evict_own(
-        &mut self,
-        seq: SeqId,
-        n: usize,
-        next: &mut BlockTable,
-        release: &mut Vec<BlockId>,
-        drops: &mut Vec<usize>,
-    ) -> Result<(Vec<usize>, usize)> {
-        let pressure = self.pressure(self.tiers.in_use_bytes(), n);
+    /// The eviction policy's victims among the stepping sequence's own
+    /// entries, applied to the planned table (their blocks to release,
+    /// the dropped entries to the plan). A per-lane policy's answer waits
+    /// for `pack`.
+    pub(super) fn evict_own(&mut self, d: &mut Draft) -> Result<()> {
+        let pressure = self.pressure(self.tiers.in_use_bytes(), d.n);
         let Some(ev) = self.evict.as_mut() else {
-            return Ok((Vec::new(), 0));
+            return Ok(());
         };
-        let mut victims = Vec::new();
         if ev.per_lane() {
-            ev.lane_victims(seq, next, pressure, self.lanes, &mut victims);
-            return Ok((victims, 0));
+            ev.lane_victims(d.seq, &d.next, pressure, self.lanes, &mut d.lane_drops);
+            return Ok(());
         }
         if ev.token_level() {
             let mut rows = Vec::new();
-            ev.token_victims(seq, next, pressure, &mut rows);
-            let punched = punch_victims(next, &rows, release, drops)?;
-            return Ok((Vec::new(), punched));
+            ev.token_victims(d.seq, &d.next, pressure, &mut rows);
+            d.punched = punch_victims(&mut d.next, &rows, &mut d.release, &mut d.plan.drops)?;
+            return Ok(());
         }
-        ev.victims(seq, next, pressure, &mut victims);
-        drop_victims(next, &victims, release)?;
-        drops.extend_from_slice(&victims);
-        Ok((Vec::new(), 0))
+        let mut victims = Vec::new();
+        ev.victims(d.seq, &d.next, pressure, &mut victims);
+        drop_victims(&mut d.next, &victims, &mut d.release)?;
+        d.plan.drops.extend_from_slice(&victims);
+        Ok(())
     }
 
     /// What a policy is told when `in_use` bytes are (or would be) in use

@@ -1,10 +1,12 @@
 //! [`Coordinator`]: block tables of many sequences over tiered pools, with
 //! the optional policies, one step at a time. One file per concern:
 //!
-//! * `build.rs` — construction from the configuration; the policy setters;
+//! * `construct.rs` — construction from the configuration; the policy setters;
 //! * `stats.rs` — occupancy, bytes, counters, statistics;
 //! * `step.rs` — a step: `plan` (decide and check, then take in one
 //!   place), `commit`, `abort`;
+//! * `assemble.rs` — the planned table and the plan from what a step
+//!   decided and took;
 //! * `evict.rs` — eviction victims, the stepping sequence's and idle ones';
 //! * `pack.rs` — head-wise packing and token-level compaction;
 //! * `demote.rs` — demotions to the cold tier, cold copies, index moves;
@@ -26,8 +28,9 @@ use kvforge_quant::TierPolicy;
 
 use crate::{CoordError, CoordinatorConfig, Result, TurnTail};
 
+mod assemble;
 mod budget;
-mod build;
+mod construct;
 mod demote;
 mod evict;
 mod pack;
@@ -39,6 +42,7 @@ mod step;
 mod turns;
 
 pub use stats::{Counters, TierStats};
+pub use step::Phase;
 pub use turns::{TurnInput, TurnLifecycle};
 
 /// Names one sequence of a coordinator.
@@ -162,6 +166,8 @@ pub struct Coordinator {
     counters: Counters,
     /// Check every invariant after each public call.
     check: bool,
+    /// A failure to inject at this phase of the next plan (tests).
+    pub(crate) fail_at: Option<Phase>,
 }
 
 impl std::fmt::Debug for Coordinator {
@@ -181,6 +187,15 @@ impl Coordinator {
     /// it walks every table).
     pub fn check_every_call(&mut self, on: bool) {
         self.check = on;
+    }
+
+    /// Where a plan fails when a test injected a failure there (once).
+    fn phase(&mut self, p: Phase) -> Result<()> {
+        if self.fail_at == Some(p) {
+            self.fail_at = None;
+            return Err(CoordError::Injected { phase: p });
+        }
+        Ok(())
     }
 
     /// `r`, or the broken invariant when checking is on.

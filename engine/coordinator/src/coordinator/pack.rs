@@ -6,6 +6,7 @@ use kvforge_pool::{BlockAllocator, BlockId, BlockTable, Slot};
 use crate::{CoordError, Result};
 
 use super::Coordinator;
+use super::step::Draft;
 
 /// The hole mask of a block of `bs` rows whose first `live` rows are live.
 pub(super) fn holes_from(live: u32, bs: u32) -> u64 {
@@ -101,6 +102,14 @@ pub(super) struct Packing {
 }
 
 impl Coordinator {
+    /// Works out the step's head-wise pack (from a per-lane policy's
+    /// answer) or token-level compaction (of the holed entries).
+    pub(super) fn pack(&self, d: &mut Draft) -> Result<()> {
+        d.packing = self.lane_packing(&d.next, &d.lane_drops)?;
+        d.row_packing = self.row_packing(&d.next);
+        Ok(())
+    }
+
     /// Token-level eviction's compaction, when the live rows of the holed
     /// entries fit in fewer blocks than they hold: which entries, how many
     /// keep a block, and the order of their rows (in place when nothing

@@ -1,7 +1,7 @@
 //! Prefix reuse: a sequence opened on the longest cached prefix, its
 //! blocks registered in the index.
 
-use kvforge_pool::{Slot, TieredPool};
+use kvforge_pool::{BlockId, Slot, TieredPool};
 use kvforge_prefix::{BlockRef, ExtraKeys, PrefixMatcher, acquire_prefix};
 
 use crate::{CoordError, Result, TurnTail};
@@ -88,30 +88,13 @@ impl Coordinator {
             return Ok(0);
         };
         self.idle(seq, "registered during a step")?;
-        let s = self.seq(seq)?;
-        let t = &s.table;
-        // Under `Seal` the table is sealed first (once nothing can fail).
-        let open = t.is_open() && tail != TurnTail::Seal;
-        let done = t.entries().len() - usize::from(open && tail == TurnTail::Skip);
-        let mut refs = Vec::with_capacity(done);
-        let mut covered = 0usize;
-        for e in &t.entries()[..done] {
-            match e.slot() {
-                // A packed block holds pages of other positions; KV after
-                // a hole was computed without the rows evicted.
-                Slot::Hot(_) | Slot::Cold(_) if e.is_packed() || e.holes() != 0 => break,
-                Slot::Hot(b) | Slot::Cold(b) => refs.push(BlockRef::new(b, e.tokens())),
-                Slot::Alias { .. } | Slot::Dropped => break,
-            }
-            covered += e.tokens() as usize;
-        }
+        let (refs, covered, registered_open) = self.registrable(seq, tail)?;
         if covered > tokens.len() {
             return Err(CoordError::Order {
                 seq,
                 what: "registered with fewer tokens than the table holds",
             });
         }
-        let registered_open = open && tail == TurnTail::Copy && refs.len() == done;
         let s = self.seqs.get_mut(&seq).ok_or(CoordError::UnknownSeq(seq))?;
         if tail == TurnTail::Seal {
             s.table.seal();
@@ -127,46 +110,82 @@ impl Coordinator {
         let before = s.partial.take();
         let k = s.indexed.min(refs.len());
         self.relocate(&moves)?;
-        let Some(index) = self.index.as_mut() else {
+        let Some(chained) = self.index_chain(&refs, k, before, &tokens[..covered], extra)? else {
             return Ok(0);
         };
-        // The block registered open last time holds more tokens now: its
-        // shorter entry gives way to the longer one.
-        if let Some(b) = before {
-            if refs.iter().any(|r| r.block == b) {
-                index.forget(b);
-            }
-        }
-        // Only what is new, below the last entry registered before (if the
-        // index still holds it there); else from the start.
-        let done_tokens: usize = refs[..k].iter().map(|r| r.len as usize).sum();
-        let extended = match k {
-            0 => None,
-            _ => index.extend(
-                refs[k - 1],
-                done_tokens,
-                &tokens[done_tokens..covered],
-                &refs[k..],
-            )?,
-        };
-        let (start, out) = match extended {
-            Some(out) => (k, out),
-            None => (0, index.insert(&tokens[..covered], extra, &refs)?),
-        };
-        // The index follows the chain through blocks it already holds (ours
-        // or another sequence's copy of the same content), adds ours after
-        // them, and stops at the first it refuses: only that far is the
-        // chain ours to continue.
-        let first_new = start + out.already_cached;
-        let chained = first_new + out.new;
-        for &r in &refs[first_new..chained] {
-            self.mark_cached(r)?;
-        }
         let s = self.seqs.get_mut(&seq).ok_or(CoordError::UnknownSeq(seq))?;
         let last_open = registered_open && chained == refs.len();
         s.indexed = chained - usize::from(last_open);
         s.partial = last_open.then(|| refs[chained - 1].block);
         Ok(refs[..chained].iter().map(|r| r.len as usize).sum())
+    }
+
+    /// The entries of `seq` a registration under `tail` hands the index,
+    /// from the start up to the first whose KV (or the KV after it) is not
+    /// the plain prefix's: an alias (another block's content), a dropped
+    /// or holed entry, a packed one. Returns them, the tokens they cover
+    /// and whether the open last block is among them (under `Copy`).
+    fn registrable(&self, seq: SeqId, tail: TurnTail) -> Result<(Vec<BlockRef>, usize, bool)> {
+        let t = &self.seq(seq)?.table;
+        // Under `Seal` the table is sealed first (once nothing can fail).
+        let open = t.is_open() && tail != TurnTail::Seal;
+        let done = t.entries().len() - usize::from(open && tail == TurnTail::Skip);
+        let mut refs = Vec::with_capacity(done);
+        let mut covered = 0usize;
+        for e in &t.entries()[..done] {
+            match e.slot() {
+                // A packed block holds pages of other positions; KV after
+                // a hole was computed without the rows evicted.
+                Slot::Hot(_) | Slot::Cold(_) if e.is_packed() || e.holes() != 0 => break,
+                Slot::Hot(b) | Slot::Cold(b) => refs.push(BlockRef::new(b, e.tokens())),
+                Slot::Alias { .. } | Slot::Dropped => break,
+            }
+            covered += e.tokens() as usize;
+        }
+        let registered_open = open && tail == TurnTail::Copy && refs.len() == done;
+        Ok((refs, covered, registered_open))
+    }
+
+    /// Hands `refs` (holding `tokens`) to the index: only what is new,
+    /// below the `k`-th block registered before, if the index still holds
+    /// it there; else from the start. `before`, the open block registered
+    /// last time, gives its shorter entry up first. Returns how many of
+    /// `refs` the index now holds as this sequence's chain (`None`: no
+    /// index): it follows blocks it already holds (ours or another
+    /// sequence's copy of the same content), adds ours after them, and
+    /// stops at the first it refuses — only that far is the chain ours to
+    /// continue.
+    fn index_chain(
+        &mut self,
+        refs: &[BlockRef],
+        k: usize,
+        before: Option<BlockId>,
+        tokens: &[u32],
+        extra: &ExtraKeys,
+    ) -> Result<Option<usize>> {
+        let Some(index) = self.index.as_mut() else {
+            return Ok(None);
+        };
+        if let Some(b) = before {
+            if refs.iter().any(|r| r.block == b) {
+                index.forget(b);
+            }
+        }
+        let done: usize = refs[..k].iter().map(|r| r.len as usize).sum();
+        let extended = match k {
+            0 => None,
+            _ => index.extend(refs[k - 1], done, &tokens[done..], &refs[k..])?,
+        };
+        let (start, out) = match extended {
+            Some(out) => (k, out),
+            None => (0, index.insert(tokens, extra, refs)?),
+        };
+        let first_new = start + out.already_cached;
+        let chained = first_new + out.new;
+        for &r in &refs[first_new..chained] {
+            self.mark_cached(r)?;
+        }
+        Ok(Some(chained))
     }
 
     /// Seals the last block: the next token starts a new one.

@@ -18,8 +18,6 @@ impl Coordinator {
         Ok(left)
     }
 
-    /// Releases `blocks` tail first, after checking every handle (on error
-    /// nothing changed).
     /// Takes one more reference on each of `blocks` (held ones only); on
     /// an error the references taken so far are given back.
     pub(super) fn retain_all(&mut self, blocks: &[BlockId]) -> Result<()> {
@@ -35,6 +33,8 @@ impl Coordinator {
         Ok(())
     }
 
+    /// Releases `blocks` tail first, after checking every handle (on error
+    /// nothing changed).
     pub(super) fn release_all(&mut self, blocks: &[BlockId]) -> Result<()> {
         for &b in blocks {
             self.tiers.ref_count(b)?;
@@ -48,6 +48,8 @@ impl Coordinator {
         first_err.map_or(Ok(()), Err)
     }
 
+    /// Marks `b` cached (the index holds it), remembering the most tokens
+    /// the index was given of it.
     pub(super) fn mark_cached(&mut self, b: BlockRef) -> Result<()> {
         self.tiers.mark_cached(b.block)?;
         let len = self.cached.entry(b.block).or_default();

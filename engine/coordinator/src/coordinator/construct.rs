@@ -9,12 +9,13 @@ use kvforge_lifecycle::{
     RuleFallback,
 };
 use kvforge_lsh::{Deduplicator, ExactDedup, SimHashDedup};
-use kvforge_pool::{MAX_TIER_BLOCKS, PoolConfig, TieredPool};
+use kvforge_pool::{KvLayout, MAX_TIER_BLOCKS, PoolConfig, TieredPool};
 use kvforge_prefix::{HashChainIndex, PrefixMatcher, RadixIndex, Xxh3Hasher};
 use kvforge_quant::{TierPlan, TierPolicy};
 
 use crate::{
-    CoordError, CoordinatorConfig, DedupConfig, EvictionConfig, IndexKind, LifecycleConfig, Result,
+    CoordError, CoordinatorConfig, DedupConfig, EvictionConfig, IndexKind, LifecycleConfig,
+    PrefixConfig, Result,
 };
 
 use super::Counters;
@@ -74,83 +75,6 @@ impl Coordinator {
                 hot.block_bytes()
             )));
         }
-        let bs = hot.block_size() as usize;
-        let hot_max = (cfg.hot_blocks as u64)
-            .min(budget / hot.block_bytes())
-            .min(MAX_TIER_BLOCKS as u64) as usize;
-        let mut tiers = vec![(hot, PoolConfig::fixed(hot_max))];
-        let mut tier_policy: Option<Box<dyn TierPolicy>> = None;
-        if let Some(c) = cfg.cold {
-            if c.format.group().is_none() || c.value_format.group().is_none() {
-                return Err(CoordError::Config(format!(
-                    "the cold tier needs a quantized format, not {:?}",
-                    c.format
-                )));
-            }
-            let layout = hot.with_kv_formats(c.format, c.value_format)?;
-            let cold_max = (budget / layout.block_bytes()).min(MAX_TIER_BLOCKS as u64) as usize;
-            // Cold blocks appear as hot ones leave: grow in small batches.
-            let pool = PoolConfig::fixed(cold_max.min(64)).with_max_blocks(cold_max);
-            tiers.push((layout, pool.with_growth_batch(64)));
-            tier_policy = Some(Box::new(TierPlan::new(bs, c.window)?.with_sink(c.sink)?));
-        }
-        let index: Option<Box<dyn PrefixMatcher>> = match &cfg.prefix {
-            None => None,
-            Some(p) => {
-                let hasher = p
-                    .seed
-                    .map_or_else(Xxh3Hasher::random, Xxh3Hasher::with_seed);
-                Some(match p.index {
-                    IndexKind::HashChain => Box::new(HashChainIndex::with_hasher(bs, hasher)?),
-                    IndexKind::Radix => Box::new(RadixIndex::new(bs)?),
-                })
-            }
-        };
-        let evict: Option<Box<dyn EvictionPolicy>> = match cfg.eviction {
-            None => None,
-            Some(EvictionConfig::SinkWindow { sink, window }) => {
-                Some(Box::new(SinkWindow::new(sink, window)?))
-            }
-            Some(EvictionConfig::Scored {
-                score,
-                trigger,
-                sink,
-                window,
-                per_head,
-                per_token,
-            }) => {
-                let p = Scored::new(score, trigger, sink, window)?;
-                let bad = |m: &str| Err(CoordError::Config(m.into()));
-                if per_head && per_token {
-                    return bad("eviction is per head or per token, not both");
-                }
-                if (per_head || per_token) && cfg.cold.is_some() {
-                    return bad(
-                        "per-head and token-level eviction pack hot blocks; they do not combine with a cold tier yet",
-                    );
-                }
-                if per_token && bs > kvforge_pool::MAX_HOLED_BLOCK as usize {
-                    return bad("token-level eviction marks rows of blocks of at most 64 tokens");
-                }
-                Some(Box::new(match (per_head, per_token) {
-                    (true, _) => p.per_head()?,
-                    (_, true) => p.per_token()?,
-                    _ => p,
-                }))
-            }
-        };
-        let dedup: Option<Box<dyn Deduplicator>> = match cfg.dedup {
-            None => None,
-            Some(_) if cfg.cold.is_none() => {
-                return Err(CoordError::Config(
-                    "sharing duplicate blocks works in the cold tier: configure a cold tier too"
-                        .into(),
-                ));
-            }
-            Some(DedupConfig::Exact) => Some(Box::new(ExactDedup::new())),
-            Some(DedupConfig::SimHash(c)) => Some(Box::new(SimHashDedup::new(c)?)),
-        };
-        let lifecycle = cfg.lifecycle.map(lifecycle_from).transpose()?;
         if let (Some(c), Some(window)) = (cfg.cold, cfg.eviction.map(|e| e.window())) {
             if window < c.window {
                 return Err(CoordError::Config(format!(
@@ -159,14 +83,19 @@ impl Coordinator {
                 )));
             }
         }
+        let (tiers, tier_policy) = tiers_from(&cfg, budget)?;
         Ok(Coordinator {
             budget,
             tiers: TieredPool::new(tiers)?,
-            index,
+            index: cfg
+                .prefix
+                .as_ref()
+                .map(|p| index_from(p, hot.block_size()))
+                .transpose()?,
             tier_policy,
-            evict,
-            dedup,
-            lifecycle,
+            evict: eviction_from(&cfg)?,
+            dedup: dedup_from(&cfg)?,
+            lifecycle: cfg.lifecycle.map(lifecycle_from).transpose()?,
             seqs: BTreeMap::new(),
             next_seq: 1,
             demoted: HashMap::new(),
@@ -176,6 +105,7 @@ impl Coordinator {
             step_peak: 0,
             counters: Counters::default(),
             check: false,
+            fail_at: None,
             cfg,
         })
     }
@@ -214,4 +144,97 @@ impl Coordinator {
         self.lifecycle = p.map(|(p, params)| Lifecycle::new(p, params)).transpose()?;
         Ok(())
     }
+}
+
+/// The tiers' layouts and pools (hot; cold, when configured, with its
+/// tier policy) under a byte budget of `budget`.
+type Tiers = (Vec<(KvLayout, PoolConfig)>, Option<Box<dyn TierPolicy>>);
+
+fn tiers_from(cfg: &CoordinatorConfig, budget: u64) -> Result<Tiers> {
+    let hot = cfg.layout;
+    let hot_max = (cfg.hot_blocks as u64)
+        .min(budget / hot.block_bytes())
+        .min(MAX_TIER_BLOCKS as u64) as usize;
+    let mut tiers = vec![(hot, PoolConfig::fixed(hot_max))];
+    let Some(c) = cfg.cold else {
+        return Ok((tiers, None));
+    };
+    if c.format.group().is_none() || c.value_format.group().is_none() {
+        return Err(CoordError::Config(format!(
+            "the cold tier needs a quantized format, not {:?}",
+            c.format
+        )));
+    }
+    let layout = hot.with_kv_formats(c.format, c.value_format)?;
+    let cold_max = (budget / layout.block_bytes()).min(MAX_TIER_BLOCKS as u64) as usize;
+    // Cold blocks appear as hot ones leave: grow in small batches.
+    let pool = PoolConfig::fixed(cold_max.min(64)).with_max_blocks(cold_max);
+    tiers.push((layout, pool.with_growth_batch(64)));
+    let bs = hot.block_size() as usize;
+    let plan = TierPlan::new(bs, c.window)?.with_sink(c.sink)?;
+    Ok((tiers, Some(Box::new(plan))))
+}
+
+/// The configured prefix index over blocks of `block_size` tokens.
+fn index_from(p: &PrefixConfig, block_size: u32) -> Result<Box<dyn PrefixMatcher>> {
+    let bs = block_size as usize;
+    let hasher = p
+        .seed
+        .map_or_else(Xxh3Hasher::random, Xxh3Hasher::with_seed);
+    Ok(match p.index {
+        IndexKind::HashChain => Box::new(HashChainIndex::with_hasher(bs, hasher)?),
+        IndexKind::Radix => Box::new(RadixIndex::new(bs)?),
+    })
+}
+
+/// The configured eviction policy, if any.
+fn eviction_from(cfg: &CoordinatorConfig) -> Result<Option<Box<dyn EvictionPolicy>>> {
+    let bs = cfg.layout.block_size();
+    Ok(Some(match cfg.eviction {
+        None => return Ok(None),
+        Some(EvictionConfig::SinkWindow { sink, window }) => {
+            Box::new(SinkWindow::new(sink, window)?)
+        }
+        Some(EvictionConfig::Scored {
+            score,
+            trigger,
+            sink,
+            window,
+            per_head,
+            per_token,
+        }) => {
+            let p = Scored::new(score, trigger, sink, window)?;
+            let bad = |m: &str| Err(CoordError::Config(m.into()));
+            if per_head && per_token {
+                return bad("eviction is per head or per token, not both");
+            }
+            if (per_head || per_token) && cfg.cold.is_some() {
+                return bad(
+                    "per-head and token-level eviction pack hot blocks; they do not combine with a cold tier yet",
+                );
+            }
+            if per_token && bs > kvforge_pool::MAX_HOLED_BLOCK {
+                return bad("token-level eviction marks rows of blocks of at most 64 tokens");
+            }
+            Box::new(match (per_head, per_token) {
+                (true, _) => p.per_head()?,
+                (_, true) => p.per_token()?,
+                _ => p,
+            })
+        }
+    }))
+}
+
+/// The configured deduplicator, if any (it needs the cold tier).
+fn dedup_from(cfg: &CoordinatorConfig) -> Result<Option<Box<dyn Deduplicator>>> {
+    Ok(Some(match cfg.dedup {
+        None => return Ok(None),
+        Some(_) if cfg.cold.is_none() => {
+            return Err(CoordError::Config(
+                "sharing duplicate blocks works in the cold tier: configure a cold tier too".into(),
+            ));
+        }
+        Some(DedupConfig::Exact) => Box::new(ExactDedup::new()),
+        Some(DedupConfig::SimHash(c)) => Box::new(SimHashDedup::new(c)?),
+    }))
 }
