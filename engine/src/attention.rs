@@ -17,8 +17,8 @@ use std::sync::Arc;
 use kvforge_coordinator::{BlockTable, Slot, TieredPool};
 use tch::{Device, Kind, Tensor};
 
+use crate::error::{EngineError, Result};
 use crate::tier::{ColdBlock, ColdTier};
-use crate::{EngineError, Result};
 
 /// Consecutive live keys stored the same way.
 enum Run {
@@ -737,7 +737,7 @@ mod tests {
         };
         // Fused without a signal reads the holed page as two spans; with a
         // per-token signal it falls back to the reference.
-        let fused = crate::FusedBackend::default();
+        let fused = crate::fused::FusedBackend::default();
         for (backend, observe) in [
             (&ReferenceBackend as &dyn AttentionBackend, per_token),
             (&fused, per_token),

@@ -22,30 +22,10 @@ use kvforge_quant::BlockShape;
 use tch::{Device, Kind, Tensor};
 
 use crate::attention::{AttentionBackend, KvTensors, Observe, StepView};
+use crate::error::{EngineError, Result};
 use crate::fused::FusedBackend;
-use crate::model::LlamaConfig;
+use crate::kv::{KvDims, KvStore};
 use crate::tier::{ColdTier, KvQuant};
-use crate::{EngineError, Result};
-
-/// Where one forward step reads and writes K/V. Implemented by the paged
-/// cache (through [`PagedSeq`]) and by [`ContiguousCache`] (the oracle).
-pub trait KvStore {
-    /// The position of the next token (dropped positions included).
-    fn len(&self) -> usize;
-    /// Whether nothing is stored yet.
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-    /// Makes room for `n` more positions (the cache's policies may demote
-    /// or drop older entries first); on error nothing changed.
-    fn prepare(&mut self, n: usize) -> Result<()>;
-    /// Stores `k`, `v` (`[n, kv_heads, head_dim]`) of the prepared positions
-    /// for `layer`, and attends `q` (`[n, heads, head_dim]`, rotated) over
-    /// every position the sequence holds: returns `[n, heads, head_dim]`.
-    fn attend(&mut self, layer: usize, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor>;
-    /// Marks the `n` prepared positions as stored.
-    fn commit(&mut self, n: usize) -> Result<()>;
-}
 
 /// A sequence of a [`PagedKvCache`]: a handle on its block table in the
 /// coordinator. Free it with [`PagedKvCache::free`].
@@ -98,12 +78,13 @@ impl PagedKvCache {
     /// blocks) on `device` in `kind`, with every cache mechanism off.
     /// Memory is reserved up front; the coordinator hands out blocks.
     pub fn new(
-        cfg: &LlamaConfig,
+        dims: impl Into<KvDims>,
         block_size: usize,
         max_tokens: usize,
         device: Device,
         kind: Kind,
     ) -> Result<Self> {
+        let cfg = dims.into();
         if block_size == 0 || max_tokens == 0 {
             return Err(EngineError::Request(
                 "block size and KV capacity must be positive".into(),
@@ -115,8 +96,8 @@ impl PagedKvCache {
             _ => StorageFormat::F16,
         };
         let layout = KvLayout::new(
-            cfg.n_layers as u32,
-            cfg.n_kv_heads as u32,
+            cfg.layers as u32,
+            cfg.kv_heads as u32,
             cfg.head_dim as u32,
             u32::try_from(block_size)
                 .map_err(|_| EngineError::Request("block size too large".into()))?,
@@ -137,12 +118,12 @@ impl PagedKvCache {
         }
         let coord = Coordinator::new(CoordinatorConfig::new(layout, blocks))?;
         let slots = (blocks * block_size) as i64;
-        let shape = [slots, cfg.n_kv_heads as i64, cfg.head_dim as i64];
+        let shape = [slots, cfg.kv_heads as i64, cfg.head_dim as i64];
         let zeros = || Tensor::f_zeros(shape, (kind, device));
-        let k = (0..cfg.n_layers)
+        let k = (0..cfg.layers)
             .map(|_| zeros())
             .collect::<std::result::Result<Vec<_>, _>>()?;
-        let v = (0..cfg.n_layers)
+        let v = (0..cfg.layers)
             .map(|_| zeros())
             .collect::<std::result::Result<Vec<_>, _>>()?;
         Ok(PagedKvCache {
@@ -152,7 +133,7 @@ impl PagedKvCache {
             block_size,
             shape: BlockShape {
                 tokens: block_size,
-                heads: cfg.n_kv_heads,
+                heads: cfg.kv_heads,
                 head_dim: cfg.head_dim,
             },
             k,
@@ -835,78 +816,6 @@ impl Drop for PagedSeq<'_> {
             let mut c = self.cache.coordinator();
             self.cache.abandon(&step, &mut c);
         }
-    }
-}
-
-/// Contiguous per-layer K/V, grown by concatenation, dense causal
-/// attention. A test oracle only.
-#[derive(Default)]
-pub struct ContiguousCache {
-    k: Vec<Option<Tensor>>,
-    v: Vec<Option<Tensor>>,
-    len: usize,
-    n: usize,
-}
-
-impl ContiguousCache {
-    /// An empty cache for `layers` layers.
-    pub fn new(layers: usize) -> Self {
-        ContiguousCache {
-            k: (0..layers).map(|_| None).collect(),
-            v: (0..layers).map(|_| None).collect(),
-            len: 0,
-            n: 0,
-        }
-    }
-}
-
-impl KvStore for ContiguousCache {
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn prepare(&mut self, n: usize) -> Result<()> {
-        self.n = n;
-        Ok(())
-    }
-    fn attend(&mut self, layer: usize, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
-        let cat = |old: &Option<Tensor>, new: &Tensor| -> Result<Tensor> {
-            Ok(match old {
-                Some(o) => Tensor::f_cat(&[o, new], 0)?,
-                None => new.shallow_clone(),
-            })
-        };
-        let k_all = cat(&self.k[layer], k)?;
-        let v_all = cat(&self.v[layer], v)?;
-        self.k[layer] = Some(k_all.shallow_clone());
-        self.v[layer] = Some(v_all.shallow_clone());
-        let (n, total) = (self.n as i64, (self.len + self.n) as i64);
-        let dev = q.device();
-        let mask = if n > 1 && total > n {
-            let qp = Tensor::f_arange_start(total - n, total, (Kind::Int64, dev))?;
-            let kp = Tensor::f_arange(total, (Kind::Int64, dev))?;
-            Some(kp.f_unsqueeze(0)?.f_le_tensor(&qp.f_unsqueeze(1)?)?)
-        } else {
-            None
-        };
-        let prep = |t: &Tensor| -> Result<Tensor> {
-            Ok(t.f_to_kind(q.kind())?.f_transpose(0, 1)?.f_unsqueeze(0)?)
-        };
-        let (h, hkv) = (q.size()[1], k.size()[1]);
-        let out = Tensor::f_scaled_dot_product_attention(
-            &prep(q)?,
-            &prep(&k_all)?,
-            &prep(&v_all)?,
-            mask.as_ref(),
-            0.0,
-            n > 1 && total == n,
-            None::<f64>,
-            h != hkv,
-        )?;
-        Ok(out.f_squeeze_dim(0)?.f_transpose(0, 1)?)
-    }
-    fn commit(&mut self, n: usize) -> Result<()> {
-        self.len += n;
-        Ok(())
     }
 }
 

@@ -10,7 +10,8 @@
 use kvforge_lifecycle::{LabelGrammar, Viability};
 
 use crate::cache::Sequence;
-use crate::{Engine, EngineError, Result};
+use crate::engine::Engine;
+use crate::error::{EngineError, Result};
 
 /// A grammar over text.
 pub trait Constraint {

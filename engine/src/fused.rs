@@ -32,7 +32,7 @@ use crate::attention::{
     Attended, AttentionBackend, KvTensors, Observe, PageRef, ReferenceBackend, StepView,
     interleave_heads,
 };
-use crate::{EngineError, Result};
+use crate::error::{EngineError, Result};
 
 /// The fused CPU decode kernel, with the reference for the rest.
 #[derive(Clone, Copy, Debug)]
@@ -435,7 +435,9 @@ mod tests {
 
     use super::*;
     use crate::attention::kernel_table;
-    use crate::{KvQuant, Llama, LlamaConfig, PagedKvCache, Sequence};
+    use crate::cache::{PagedKvCache, Sequence};
+    use crate::model::{Llama, LlamaConfig};
+    use crate::tier::KvQuant;
 
     /// The table and cold-tier copy the CUDA kernel reads, decoded on the
     /// CPU with the kernel's own index arithmetic, give every key and

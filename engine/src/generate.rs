@@ -4,8 +4,10 @@ use std::time::Instant;
 
 use tch::{Kind, Tensor};
 
-use crate::cache::{KvStore, Sequence};
-use crate::{Engine, EngineError, Result};
+use crate::cache::Sequence;
+use crate::engine::Engine;
+use crate::error::{EngineError, Result};
+use crate::kv::KvStore;
 
 /// How to pick the next token.
 #[derive(Clone, Debug, PartialEq)]
@@ -169,7 +171,7 @@ struct TextStream {
 impl TextStream {
     /// The text `tokens` completes since the last call ("" while a
     /// character is unfinished).
-    fn piece(&mut self, tok: &crate::Tokenizer, tokens: &[u32]) -> Result<String> {
+    fn piece(&mut self, tok: &crate::tokenizer::Tokenizer, tokens: &[u32]) -> Result<String> {
         let text = tok.decode_text(tokens)?;
         if text.ends_with('\u{fffd}') {
             return Ok(String::new());
@@ -249,7 +251,7 @@ impl Engine {
     /// [`generate`](Self::generate) for several sequences at once: prompt
     /// `i` is prefilled on `seqs[i]` (one after another), then every
     /// decode step runs the sequences still going as one batch
-    /// ([`Llama::forward_batch`](crate::Llama::forward_batch): the weights
+    /// ([`Llama::forward_batch`](crate::model::Llama::forward_batch): the weights
     /// are read once per step for all of them). Sequence `i` samples with
     /// `params[i]` and stops on its own (eos, `max_tokens`, the context,
     /// or `on_token(i, id, piece)` returning false); its tokens are those

@@ -14,7 +14,7 @@ use std::path::Path;
 
 use half::{bf16, f16};
 
-use crate::{EngineError, Result};
+use crate::error::{EngineError, Result};
 
 const MAGIC: u32 = 0x4655_4747; // "GGUF" little-endian
 

@@ -24,8 +24,10 @@ use kvforge_lifecycle::{Label, LabelGrammar, parse_labels, split_sentences};
 use kvforge_prefix::ExtraKeys;
 
 use crate::cache::Sequence;
+use crate::engine::Engine;
+use crate::error::Result;
 use crate::generate::SamplingParams;
-use crate::{Engine, Message, Result, Tokenizer};
+use crate::tokenizer::{Message, Tokenizer};
 
 /// Tokens below which a sentence joins the one before it.
 pub const MIN_SEGMENT_TOKENS: usize = 4;

@@ -42,9 +42,10 @@ pub use kvforge_coordinator::{IndexKind, TurnTail};
 use kvforge_prefix::ExtraKeys;
 
 use crate::cache::Sequence;
+use crate::engine::Engine;
+use crate::error::{EngineError, Result};
 use crate::generate::{Generation, SamplingParams};
 use crate::lifecycle::{self, LifecycleReport};
-use crate::{Engine, EngineError, Result};
 
 /// How the manager reuses KV.
 #[derive(Clone, Debug)]

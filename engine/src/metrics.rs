@@ -1,6 +1,6 @@
 //! The metrics snapshot in Prometheus' text exposition format.
 //!
-//! [`CacheManager::metrics`](crate::CacheManager::metrics) is JSON; this
+//! [`CacheManager::metrics`](crate::manager::CacheManager::metrics) is JSON; this
 //! turns any such snapshot into gauges: nested keys join with `_` under a
 //! `kvforge_` prefix, booleans are 0/1, strings and nulls are left out,
 //! and the entries of an array become one series each, labelled by their

@@ -9,9 +9,9 @@ use std::path::Path;
 
 use tch::{Device, Kind, Tensor};
 
-use crate::cache::KvStore;
+use crate::error::{EngineError, Result};
 use crate::gguf::{GgufFile, Value};
-use crate::{EngineError, Result};
+use crate::kv::{KvDims, KvStore};
 
 /// Model dimensions.
 #[derive(Clone, Debug, PartialEq)]
@@ -36,6 +36,16 @@ pub struct LlamaConfig {
     pub rope_theta: f64,
     /// Maximum positions.
     pub max_ctx: usize,
+}
+
+impl From<&LlamaConfig> for KvDims {
+    fn from(c: &LlamaConfig) -> Self {
+        KvDims {
+            layers: c.n_layers,
+            kv_heads: c.n_kv_heads,
+            head_dim: c.head_dim,
+        }
+    }
 }
 
 impl LlamaConfig {

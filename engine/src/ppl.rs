@@ -20,7 +20,8 @@ use std::time::Instant;
 use tch::{Kind, Tensor};
 
 use crate::cache::Sequence;
-use crate::{Engine, EngineError, Result};
+use crate::engine::Engine;
+use crate::error::{EngineError, Result};
 
 /// One perplexity measurement.
 #[derive(Clone, Debug, Default, PartialEq)]

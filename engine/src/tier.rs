@@ -23,7 +23,7 @@ use kvforge_quant::{
 };
 use tch::{Device, Kind, Tensor};
 
-use crate::{EngineError, Result};
+use crate::error::{EngineError, Result};
 
 /// How a cache quantizes blocks that leave the hot window.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -3,8 +3,8 @@
 
 use std::path::Path;
 
+use crate::error::{EngineError, Result};
 use crate::gguf::{GgufFile, Value};
-use crate::{EngineError, Result};
 
 /// SmolLM2's default system message (from its chat template).
 pub const DEFAULT_SYSTEM: &str =

@@ -4,7 +4,7 @@
 use kvforge_evict::{Score, Trigger};
 use kvforge_pool::{KvLayout, StorageFormat};
 
-use crate::{CoordError, Result};
+use crate::error::{CoordError, Result};
 
 /// Which prefix index to use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -6,7 +6,7 @@ use kvforge_pool::PoolError;
 use kvforge_prefix::PrefixError;
 use kvforge_quant::QuantError;
 
-use crate::SeqId;
+use crate::plan::SeqId;
 
 /// Everything the coordinator refuses. Every error but `Pool`, `Prefix`,
 /// `Invariant` and `Injected` leaves tables, reference counts, pools, index and the
@@ -50,7 +50,7 @@ pub enum CoordError {
     #[error("a failure injected at the {phase:?} phase of a plan")]
     Injected {
         /// Where.
-        phase: crate::Phase,
+        phase: crate::plan::Phase,
     },
     /// A pool contract broke (a bug, not bad input).
     #[error(transparent)]

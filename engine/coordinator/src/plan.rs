@@ -115,3 +115,43 @@ impl Plan {
         self.writes.iter().map(|w| w.tokens as usize).sum()
     }
 }
+
+/// Names one sequence of a coordinator.
+pub type SeqId = u64;
+
+/// The phases of a plan, in order (where a test injects a failure:
+/// [`testing::fail_plan_at`](crate::testing::fail_plan_at)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Phase {
+    /// The stepping sequence's own eviction victims.
+    Evict,
+    /// Head-wise packing or token-level compaction worked out.
+    Pack,
+    /// The tier policy's demotions checked; cold copies to reuse chosen.
+    Demote,
+    /// Blocks the step needs; the budget, idle sequences' cuts and room
+    /// in every tier checked.
+    Fit,
+    /// The cold copies the step reuses retained (the first references).
+    Retain,
+    /// Idle sequences' cuts applied.
+    CutIdle,
+    /// Fresh cold and hot blocks allocated.
+    Allocate,
+    /// The planned table and the plan built.
+    Build,
+}
+
+impl Phase {
+    /// Every phase, in order.
+    pub const ALL: [Phase; 8] = [
+        Phase::Evict,
+        Phase::Pack,
+        Phase::Demote,
+        Phase::Fit,
+        Phase::Retain,
+        Phase::CutIdle,
+        Phase::Allocate,
+        Phase::Build,
+    ];
+}

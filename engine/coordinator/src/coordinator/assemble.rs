@@ -4,12 +4,13 @@
 
 use kvforge_pool::{BlockId, BlockTable, Slot};
 
+use crate::error::{CoordError, Result};
 use crate::plan::{CopyOp, Demotion, Pack, Plan, RowPack, Write};
-use crate::{CoordError, Result};
 
 use super::pack::holes_from;
-use super::step::{Draft, Phase};
+use super::step::Draft;
 use super::{Coordinator, Pending};
+use crate::plan::Phase;
 
 impl Coordinator {
     /// Builds the planned table and the plan from what was decided and

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use kvforge_pool::{BlockAllocator, BlockId, TieredPool};
 
-use crate::{CoordError, Result};
+use crate::error::{CoordError, Result};
 
 use super::Coordinator;
 use super::pack::Rewrite;

@@ -13,10 +13,10 @@ use kvforge_pool::{KvLayout, MAX_TIER_BLOCKS, PoolConfig, TieredPool};
 use kvforge_prefix::{HashChainIndex, PrefixMatcher, RadixIndex, Xxh3Hasher};
 use kvforge_quant::{TierPlan, TierPolicy};
 
-use crate::{
-    CoordError, CoordinatorConfig, DedupConfig, EvictionConfig, IndexKind, LifecycleConfig,
-    PrefixConfig, Result,
+use crate::config::{
+    CoordinatorConfig, DedupConfig, EvictionConfig, IndexKind, LifecycleConfig, PrefixConfig,
 };
+use crate::error::{CoordError, Result};
 
 use super::Counters;
 use super::{COLD, Coordinator};

@@ -4,7 +4,7 @@
 use kvforge_pool::{BlockAllocator, BlockId, BlockTable, Slot};
 use kvforge_prefix::PrefixMatcher;
 
-use crate::{CoordError, Result};
+use crate::error::{CoordError, Result};
 
 use super::Coordinator;
 use super::pack::Rewrite;

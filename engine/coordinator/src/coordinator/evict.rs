@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use kvforge_evict::Pressure;
 use kvforge_pool::{BlockAllocator, BlockId, BlockTable, Slot, TieredPool};
 
-use crate::{CoordError, Result};
+use crate::error::{CoordError, Result};
 
 use super::step::Draft;
 use super::{Coordinator, HOT, SeqId};

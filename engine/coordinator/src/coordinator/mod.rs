@@ -15,7 +15,8 @@
 //! * `signals.rs` — attention mass and key novelty for eviction, blocks
 //!   offered for sharing;
 //! * `prefix.rs` — opening on a cached prefix, registering in the index;
-//! * `turns.rs` — turns and rollback, forks, the lifecycle, closing.
+//! * `turns.rs` — turns and rollback, forks, the lifecycle, closing;
+//! * `invariants.rs` — every invariant, checked on the whole state.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -26,13 +27,15 @@ use kvforge_pool::{BlockId, BlockTable, TieredPool};
 use kvforge_prefix::PrefixMatcher;
 use kvforge_quant::TierPolicy;
 
-use crate::{CoordError, CoordinatorConfig, Result, TurnTail};
+use crate::config::{CoordinatorConfig, TurnTail};
+use crate::error::{CoordError, Result};
 
 mod assemble;
 mod budget;
 mod construct;
 mod demote;
 mod evict;
+mod invariants;
 mod pack;
 mod prefix;
 mod refs;
@@ -41,12 +44,9 @@ mod stats;
 mod step;
 mod turns;
 
+pub use crate::plan::{Phase, SeqId};
 pub use stats::{Counters, TierStats};
-pub use step::Phase;
 pub use turns::{TurnInput, TurnLifecycle};
-
-/// Names one sequence of a coordinator.
-pub type SeqId = u64;
 
 /// The hot tier's number in the [`TieredPool`].
 pub const HOT: usize = 0;
@@ -201,7 +201,7 @@ impl Coordinator {
     /// `r`, or the broken invariant when checking is on.
     fn checked<T>(&self, r: Result<T>) -> Result<T> {
         if self.check && r.is_ok() {
-            crate::testing::check_invariants(self).map_err(CoordError::Invariant)?;
+            self.invariants().map_err(CoordError::Invariant)?;
         }
         r
     }

@@ -3,7 +3,7 @@
 
 use kvforge_pool::{BlockAllocator, BlockId, BlockTable, Slot};
 
-use crate::{CoordError, Result};
+use crate::error::{CoordError, Result};
 
 use super::Coordinator;
 use super::step::Draft;

@@ -4,7 +4,8 @@
 use kvforge_pool::{BlockId, Slot, TieredPool};
 use kvforge_prefix::{BlockRef, ExtraKeys, PrefixMatcher, acquire_prefix};
 
-use crate::{CoordError, Result, TurnTail};
+use crate::config::TurnTail;
+use crate::error::{CoordError, Result};
 
 use super::demote::follow_moves;
 use super::{Coordinator, HOT, Opened, SeqId};

@@ -4,7 +4,7 @@
 use kvforge_pool::{Allocation, BlockAllocator, BlockId, Retained, TieredPool};
 use kvforge_prefix::{BlockRef, PrefixMatcher};
 
-use crate::{CoordError, Result};
+use crate::error::{CoordError, Result};
 
 use super::{Coordinator, HOT};
 

@@ -4,7 +4,7 @@
 use kvforge_lsh::Content;
 use kvforge_pool::{BlockAllocator, BlockId, Retained, Slot};
 
-use crate::{CoordError, Result};
+use crate::error::{CoordError, Result};
 
 use super::{Coordinator, SeqId};
 

@@ -6,7 +6,7 @@ use kvforge_lsh::ShareStats;
 use kvforge_pool::{KvLayout, PoolStats, TieredPool};
 use kvforge_prefix::{MatchStats, PrefixMatcher};
 
-use crate::CoordinatorConfig;
+use crate::config::CoordinatorConfig;
 
 use super::{COLD, Coordinator, HOT};
 

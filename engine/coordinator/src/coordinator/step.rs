@@ -4,13 +4,14 @@
 
 use kvforge_pool::{BlockId, BlockTable, Slot};
 
+use crate::error::{CoordError, Result};
 use crate::plan::Plan;
-use crate::{CoordError, Result};
 
 use super::demote::follow_moves;
 use super::evict::IdleCuts;
 use super::pack::{Packing, Rewrite, RowPacking};
 use super::{COLD, Coordinator, HOT, SeqId};
+use crate::plan::Phase;
 
 /// A step being planned: what each phase of [`Coordinator::plan`] decided
 /// and, from [`take`](Coordinator::take) on, what it took.
@@ -55,43 +56,6 @@ impl Draft {
             .map(|p| &p.rw)
             .or(self.row_packing.as_ref().map(|p| &p.rw))
     }
-}
-
-/// The phases of a plan, in order (where a test injects a failure:
-/// [`testing::fail_plan_at`](crate::testing::fail_plan_at)).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Phase {
-    /// The stepping sequence's own eviction victims.
-    Evict,
-    /// Head-wise packing or token-level compaction worked out.
-    Pack,
-    /// The tier policy's demotions checked; cold copies to reuse chosen.
-    Demote,
-    /// Blocks the step needs; the budget, idle sequences' cuts and room
-    /// in every tier checked.
-    Fit,
-    /// The cold copies the step reuses retained (the first references).
-    Retain,
-    /// Idle sequences' cuts applied.
-    CutIdle,
-    /// Fresh cold and hot blocks allocated.
-    Allocate,
-    /// The planned table and the plan built.
-    Build,
-}
-
-impl Phase {
-    /// Every phase, in order.
-    pub const ALL: [Phase; 8] = [
-        Phase::Evict,
-        Phase::Pack,
-        Phase::Demote,
-        Phase::Fit,
-        Phase::Retain,
-        Phase::CutIdle,
-        Phase::Allocate,
-        Phase::Build,
-    ];
 }
 
 impl Coordinator {

@@ -6,7 +6,7 @@ use std::ops::Range;
 use kvforge_lifecycle::{Label, Outcome, Segment, TurnEnd};
 use kvforge_pool::{BlockId, BlockTable, Slot};
 
-use crate::{CoordError, Result};
+use crate::error::{CoordError, Result};
 
 use super::demote::follow_moves;
 use super::{Coordinator, SeqId, Turn};
