@@ -39,7 +39,7 @@ drop: greetings, small talk, filler, acknowledgements. \
 compress: long background that matters only in outline.\n";
 
 /// What the lifecycle did at the end of one turn.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
 pub struct LifecycleReport {
     /// Segments the turn added.
     pub segments: u32,

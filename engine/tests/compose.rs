@@ -42,7 +42,7 @@ fn manager(cfg: EngineConfig) -> CacheManager {
 /// coordinator's calls (every plan, commit, abort, open, register, turn):
 /// a broken one fails the request.
 fn checked(m: CacheManager) -> CacheManager {
-    m.engine().cache.coordinator().check_every_call(true);
+    m.engine().cache.check_every_call(true);
     m
 }
 
@@ -255,12 +255,12 @@ fn a_quantized_prefix_is_matched_shared_and_counted_once() {
             })
             .collect();
         assert!(!cold.is_empty(), "the quantized prefix is matched as is");
-        let c = e.cache.coordinator();
-        for &id in &cold {
-            assert_eq!(c.pools().ref_count(id).unwrap(), 2, "shared, not copied");
-        }
-        let stats = c.tier_stats()[1].pool;
-        drop(c);
+        e.cache.with_coordinator(|c| {
+            for &id in &cold {
+                assert_eq!(c.pools().ref_count(id).unwrap(), 2, "shared, not copied");
+            }
+        });
+        let stats = e.cache.stats().tiers[1].pool;
         assert_eq!(stats.in_use, cold.len(), "counted once");
         assert_eq!(stats.in_use_bytes, cold.len() as u64 * stats.block_bytes);
         assert_eq!(stats.capacity, cold_before.capacity, "nothing re-quantized");
@@ -417,10 +417,8 @@ fn eight_threads_with_every_mechanism_leak_nothing() {
     assert_eq!(metrics["kv_bytes_in_use"], 0, "{metrics}");
     assert!(metrics["reused_tokens"].as_u64().unwrap() > 0, "{metrics}");
     m.with_engine(|e| {
-        let c = e.cache.coordinator();
-        assert_eq!(c.sequences(), 0);
-        let cold = c.tier_stats()[1].pool;
-        drop(c);
+        assert_eq!(e.cache.with_coordinator(|c| c.sequences()), 0);
+        let cold = e.cache.stats().tiers[1].pool;
         assert_eq!(
             e.cache.cold_stored_bytes(),
             cold.cached_free as u64 * cold.block_bytes,

@@ -122,7 +122,7 @@ fn a_fork_continues_as_a_fresh_sequence_and_leaves_the_original_alone() {
     for s in [&mut a, &mut f, &mut f2, &mut fresh, &mut again] {
         e.cache.free(s).unwrap();
     }
-    assert_eq!(e.cache.coordinator().pools().stats().in_use, 0);
+    assert_eq!(e.cache.with_coordinator(|c| c.pools().stats().in_use), 0);
 }
 
 const TURNS: [&str; 6] = [
@@ -183,7 +183,7 @@ fn session_labels_reclaim_after_k_rounds_and_give_blocks_back() {
                 .iter()
                 .filter(|e| e.slot().is_live())
                 .count();
-            let in_use = m.with_engine(|e| e.cache.coordinator().pools().stats().in_use);
+            let in_use = m.with_engine(|e| e.cache.with_coordinator(|c| c.pools().stats().in_use));
             assert_eq!(in_use, live, "{source:?} turn {i}");
         }
         let metrics = m.metrics();

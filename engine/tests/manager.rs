@@ -445,12 +445,13 @@ fn many_threads_with_shared_prefixes_and_aborts_leak_nothing() {
     );
     // Every block can be handed out again: nothing leaked, nothing double-freed.
     m.with_engine(|e| {
-        let c = e.cache.coordinator();
-        let pool = c.pools().tier(0).unwrap();
-        let cap = pool.stats().capacity;
-        let all = pool.allocate(cap).expect("all blocks free");
-        pool.release_sequence(&all.blocks).unwrap();
-        assert_eq!(c.sequences(), 0);
+        e.cache.with_coordinator(|c| {
+            let pool = c.pools().tier(0).unwrap();
+            let cap = pool.stats().capacity;
+            let all = pool.allocate(cap).expect("all blocks free");
+            pool.release_sequence(&all.blocks).unwrap();
+            assert_eq!(c.sequences(), 0);
+        });
     });
 }
 
@@ -655,4 +656,134 @@ fn streaming_and_window_perplexity_agree_and_do_not_depend_on_chunking() {
         let e = bad.unwrap_err().to_string();
         assert!(e.contains("perplexity needs") && !e.contains('\n'), "{e}");
     }
+}
+
+/// Every counter the cache keeps reaches both outputs — the metrics JSON
+/// and its Prometheus text — because both are derived from the same
+/// statistics: a counter added to `Counters`, `MatchStats`, `ShareStats`
+/// or `PoolStats` shows up without anyone touching the manager.
+#[test]
+fn every_counter_reaches_the_json_and_the_prometheus_text() {
+    use kvforge_coordinator::{Counters, MatchStats, PoolStats, ShareStats};
+    let cfg = EngineConfig {
+        block_size: 4,
+        kv_tokens: 256,
+        kv_quant: Some(kvforge_engine::KvQuant {
+            bits: 4,
+            group_size: 8,
+            window: 8,
+            rotate: false,
+            key_axis: kvforge_engine::Axis::PerChannel,
+            sink: 0,
+        }),
+        dedup: Some(kvforge_engine::DedupConfig::Exact),
+        ..Default::default()
+    };
+    let engine = Engine::new(tiny(), tokenizer(), &cfg).unwrap();
+    let m = CacheManager::new(engine, ReuseConfig::default()).unwrap();
+    let prompt: Vec<u32> = (0..40).map(|i| 3 + i % 90).collect();
+    m.complete(&prompt, "t", &params(4), &mut |_, _| true)
+        .unwrap();
+    let json = m.metrics();
+    let text = kvforge_engine::metrics::prometheus(&json);
+    // Every field, by name: a destructuring without `..` stops compiling
+    // when a counter is added, until it is listed here too.
+    macro_rules! fields {
+        ($t:ident { $($f:ident),* $(,)? }) => {{
+            #[allow(unused_variables)]
+            let $t { $($f),* } = $t::default();
+            vec![$(stringify!($f).to_string()),*]
+        }};
+    }
+    let sections = [
+        (
+            "policies",
+            fields!(Counters {
+                evicted_entries,
+                demoted_blocks,
+                lifecycle_dropped_entries,
+                lifecycle_queued,
+                lifecycle_revived,
+                lifecycle_reclaimed,
+                lifecycle_compressed,
+                lifecycle_fallbacks,
+                packed_blocks,
+                evicted_tokens,
+                compacted_blocks,
+                evicted_idle_entries,
+                steps,
+            }),
+        ),
+        (
+            "index",
+            fields!(MatchStats {
+                queries,
+                query_tokens,
+                hit_tokens,
+                hit_blocks,
+                inserted_blocks,
+                duplicate_blocks,
+                collisions,
+                forgotten_blocks,
+                insert_tokens,
+                cached_blocks,
+                namespaces,
+            }),
+        ),
+        (
+            "sharing",
+            fields!(ShareStats {
+                offered,
+                shared,
+                rejected,
+                canonical
+            }),
+        ),
+        (
+            "pool",
+            // Serialized under their unit-bearing names.
+            fields!(PoolStats {
+                capacity,
+                max_blocks,
+                in_use,
+                cached_free,
+                retired,
+                block_bytes,
+                in_use_bytes,
+                capacity_bytes,
+            })
+            .into_iter()
+            .map(|f| match f.as_str() {
+                "capacity" => "capacity_blocks".to_string(),
+                "in_use" => "blocks_in_use".to_string(),
+                "cached_free" => "cached_free_blocks".to_string(),
+                "in_use_bytes" => "bytes_in_use".to_string(),
+                _ => f,
+            })
+            .collect(),
+        ),
+    ];
+    let mut checked = 0;
+    for (section, fields) in &sections {
+        assert!(fields.len() >= 4, "{section}: {fields:?}");
+        for f in fields {
+            assert!(
+                json[section].get(f).is_some(),
+                "{section}.{f} missing from the JSON: {json}"
+            );
+            let name = format!("kvforge_{section}_{f} ");
+            assert!(
+                text.contains(&name),
+                "{name} missing from the Prometheus text:\n{text}"
+            );
+            checked += 1;
+        }
+    }
+    for f in &sections[3].1 {
+        for tier in ["hot", "cold"] {
+            let name = format!("kvforge_tiers_{f}{{tier=\"{tier}\"}} ");
+            assert!(text.contains(&name), "{name} missing:\n{text}");
+        }
+    }
+    assert!(checked > 30, "{checked}");
 }

@@ -149,17 +149,21 @@ pub enum Retained {
 /// `allocate` or revival has claimed but not yet returned, and still counts
 /// a block whose last `release` has not returned. Never a wrapped value,
 /// never a whole growth batch that is not yet published.
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PoolStats {
     /// Blocks that exist now (grows in batches up to `max_blocks`).
+    #[cfg_attr(feature = "serde", serde(rename = "capacity_blocks"))]
     pub capacity: usize,
     /// Hard cap on `capacity`.
     pub max_blocks: usize,
     /// Blocks with reference count > 0 (or claimed by an allocation or a
     /// revival in flight).
+    #[cfg_attr(feature = "serde", serde(rename = "blocks_in_use"))]
     pub in_use: usize,
     /// Free blocks that still hold reusable cached content (and that no
     /// allocation in flight has claimed).
+    #[cfg_attr(feature = "serde", serde(rename = "cached_free_blocks"))]
     pub cached_free: usize,
     /// Slots retired after their last epoch: they exist but are never
     /// handed out again (one per 2^32 reuses of a slot).
@@ -167,6 +171,7 @@ pub struct PoolStats {
     /// Bytes of one block, from the [`KvLayout`].
     pub block_bytes: u64,
     /// `in_use * block_bytes`.
+    #[cfg_attr(feature = "serde", serde(rename = "bytes_in_use"))]
     pub in_use_bytes: u64,
     /// `capacity * block_bytes`: memory actually reserved for KV.
     pub capacity_bytes: u64,

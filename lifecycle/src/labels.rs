@@ -17,6 +17,8 @@
 use std::ops::Range;
 
 /// What to do with a segment.
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[cfg_attr(feature = "serde", serde(rename_all = "lowercase"))]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Label {
     /// Keep its KV as it is.

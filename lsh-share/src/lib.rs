@@ -58,6 +58,7 @@ pub struct Content {
 }
 
 /// Counters since the deduplicator was built.
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ShareStats {
     /// Blocks offered.

@@ -142,6 +142,7 @@ pub struct Inserted {
 }
 
 /// Counters in tokens and blocks since the index was built.
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct MatchStats {
     /// `match_prefix` calls.

@@ -666,11 +666,7 @@ impl<'a> Runner<'a> {
         let engine = Engine::new(model.share(), tok.clone(), &cfg)?;
         let manager = CacheManager::new(engine, reuse)?;
         if extra.is_some() {
-            manager
-                .engine()
-                .cache
-                .coordinator()
-                .set_eviction_policy(extra);
+            manager.engine().cache.set_eviction_policy(extra);
         }
         Ok(Runner { manager, tok })
     }

@@ -319,7 +319,9 @@ fn run() -> Result<()> {
     order.sort_by_key(|c| matches!(*c, "streaming" | "truncation"));
     let probe = engine_for(&a, "full", 0)?;
     let block = (
-        probe.cache.coordinator().config().layout.block_bytes(),
+        probe
+            .cache
+            .with_coordinator(|c| c.config().layout.block_bytes()),
         probe.cache.block_size(),
     );
     drop(probe);

@@ -258,7 +258,7 @@ fn replay(
                 true
             });
             let (hot, cold) = cache.tier_bytes();
-            let counters = cache.coordinator().counters();
+            let counters = cache.stats().policies;
             peak = peak.max(high).max(cache.bytes_in_use());
             let (error, answer) = match r {
                 Ok(r) => {

@@ -67,10 +67,11 @@ pub use coordinator::{
     COLD, Coordinator, Counters, HOT, Opened, Phase, SeqId, TierStats, TurnInput, TurnLifecycle,
 };
 pub use error::{CoordError, Result};
-pub use kvforge_evict::{Score, Trigger};
+pub use kvforge_evict::{EvictionPolicy, Score, Trigger};
 pub use kvforge_lifecycle::{Label, LabelSource, Segment};
-pub use kvforge_lsh::{Content, SimHashConfig};
-pub use kvforge_pool::{BlockId, BlockTable, Entry, Slot, TieredPool};
+pub use kvforge_lsh::{Content, ShareStats, SimHashConfig};
+pub use kvforge_pool::{BlockId, BlockTable, Entry, PoolStats, Slot, TieredPool};
+pub use kvforge_prefix::MatchStats;
 pub use plan::{CopyOp, Demotion, Pack, Plan, RowPack, Write};
 
 /// The README's example, compiled and run as a doctest.

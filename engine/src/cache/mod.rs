@@ -28,6 +28,25 @@ mod sequences;
 mod step;
 
 pub use step::PagedSeq;
+
+/// A reading of a cache: what [`PagedKvCache::stats`] returns.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct CacheStats {
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Bytes all tiers may hold in use.
+    pub budget_bytes: u64,
+    /// Bytes held by blocks in use, all tiers.
+    pub bytes_in_use: u64,
+    /// Per-tier occupancy (hot first).
+    pub tiers: Vec<TierStats>,
+    /// The prefix index's counters, when reuse is on.
+    pub index: Option<kvforge_coordinator::MatchStats>,
+    /// The deduplicator's counters, when sharing is on.
+    pub sharing: Option<kvforge_coordinator::ShareStats>,
+    /// What the policies did.
+    pub policies: kvforge_coordinator::Counters,
+}
 #[cfg(test)]
 mod tests;
 
@@ -217,8 +236,54 @@ impl PagedKvCache {
         self.cold.as_ref().map(ColdTier::spec)
     }
 
+    /// Everything the cache holds and did, in one reading: per-tier
+    /// occupancy, bytes, the index's and the sharing's counters, what the
+    /// policies did (serializable: the metrics are derived from it).
+    pub fn stats(&self) -> CacheStats {
+        let c = self.coordinator();
+        CacheStats {
+            block_size: self.block_size,
+            budget_bytes: c.budget(),
+            bytes_in_use: c.bytes_in_use(),
+            tiers: c.tier_stats(),
+            index: c.index_stats(),
+            sharing: c.share_stats(),
+            policies: c.counters(),
+        }
+    }
+
+    /// Where the lifecycle's labels come from (`None`: no lifecycle).
+    pub fn lifecycle_source(&self) -> Option<kvforge_coordinator::LabelSource> {
+        self.coordinator().lifecycle_source()
+    }
+
+    /// Whether a sequence only ever grows in hot blocks (no cold tier, no
+    /// eviction): then a request larger than the hot tier cannot fit.
+    pub fn grows_only_hot(&self) -> bool {
+        let c = self.coordinator();
+        c.config().cold.is_none() && c.config().eviction.is_none()
+    }
+
+    /// Replaces the eviction policy with a researcher's own (`None`: off),
+    /// for every sequence from its next step on.
+    pub fn set_eviction_policy(&self, p: Option<Box<dyn kvforge_coordinator::EvictionPolicy>>) {
+        self.coordinator().set_eviction_policy(p);
+    }
+
+    /// Checks every coordinator invariant after each of its calls (tests;
+    /// see [`Coordinator::check_every_call`]).
+    pub fn check_every_call(&self, on: bool) {
+        self.coordinator().check_every_call(on);
+    }
+
+    /// Runs `f` on the coordinator, locked for the call (what the cache's
+    /// own methods do not offer: its pools, its configuration).
+    pub fn with_coordinator<T>(&self, f: impl FnOnce(&mut Coordinator) -> T) -> T {
+        f(&mut self.coordinator())
+    }
+
     /// The coordinator, locked (block tables, pools, index, policies).
-    pub fn coordinator(&self) -> MutexGuard<'_, Coordinator> {
+    pub(crate) fn coordinator(&self) -> MutexGuard<'_, Coordinator> {
         self.coord.lock().unwrap_or_else(|e| e.into_inner())
     }
 

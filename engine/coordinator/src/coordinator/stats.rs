@@ -11,17 +11,19 @@ use crate::config::CoordinatorConfig;
 use super::{COLD, Coordinator, HOT};
 
 /// Occupancy of one tier.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct TierStats {
     /// `hot`, or the cold format.
+    #[serde(rename = "tier")]
     pub name: &'static str,
     /// The pool's counters (blocks, in use, cached, bytes).
+    #[serde(flatten)]
     pub pool: PoolStats,
 }
 
 /// What the policies did, counted over committed steps and ended turns
 /// (the monitoring counters of the metrics snapshot).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct Counters {
     /// Entries dropped by the eviction policy.
     pub evicted_entries: u64,
