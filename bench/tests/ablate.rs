@@ -106,7 +106,7 @@ fn quick_runs_every_configuration_and_repeats_its_quality_columns() {
     // The report: one row per configuration, the sections, the files.
     let md = std::fs::read_to_string(a.join("report.md")).unwrap();
     for m in exp.matrix() {
-        assert!(md.contains(&format!("\n| {} | ", m.name)), "{}", m.name);
+        assert!(md.contains(&format!("\n| {} | ", m.name())), "{}", m.name());
     }
     for section in [
         "## Chat",

@@ -11,6 +11,7 @@ use crate::cache::PagedKvCache;
 use crate::error::{EngineError, Result};
 use crate::gguf;
 use crate::model::Llama;
+use crate::policies::Policies;
 use crate::tier::KvQuant;
 use crate::tokenizer::Tokenizer;
 
@@ -99,6 +100,10 @@ pub struct EngineConfig {
     pub kv_budget: u64,
     /// How attention reads the cache.
     pub attention: Attention,
+    /// A researcher's policy objects, run in place of the configured ones
+    /// (filled by [`Mechanisms::apply`](crate::mechanisms::Mechanisms::apply)
+    /// for a named eviction policy, or directly).
+    pub policies: Policies,
 }
 
 /// The attention backend a cache uses.
@@ -140,6 +145,7 @@ impl Default for EngineConfig {
             lifecycle: None,
             kv_budget: 0,
             attention: Attention::Fused,
+            policies: Policies::default(),
         }
     }
 }
@@ -180,6 +186,9 @@ impl Engine {
         c.lifecycle = cfg.lifecycle;
         c.budget_bytes = cfg.kv_budget;
         cache.configure(c, cfg.kv_quant)?;
+        if cfg.policies.any() {
+            cache.set_policies(cfg.policies.clone())?;
+        }
         if cfg.attention == Attention::Reference {
             cache.set_backend(Box::new(ReferenceBackend));
         }

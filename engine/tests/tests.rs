@@ -939,6 +939,86 @@ fn cli_bad_inputs_exit_non_zero_with_one_line() {
     }
 }
 
+/// `--config FILE`: the mechanisms of the ablation's `[[config]]` tables
+/// run the CLI (a cold tier and a named eviction policy here); a file that
+/// cannot work, or one given beside a mechanism flag, is one line on
+/// stderr naming what is wrong.
+#[test]
+fn cli_config_file_sets_the_mechanisms_and_bad_ones_are_one_line() {
+    let dir = root().join("target/cli-config-test");
+    std::fs::create_dir_all(&dir).unwrap();
+    let write = |name: &str, text: &str| {
+        let p = dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        p.display().to_string()
+    };
+    let good = write(
+        "good.toml",
+        "block_size = 4\ncold = { format = \"int4\", window = 16, sink = 0 }\n\
+         eviction = { policy = \"keydiff\", sink = 4, window = 16, budget_tokens = 32 }\n",
+    );
+    let (out, err) = kvforge_ok(&[
+        "generate",
+        "--max-tokens",
+        "4",
+        "--prompt",
+        "Hi",
+        "--config",
+        &good,
+    ]);
+    assert!(!out.trim().is_empty(), "{out}");
+    let cold: u64 = err
+        .split(" cold bytes")
+        .next()
+        .and_then(|s| s.rsplit(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    assert!(cold > 0, "the cold tier ran: {err}");
+    let cases = [
+        (
+            write("typo.toml", "budget_mb = 64\n"),
+            "typo.toml:1:1: unknown field `budget_mb`",
+        ),
+        (
+            write(
+                "policy.toml",
+                "eviction = { policy = \"h3o\", sink = 4, window = 8 }\n",
+            ),
+            "unknown eviction policy \"h3o\"",
+        ),
+        (
+            write(
+                "param.toml",
+                "eviction = { policy = \"sink-window\", sink = 4, windw = 8 }\n",
+            ),
+            "unknown field `windw`",
+        ),
+        (
+            write("share.toml", "share = { policy = \"exact\" }\n"),
+            "share needs a cold tier",
+        ),
+        (
+            dir.join("missing.toml").display().to_string(),
+            "missing.toml",
+        ),
+    ];
+    for (path, needle) in &cases {
+        assert_one_line_error(&["generate", "--prompt", "x", "--config", path], needle);
+    }
+    assert_one_line_error(
+        &[
+            "generate",
+            "--prompt",
+            "x",
+            "--config",
+            &good,
+            "--kv-quant",
+            "int8",
+        ],
+        "drop --kv-quant",
+    );
+}
+
 #[test]
 fn cli_chat_reuses_the_session_and_prints_metrics() {
     let (err, metrics) = chat_session(

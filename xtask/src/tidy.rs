@@ -3,8 +3,11 @@
 //! feature newer than the workspace's `rust-version` is used where the one
 //! toolchain here would accept it silently (a safe `#[target_feature]` fn
 //! needs Rust 1.86). Newer std APIs are caught by clippy's
-//! `incompatible_msrv` lint, which reads the same `rust-version`. Runs under
-//! `cargo test` (see the test below) and as `cargo xtask tidy`.
+//! `incompatible_msrv` lint, which reads the same `rust-version`. The
+//! engine's and the coordinator's modules form a DAG that never imports the
+//! crate root, and their files and functions stay short (an allow-list
+//! names the exceptions and why). Runs under `cargo test` (see the test
+//! below) and as `cargo xtask tidy`.
 
 use std::path::{Path, PathBuf};
 
@@ -29,6 +32,7 @@ pub(crate) fn check(root: &Path) -> Result<Vec<String>> {
                 "{rel}: {ignore}] hides a test; gate it on a feature instead"
             ));
         }
+        problems.extend(length_problems(&rel, &text));
         if msrv_minor.is_some_and(|m| m < 86) {
             if let Some(line) = safe_target_feature_fn(&text) {
                 problems.push(format!(
@@ -37,6 +41,182 @@ pub(crate) fn check(root: &Path) -> Result<Vec<String>> {
             }
         }
     }
+    for krate in MODULE_DAGS {
+        problems.extend(module_graph_problems(root, krate)?);
+    }
+    Ok(problems)
+}
+
+/// Crates whose modules must form a DAG and never import the crate root
+/// (`use crate::{Engine, ..}` from below `lib.rs` is how a circle starts:
+/// name the module instead).
+const MODULE_DAGS: [&str; 2] = ["engine/src", "engine/coordinator/src"];
+
+/// Source files allowed past [`MAX_LINES`], and functions past
+/// [`MAX_FN_LINES`], each with the reason.
+const LONG_FILES: &[(&str, &str)] = &[];
+const LONG_FNS: &[(&str, &str, &str)] = &[];
+
+/// Lines a source file of the engine or the coordinator may have.
+const MAX_LINES: usize = 400;
+/// Lines a function there may have.
+const MAX_FN_LINES: usize = 100;
+
+/// Files and functions of the engine and the coordinator over the limits
+/// (tests excluded: a `tests.rs` file, or below a `#[cfg(test)]` line).
+fn length_problems(rel: &str, text: &str) -> Vec<String> {
+    let rel = rel.replace('\\', "/");
+    if !MODULE_DAGS.iter().any(|d| rel.starts_with(d)) || rel.ends_with("tests.rs") {
+        return Vec::new();
+    }
+    let code = non_test_lines(text);
+    let mut out = Vec::new();
+    if code.len() > MAX_LINES && !LONG_FILES.iter().any(|(f, _)| *f == rel) {
+        out.push(format!(
+            "{rel}: {} lines (at most {MAX_LINES}; split it by concern)",
+            code.len()
+        ));
+    }
+    for (name, start, len) in functions(&code) {
+        let allowed = LONG_FNS.iter().any(|(f, n, _)| *f == rel && *n == name);
+        if len > MAX_FN_LINES && !allowed {
+            out.push(format!(
+                "{rel}:{}: fn {name} has {len} lines (at most {MAX_FN_LINES})",
+                start + 1
+            ));
+        }
+    }
+    out
+}
+
+/// The lines of `text` before its inline unit tests (`#[cfg(test)]` then
+/// `mod tests {`; a `mod tests;` declaration does not end the code).
+fn non_test_lines(text: &str) -> Vec<&str> {
+    let lines: Vec<&str> = text.lines().collect();
+    let end = (0..lines.len())
+        .find(|&i| {
+            lines[i].trim_start().starts_with("#[cfg(test)]")
+                && lines[i + 1..]
+                    .iter()
+                    .take(3)
+                    .any(|l| l.trim_start().starts_with("mod tests {"))
+        })
+        .unwrap_or(lines.len());
+    lines[..end].to_vec()
+}
+
+/// `(name, first line, lines)` of every function with a body in `lines`.
+fn functions(lines: &[&str]) -> Vec<(String, usize, usize)> {
+    let mut out = Vec::new();
+    for (i, l) in lines.iter().enumerate() {
+        let t = l.trim_start();
+        let t = t
+            .strip_prefix("pub(crate) ")
+            .or_else(|| t.strip_prefix("pub(super) "))
+            .or_else(|| t.strip_prefix("pub "))
+            .unwrap_or(t);
+        let Some(rest) = t.strip_prefix("fn ") else {
+            continue;
+        };
+        if l.trim_end().ends_with(';') {
+            continue;
+        }
+        let name: String = rest
+            .chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '_')
+            .collect();
+        let indent = l.len() - l.trim_start().len();
+        let close = format!("{}}}", " ".repeat(indent));
+        let end = lines[i..]
+            .iter()
+            .position(|x| x.trim_end() == close)
+            .map_or(lines.len(), |k| i + k);
+        out.push((name, i, end - i + 1));
+    }
+    out
+}
+
+/// Circles between the modules of the crate at `root/krate`, and imports
+/// of its root from a module below it.
+fn module_graph_problems(root: &Path, krate: &str) -> Result<Vec<String>> {
+    let src = root.join(krate);
+    let rel = |p: &Path| p.strip_prefix(root).unwrap_or(p).display().to_string();
+    let lib = std::fs::read_to_string(src.join("lib.rs"))?;
+    let mods: Vec<String> = lib
+        .lines()
+        .filter_map(|l| {
+            let t = l.trim_start();
+            let t = t.strip_prefix("pub ").unwrap_or(t);
+            t.strip_prefix("mod ")?
+                .strip_suffix(';')
+                .map(str::to_string)
+        })
+        .collect();
+    let mut deps: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    let mut problems = Vec::new();
+    for m in &mods {
+        let file = [src.join(format!("{m}.rs")), src.join(m).join("mod.rs")]
+            .into_iter()
+            .find(|p| p.exists());
+        let Some(file) = file else { continue };
+        let mut text = String::new();
+        let dir = file.parent().map(Path::to_path_buf).unwrap_or_default();
+        if file.ends_with("mod.rs") {
+            for e in std::fs::read_dir(&dir)? {
+                let p = e?.path();
+                if p.extension().is_some_and(|x| x == "rs") && !p.ends_with("tests.rs") {
+                    text.push_str(&std::fs::read_to_string(&p)?);
+                }
+            }
+        } else {
+            text = std::fs::read_to_string(&file)?;
+        }
+        let mut uses: Vec<String> = Vec::new();
+        for l in non_test_lines(&text) {
+            let code = l.split("//").next().unwrap_or("");
+            let mut rest = code;
+            while let Some(i) = rest.find("crate::") {
+                rest = &rest[i + "crate::".len()..];
+                let name: String = rest
+                    .chars()
+                    .take_while(|c| c.is_alphanumeric() || *c == '_' || *c == '{')
+                    .collect();
+                if name.starts_with('{') || name.chars().next().is_some_and(char::is_uppercase) {
+                    problems.push(format!(
+                        "{}: `crate::{name}` imports the crate root; name the module",
+                        rel(&file)
+                    ));
+                } else if mods.contains(&name) && name != *m && !uses.contains(&name) {
+                    uses.push(name);
+                }
+            }
+        }
+        deps.insert(m.clone(), uses);
+    }
+    // A circle: a module reachable from itself.
+    for m in &mods {
+        let mut stack: Vec<(String, Vec<String>)> = vec![(m.clone(), vec![m.clone()])];
+        let mut seen = std::collections::BTreeSet::new();
+        while let Some((n, path)) = stack.pop() {
+            for d in deps.get(&n).into_iter().flatten() {
+                if d == m {
+                    problems.push(format!(
+                        "{krate}: modules import each other in a circle: {} -> {m}",
+                        path.join(" -> ")
+                    ));
+                    stack.clear();
+                    break;
+                }
+                if seen.insert(d.clone()) {
+                    let mut p = path.clone();
+                    p.push(d.clone());
+                    stack.push((d.clone(), p));
+                }
+            }
+        }
+    }
+    problems.sort();
+    problems.dedup();
     Ok(problems)
 }
 

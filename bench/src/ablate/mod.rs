@@ -9,6 +9,12 @@
 pub mod config;
 pub mod report;
 
+/// The eviction policies experiment files can name: kvforge's own, and
+/// the README's worked example.
+pub fn registry() -> kvforge_engine::Registry {
+    kvforge_engine::Registry::builtin().with_eviction("strided", strided::build)
+}
+
 /// The dtype every configuration stores its hot KV in (the engine's
 /// default; [`run`] sets it explicitly, the report names it).
 pub const HOT_KV: &str = "f16";

@@ -93,57 +93,8 @@ pub struct Summary {
 }
 
 /// Describes a configuration's mechanisms in a few words.
-pub fn describe(m: &Mechanisms) -> String {
-    use super::config::EvictionSpec;
-    let mut parts = Vec::new();
-    if let Some(p) = m.prefix {
-        parts.push(format!("prefix {:?}/{:?}", p.index, p.tail).to_lowercase());
-    }
-    if let Some(c) = m.cold {
-        let rot = if c.rotate { " rot" } else { "" };
-        parts.push(format!("cold {:?} w{} s{}{rot}", c.format, c.window, c.sink).to_lowercase());
-    }
-    match m.eviction {
-        Some(EvictionSpec::SinkWindow { sink, window }) => {
-            parts.push(format!("evict sink{sink}+window{window}"))
-        }
-        Some(EvictionSpec::Strided {
-            sink,
-            window,
-            stride,
-        }) => parts.push(format!("evict strided{stride} sink{sink}+window{window}")),
-        Some(spec) => {
-            if let Some(Ok((score, trigger, sink, window))) = spec.scored()
-                && let Ok(p) = kvforge_evict::Scored::new(score, trigger, sink, window)
-                && let Ok(p) = match (spec.per_head(), spec.per_token()) {
-                    (true, _) => p.per_head(),
-                    (_, true) => p.per_token(),
-                    _ => Ok(p),
-                }
-            {
-                use kvforge_evict::EvictionPolicy as _;
-                parts.push(format!("evict {}", p.name()));
-            }
-        }
-        None => {}
-    }
-    if let Some(share) = m.share {
-        parts.push(share.label());
-    }
-    if let Some(l) = m.lifecycle {
-        parts.push(l.label());
-    }
-    if m.budget_mib > 0 {
-        parts.push(format!("budget {} MiB", m.budget_mib));
-    }
-    if let Some(b) = m.block_size {
-        parts.push(format!("block {b}"));
-    }
-    if parts.is_empty() {
-        "full cache".into()
-    } else {
-        parts.join(", ")
-    }
+pub fn describe(exp: &Experiment, m: &Mechanisms) -> String {
+    m.describe(exp.block_size(m), &super::registry())
 }
 
 fn mean(v: impl IntoIterator<Item = f64>) -> f64 {
@@ -168,7 +119,7 @@ pub fn summarize(exp: &Experiment, records: &[Record]) -> Vec<Summary> {
             let of = |w: &str| -> Vec<&Record> {
                 records
                     .iter()
-                    .filter(|r| r.config == m.name && r.workload == w && r.error.is_none())
+                    .filter(|r| r.config == m.name() && r.workload == w && r.error.is_none())
                     .collect()
             };
             let chat = of("chat");
@@ -179,8 +130,8 @@ pub fn summarize(exp: &Experiment, records: &[Record]) -> Vec<Summary> {
                 .iter()
                 .max_by(|a, b| a.get("context").total_cmp(&b.get("context")));
             Summary {
-                name: m.name.clone(),
-                mechanisms: describe(m),
+                name: m.name().to_string(),
+                mechanisms: describe(exp, m),
                 chat_peak_mib: max(chat.iter().map(|r| r.get("peak_kv_bytes") / MIB)),
                 chat_mean_mib: mean(chat.iter().map(|r| r.get("mean_kv_bytes") / MIB)),
                 recall: mean(chat.iter().map(|r| r.get("recalled"))),
@@ -209,7 +160,7 @@ pub fn summarize(exp: &Experiment, records: &[Record]) -> Vec<Summary> {
                 passkey_mib: mean(pass.iter().map(|r| r.get("kv_bytes") / MIB)),
                 failed: records
                     .iter()
-                    .filter(|r| r.config == m.name && r.error.is_some())
+                    .filter(|r| r.config == m.name() && r.error.is_some())
                     .count(),
             }
         })
@@ -379,7 +330,7 @@ fn model_words(exp: &Experiment) -> String {
 }
 
 fn workload_sections(md: &mut String, exp: &Experiment, records: &[Record]) {
-    let names: Vec<&str> = exp.matrix().iter().map(|m| m.name.as_str()).collect();
+    let names: Vec<&str> = exp.matrix().iter().map(|m| m.name()).collect();
     let ok = |c: &str, w: &str| -> Vec<&Record> {
         records
             .iter()
@@ -582,7 +533,7 @@ fn plots(dir: &Path, exp: &Experiment, records: &[Record], summary: &[Summary]) 
         for m in exp.matrix() {
             let first = records
                 .iter()
-                .find(|r| r.config == m.name && r.workload == "chat" && r.error.is_none());
+                .find(|r| r.config == m.name() && r.workload == "chat" && r.error.is_none());
             if let Some(r) = first {
                 let line = r
                     .turns
@@ -590,7 +541,7 @@ fn plots(dir: &Path, exp: &Experiment, records: &[Record], summary: &[Summary]) 
                     .enumerate()
                     .filter_map(|(i, t)| Some(((i + 1) as f64, t.get("kv_bytes")? / MIB)))
                     .collect();
-                series.push((m.name.as_str(), line));
+                series.push((m.name(), line));
             }
         }
         let turns = series.iter().map(|s| s.1.len()).max().unwrap_or(1) as f64;

@@ -12,17 +12,12 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 use kvforge_engine::{
-    Axis, CacheManager, Device, Engine, EngineConfig, EvictionConfig, IndexKind, KvQuant, Llama,
-    LlamaConfig, Message, ReuseConfig, SamplingParams, Sequence, Tokenizer, TurnTail,
+    CacheManager, Device, Engine, EngineConfig, Llama, LlamaConfig, Message, ReuseConfig,
+    SamplingParams, Sequence, Tokenizer,
 };
-use kvforge_evict::EvictionPolicy;
 
-use super::config::{
-    ChatWorkload, EvictionSpec, Experiment, IndexName, KeyAxis, LifecycleSpec, Mechanisms,
-    PasskeyWorkload, ShareSpec, StreamWorkload, TailName,
-};
+use super::config::{ChatWorkload, Experiment, Mechanisms, PasskeyWorkload, StreamWorkload};
 use super::report::{self, Record, RunInfo};
-use super::strided::Strided;
 use crate::SplitMix;
 
 /// What to run and where.
@@ -98,10 +93,10 @@ pub fn run(opts: &Options) -> Result<PathBuf> {
         for w in ["chat", "stream", "passkey"] {
             let ok = records
                 .iter()
-                .filter(|r| r.config == m.name && r.workload == w && r.error.is_none())
+                .filter(|r| r.config == m.name() && r.workload == w && r.error.is_none())
                 .count();
             if ok > 0 && ok == group_items(w) {
-                done.insert((m.name.clone(), w.to_string()));
+                done.insert((m.name().to_string(), w.to_string()));
             }
         }
     }
@@ -118,7 +113,7 @@ pub fn run(opts: &Options) -> Result<PathBuf> {
         .map(|m| {
             items
                 .iter()
-                .filter(|i| !done.contains(&(m.name.clone(), i.workload.to_string())))
+                .filter(|i| !done.contains(&(m.name().to_string(), i.workload.to_string())))
                 .count()
         })
         .sum();
@@ -141,7 +136,8 @@ pub fn run(opts: &Options) -> Result<PathBuf> {
             let mine: Vec<&Item> = items
                 .iter()
                 .filter(|i| {
-                    i.workload == workload && !done.contains(&(m.name.clone(), workload.into()))
+                    i.workload == workload
+                        && !done.contains(&(m.name().to_string(), workload.into()))
                 })
                 .collect();
             if mine.is_empty() {
@@ -149,7 +145,7 @@ pub fn run(opts: &Options) -> Result<PathBuf> {
             }
             let mut runner = Runner::new(&exp, m, &model, &tok).map_err(|e| format!("{e:#}"));
             for item in mine {
-                bar.set_message(format!("{} · {} {}", m.name, workload, item.name));
+                bar.set_message(format!("{} · {} {}", m.name(), workload, item.name));
                 let t0 = Instant::now();
                 let got = match &mut runner {
                     Ok(r) => r.item(&inputs, item).map_err(|e| format!("{e:#}")),
@@ -162,7 +158,7 @@ pub fn run(opts: &Options) -> Result<PathBuf> {
                         ..Record::default()
                     },
                 };
-                rec.config = m.name.clone();
+                rec.config = m.name().to_string();
                 rec.workload = workload.into();
                 rec.item = item.name.clone();
                 rec.secs = t0.elapsed().as_secs_f64();
@@ -178,7 +174,7 @@ pub fn run(opts: &Options) -> Result<PathBuf> {
             // scraper would see them.
             if let Ok(r) = &runner {
                 let dir = out.join("metrics");
-                let path = dir.join(format!("{}-{workload}.prom", m.name));
+                let path = dir.join(format!("{}-{workload}.prom", m.name()));
                 std::fs::create_dir_all(&dir)
                     .and_then(|()| {
                         std::fs::write(
@@ -587,87 +583,26 @@ struct Runner<'a> {
     tok: &'a Tokenizer,
 }
 
-/// An engine's configuration, its reuse, and an eviction policy the
-/// coordinator's configuration cannot name.
-type Configured = (EngineConfig, ReuseConfig, Option<Box<dyn EvictionPolicy>>);
-
-/// Engine and reuse configuration of `m`, and a policy the coordinator's
-/// configuration cannot name (installed after it is built).
-fn configure(exp: &Experiment, m: &Mechanisms) -> Result<Configured> {
-    let bs = m.block_size(&exp.model);
-    let kv_quant = m.cold.map(|c| KvQuant {
-        bits: c.format.bits(),
-        group_size: c.group,
-        window: c.window,
-        rotate: c.rotate,
-        key_axis: match c.keys {
-            KeyAxis::Channel => Axis::PerChannel,
-            KeyAxis::Token => Axis::PerToken,
-        },
-        sink: c.sink,
-    });
-    let mut extra: Option<Box<dyn EvictionPolicy>> = None;
-    let eviction = match m.eviction {
-        None => None,
-        Some(EvictionSpec::SinkWindow { sink, window }) => {
-            Some(EvictionConfig::SinkWindow { sink, window })
-        }
-        Some(EvictionSpec::Strided {
-            sink,
-            window,
-            stride,
-        }) => {
-            extra = Some(Box::new(Strided::new(sink, window, stride, bs)?));
-            None
-        }
-        Some(spec) => match spec.scored() {
-            Some(Ok((score, trigger, sink, window))) => Some(EvictionConfig::Scored {
-                score,
-                trigger,
-                sink,
-                window,
-                per_head: spec.per_head(),
-                per_token: spec.per_token(),
-            }),
-            Some(Err(e)) => bail!("{e}"),
-            None => bail!("eviction policy {spec:?} has no configuration"),
-        },
-    };
-    let cfg = EngineConfig {
+/// Engine and reuse configuration of `m` (its eviction policy built by
+/// the bench's [`registry`](super::registry)).
+fn configure(exp: &Experiment, m: &Mechanisms) -> Result<(EngineConfig, ReuseConfig)> {
+    let mut cfg = EngineConfig {
         weight_kind: None,
         kv_kind: Some(kvforge_engine::parse_dtype(super::HOT_KV)?),
-        block_size: bs,
-        kv_quant,
-        eviction,
-        dedup: m.share.map(ShareSpec::config),
-        lifecycle: m.lifecycle.map(LifecycleSpec::config),
-        kv_budget: m.budget_mib << 20,
+        block_size: exp.model.block_size,
         ..EngineConfig::default()
     };
-    let reuse = ReuseConfig {
-        enabled: m.prefix.is_some(),
-        index: match m.prefix.map(|p| p.index) {
-            Some(IndexName::Radix) => IndexKind::Radix,
-            _ => IndexKind::HashChain,
-        },
-        tail: match m.prefix.map(|p| p.tail) {
-            Some(TailName::Seal) => TurnTail::Seal,
-            Some(TailName::Skip) => TurnTail::Skip,
-            _ => TurnTail::Copy,
-        },
-        seed: Some(exp.model.seed),
-    };
-    Ok((cfg, reuse, extra))
+    let reuse = m
+        .apply(&mut cfg, &super::registry(), Some(exp.model.seed))
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    Ok((cfg, reuse))
 }
 
 impl<'a> Runner<'a> {
     fn new(exp: &Experiment, m: &Mechanisms, model: &Llama, tok: &'a Tokenizer) -> Result<Self> {
-        let (cfg, reuse, extra) = configure(exp, m)?;
+        let (cfg, reuse) = configure(exp, m)?;
         let engine = Engine::new(model.share(), tok.clone(), &cfg)?;
         let manager = CacheManager::new(engine, reuse)?;
-        if extra.is_some() {
-            manager.engine().cache.set_eviction_policy(extra);
-        }
         Ok(Runner { manager, tok })
     }
 

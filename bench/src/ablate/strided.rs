@@ -2,6 +2,7 @@
 //! sink and recent window, and of the whole blocks between them one in
 //! `stride` kept (a sparse sample of the past instead of none of it).
 
+use kvforge_engine::mechanisms::PolicyParams;
 use kvforge_evict::{EvictError, EvictionPolicy, Pressure, SeqKey};
 use kvforge_pool::{BlockTable, Slot};
 
@@ -35,6 +36,28 @@ impl Strided {
             block: block as u64,
         })
     }
+}
+
+/// Its parameters in a mechanisms file: `eviction = { policy = "strided",
+/// sink = 32, window = 512, stride = 4 }`.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Params {
+    sink: usize,
+    window: usize,
+    stride: usize,
+}
+
+/// Builds it from a mechanisms file's parameters (what the registry
+/// calls: `Registry::builtin().with_eviction("strided", strided::build)`).
+pub fn build(p: &PolicyParams<'_>) -> Result<Box<dyn EvictionPolicy>, String> {
+    let Params {
+        sink,
+        window,
+        stride,
+    } = p.parse()?;
+    let s = Strided::new(sink, window, stride, p.block_size).map_err(|e| e.to_string())?;
+    Ok(Box::new(s))
 }
 
 impl EvictionPolicy for Strided {

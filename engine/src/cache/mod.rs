@@ -21,8 +21,10 @@ use crate::attention::{AttentionBackend, KvTensors};
 use crate::error::{EngineError, Result};
 use crate::fused::FusedBackend;
 use crate::kv::KvDims;
+use crate::policies::Policies;
 use crate::tier::{ColdTier, KvQuant};
 
+mod policies;
 mod rewrite;
 mod sequences;
 mod step;
@@ -87,11 +89,15 @@ pub struct PagedKvCache {
     v: Vec<Tensor>,
     cold: Option<ColdTier>,
     backend: Box<dyn AttentionBackend>,
+    /// A researcher's policy objects, installed in every coordinator the
+    /// cache builds.
+    policies: Policies,
 }
 
 // SAFETY: the tensors are only read concurrently, or written at slots of
 // hot blocks that the coordinator handed to exactly one sequence for the
-// step (a block with other holders is never written): concurrent steps
+// step (a block with other holders is never written: the coordinator's
+// invariant, checked by `kvforge_coordinator::testing::check_invariants`): concurrent steps
 // touch disjoint memory, and libtorch's tensor handles count references
 // atomically. Everything else is behind a mutex or a lock.
 unsafe impl Sync for PagedKvCache {}
@@ -163,6 +169,7 @@ impl PagedKvCache {
             v,
             cold: None,
             backend: Box::new(FusedBackend::default()),
+            policies: Policies::default(),
         })
     }
 
@@ -203,7 +210,8 @@ impl PagedKvCache {
             }
             _ => None,
         };
-        let coord = Coordinator::new(cfg)?;
+        let mut coord = Coordinator::new(cfg)?;
+        policies::install(&mut coord, &self.policies)?;
         let busy = {
             let c = self.coordinator();
             c.sequences() > 0 || c.bytes_in_use() > 0

@@ -1,0 +1,53 @@
+//! A researcher's policy objects in the cache: installed in every
+//! coordinator it builds.
+
+use kvforge_coordinator::Coordinator;
+
+use crate::error::{EngineError, Result};
+use crate::policies::Policies;
+
+use super::PagedKvCache;
+
+impl PagedKvCache {
+    /// Runs `policies`' objects in place of the configured ones, from now
+    /// on and in every coordinator [`configure`](Self::configure) builds.
+    /// Refused, changing nothing, while sequences hold KV, or when a
+    /// policy cannot run here (a tier policy without a cold tier, a policy
+    /// that packs hot blocks beside one).
+    pub fn set_policies(&mut self, policies: Policies) -> Result<()> {
+        let old = std::mem::replace(&mut self.policies, policies);
+        let r = self.configure(self.config(), self.cold_tier());
+        if r.is_err() {
+            self.policies = old;
+        }
+        r
+    }
+
+    /// The policy objects it runs ([`set_policies`](Self::set_policies)).
+    pub fn policies(&self) -> &Policies {
+        &self.policies
+    }
+}
+
+/// Installs `p`'s objects into `c` (freshly built, nothing in it).
+pub(super) fn install(c: &mut Coordinator, p: &Policies) -> Result<()> {
+    let cold = c.config().cold.is_some();
+    if let Some(f) = &p.eviction {
+        let ev = f().map_err(EngineError::Request)?;
+        if cold && (ev.per_lane() || ev.token_level()) {
+            return Err(EngineError::Request(format!(
+                "eviction {}: it packs hot blocks (per head or per token); it does not combine with a cold tier yet",
+                ev.name()
+            )));
+        }
+        c.set_eviction_policy(Some(ev));
+    }
+    if let Some(f) = &p.tier {
+        c.set_tier_policy(f().map_err(EngineError::Request)?)?;
+    }
+    if let Some(f) = &p.lifecycle {
+        let (policy, params) = f().map_err(EngineError::Request)?;
+        c.set_lifecycle_policy(Some((policy, params)))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,240 @@
+//! One configuration of kvforge's mechanisms — prefix reuse, the cold
+//! tier, eviction, sharing, the lifecycle, the byte budget — as a TOML
+//! table (or any serde format), read the same way by the CLI
+//! (`--config FILE`), the ablation's experiment files, the server and the
+//! Python package:
+//!
+//! ```toml
+//! prefix = { index = "hash-chain", tail = "copy" }
+//! cold = { format = "int4", window = 128, sink = 32 }
+//! eviction = { policy = "keydiff", sink = 32, window = 512, per_head = true, budget_tokens = 1024 }
+//! share = { policy = "exact" }
+//! lifecycle = { policy = "rule", protect = 2, delay = 2 }
+//! budget_mib = 0
+//! ```
+//!
+//! Each mechanism is off when absent. An eviction policy is named: the
+//! [`Registry`] builds it from its parameters (a researcher registers
+//! their own with one line); a policy object can also be handed to an
+//! engine directly ([`Policies`](crate::policies::Policies)).
+
+use std::ops::Range;
+use std::path::Path;
+
+use serde::Deserialize;
+
+use crate::engine::EngineConfig;
+use crate::manager::ReuseConfig;
+use crate::tier::KvQuant;
+
+mod registry;
+mod specs;
+#[cfg(test)]
+mod tests;
+
+pub use registry::{EvictionBuilder, PolicyParams, Registry};
+pub use specs::{IndexName, KeyAxis, LifecycleSpec, PolicySpec, PrefixSpec, ShareSpec, TailName};
+
+/// One configuration of the mechanisms (each absent = off).
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Mechanisms {
+    /// A name (the ablation's row; optional elsewhere).
+    pub name: Option<String>,
+    /// Prefix reuse across requests and sessions.
+    pub prefix: Option<PrefixSpec>,
+    /// The quantized cold tier.
+    #[serde(default, deserialize_with = "cold")]
+    pub cold: Option<KvQuant>,
+    /// Eviction: a policy of the [`Registry`] and its parameters.
+    pub eviction: Option<PolicySpec>,
+    /// Sharing of duplicate cold blocks.
+    pub share: Option<ShareSpec>,
+    /// Context lifecycle at turn ends.
+    pub lifecycle: Option<LifecycleSpec>,
+    /// Byte budget of all KV tiers, MiB (0 = the hot tier's capacity).
+    #[serde(default)]
+    pub budget_mib: u64,
+    /// Tokens per KV block (absent: the engine's).
+    pub block_size: Option<usize>,
+}
+
+/// `cold = { format = "int4", … }` into a [`KvQuant`].
+fn cold<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<KvQuant>, D::Error> {
+    let spec = Option::<specs::ColdSpec>::deserialize(d)?;
+    spec.map(KvQuant::try_from)
+        .transpose()
+        .map_err(serde::de::Error::custom)
+}
+
+impl Mechanisms {
+    /// Its name (`""` when it has none).
+    pub fn name(&self) -> &str {
+        self.name.as_deref().unwrap_or("")
+    }
+
+    /// Reads a mechanisms file (`path` for messages): a TOML syntax error,
+    /// an unknown key or a bad value is one line naming the file, line and
+    /// column; then [`check`](Self::check) with `block_size` (the engine's,
+    /// unless the file names one).
+    pub fn from_toml(
+        src: &str,
+        path: &Path,
+        block_size: usize,
+        registry: &Registry,
+    ) -> Result<Self, String> {
+        let m: Mechanisms =
+            toml::from_str(src).map_err(|e| located(path, src, e.span(), e.message()))?;
+        m.check(m.block_size.unwrap_or(block_size), registry)
+            .map_err(|e| located(path, src, None, &e))?;
+        Ok(m)
+    }
+
+    /// [`from_toml`](Self::from_toml) of a file.
+    pub fn load(path: &Path, block_size: usize, registry: &Registry) -> Result<Self, String> {
+        let src = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        Self::from_toml(&src, path, block_size, registry)
+    }
+
+    /// What cannot work in this configuration with blocks of `block`
+    /// tokens, found before anything runs (the engine checks the rest):
+    /// windows off the block grid, sharing without a cold tier, a policy
+    /// the registry does not know or refuses.
+    pub fn check(&self, block: usize, registry: &Registry) -> Result<(), String> {
+        if let Some(name) = &self.name {
+            if name.is_empty() || name.contains([',', '\n', '|']) {
+                return Err("a name must be non-empty, without commas or |".into());
+            }
+        }
+        if !(1..=4096).contains(&block) {
+            return Err(format!("block_size must be within 1..=4096, not {block}"));
+        }
+        if let Some(c) = &self.cold {
+            if c.window % block != 0 || c.sink % block != 0 {
+                return Err(format!(
+                    "cold.window and cold.sink must be multiples of the block size {block}"
+                ));
+            }
+        }
+        if self.share.is_some() && self.cold.is_none() {
+            return Err("share needs a cold tier (it shares quantized blocks)".into());
+        }
+        if let Some(kvforge_coordinator::DedupConfig::SimHash(c)) =
+            self.share.map(ShareSpec::config)
+        {
+            c.validate().map_err(|e| e.to_string())?;
+        }
+        if let Some(e) = &self.eviction {
+            registry.eviction(e, block, self.cold.is_some())?;
+            // A policy's protected recent window inside the hot window would
+            // drop blocks before they could go cold.
+            let window = e.params.get("window").and_then(serde_json::Value::as_u64);
+            if let (Some(c), Some(w)) = (&self.cold, window) {
+                if (w as usize) < c.window {
+                    return Err(format!(
+                        "an eviction window of {w} tokens inside the cold tier's hot window of {} drops blocks before they could go cold: make it at least as long",
+                        c.window
+                    ));
+                }
+            }
+        }
+        if let Some(msg) = self.lifecycle.and_then(LifecycleSpec::problem) {
+            return Err(msg);
+        }
+        Ok(())
+    }
+
+    /// Sets `cfg`'s mechanisms (the block size too, when named), the
+    /// eviction policy built by `registry`; returns the reuse to run with
+    /// (hash seed: the file's, else `seed`).
+    pub fn apply(
+        &self,
+        cfg: &mut EngineConfig,
+        registry: &Registry,
+        seed: Option<u64>,
+    ) -> Result<ReuseConfig, String> {
+        if let Some(b) = self.block_size {
+            cfg.block_size = b;
+        }
+        self.check(cfg.block_size, registry)?;
+        cfg.kv_quant = self.cold;
+        cfg.eviction = None;
+        cfg.policies.eviction = self
+            .eviction
+            .as_ref()
+            .map(|e| registry.eviction(e, cfg.block_size, self.cold.is_some()))
+            .transpose()?;
+        cfg.dedup = self.share.map(ShareSpec::config);
+        cfg.lifecycle = self.lifecycle.map(LifecycleSpec::config);
+        cfg.kv_budget = self.budget_mib << 20;
+        let p = self.prefix.unwrap_or_default();
+        Ok(ReuseConfig {
+            enabled: self.prefix.is_some(),
+            index: p.index.into(),
+            tail: p.tail.into(),
+            seed: p.seed.or(seed),
+        })
+    }
+
+    /// The mechanisms in a few words (`full cache` when none is on), the
+    /// eviction policy by its own name, for blocks of `block` tokens.
+    pub fn describe(&self, block: usize, registry: &Registry) -> String {
+        let mut parts = Vec::new();
+        if let Some(p) = self.prefix {
+            parts.push(format!("prefix {:?}/{:?}", p.index, p.tail).to_lowercase());
+        }
+        if let Some(c) = self.cold {
+            let rot = if c.rotate { " rot" } else { "" };
+            parts.push(format!("cold int{} w{} s{}{rot}", c.bits, c.window, c.sink));
+        }
+        if let Some(e) = &self.eviction {
+            let built = registry
+                .eviction(e, self.block_size.unwrap_or(block), self.cold.is_some())
+                .and_then(|f| f());
+            parts.push(match built {
+                Ok(p) => format!("evict {}", p.name()),
+                Err(_) => format!("evict {}", e.policy),
+            });
+        }
+        if let Some(share) = self.share {
+            parts.push(share.label());
+        }
+        if let Some(l) = self.lifecycle {
+            parts.push(l.label());
+        }
+        if self.budget_mib > 0 {
+            parts.push(format!("budget {} MiB", self.budget_mib));
+        }
+        if let Some(b) = self.block_size {
+            parts.push(format!("block {b}"));
+        }
+        if parts.is_empty() {
+            "full cache".into()
+        } else {
+            parts.join(", ")
+        }
+    }
+}
+
+/// `file:line:col: message (at `source line`)`, on one line: where `span`
+/// (of `src`, read from `path`) starts; the file alone without a span.
+pub fn located(path: &Path, src: &str, span: Option<Range<usize>>, msg: &str) -> String {
+    let msg = msg.trim().replace('\n', " ");
+    let Some(span) = span else {
+        return format!("{}: {msg}", path.display());
+    };
+    let start = span.start.min(src.len());
+    let before = &src[..start];
+    let line = before.matches('\n').count() + 1;
+    let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+    let col = src[line_start..start].chars().count() + 1;
+    let text = src[line_start..]
+        .lines()
+        .next()
+        .unwrap_or("")
+        .trim()
+        .chars()
+        .take(60)
+        .collect::<String>();
+    format!("{}:{line}:{col}: {msg} (at `{text}`)", path.display())
+}

@@ -1,0 +1,333 @@
+//! [`Registry`]: every eviction policy a mechanisms file can name, built
+//! from its parameters. The built-in ones are registered by
+//! [`Registry::builtin`]; a researcher's policy is one more line:
+//!
+//! ```
+//! # use kvforge_engine::mechanisms::Registry;
+//! # use kvforge_evict::SinkWindow;
+//! #[derive(serde::Deserialize)]
+//! #[serde(deny_unknown_fields)]
+//! struct Params { window: usize }
+//! let registry = Registry::builtin().with_eviction("mine", |p| {
+//!     let Params { window } = p.parse()?;
+//!     Ok(Box::new(SinkWindow::new(0, window).map_err(|e| e.to_string())?))
+//! });
+//! assert!(registry.eviction_names().contains(&"mine"));
+//! ```
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use kvforge_evict::{EvictionPolicy, Score, Scored, SinkWindow, Trigger};
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
+
+use crate::policies::EvictionFactory;
+
+use super::specs::PolicySpec;
+
+/// What a policy builder is given: the parameters of its table and the
+/// cache it serves.
+pub struct PolicyParams<'a> {
+    params: &'a serde_json::Map<String, serde_json::Value>,
+    /// Tokens per block of the cache.
+    pub block_size: usize,
+    /// Whether the cache has a cold tier.
+    pub cold_tier: bool,
+}
+
+impl PolicyParams<'_> {
+    /// The parameters read into `T`: a serde struct (deny unknown fields
+    /// in it, and a misspelt parameter is an error).
+    pub fn parse<T: DeserializeOwned>(&self) -> Result<T, String> {
+        serde_json::from_value(serde_json::Value::Object(self.params.clone()))
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// Builds one eviction policy from its parameters (or says why not).
+pub type EvictionBuilder =
+    Arc<dyn Fn(&PolicyParams<'_>) -> Result<Box<dyn EvictionPolicy>, String> + Send + Sync>;
+
+/// The eviction policies a mechanisms file can name, by name.
+#[derive(Clone)]
+pub struct Registry {
+    eviction: BTreeMap<String, EvictionBuilder>,
+}
+
+impl std::fmt::Debug for Registry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registry")
+            .field("eviction", &self.eviction_names())
+            .finish()
+    }
+}
+
+impl Default for Registry {
+    fn default() -> Self {
+        Registry::builtin()
+    }
+}
+
+impl Registry {
+    /// No policy at all.
+    pub fn empty() -> Self {
+        Registry {
+            eviction: BTreeMap::new(),
+        }
+    }
+
+    /// kvforge's own: `sink-window` (StreamingLLM), `h2o`, `lfu`,
+    /// `keydiff`, `snapkv` (both also `per_head` or `per_token`) and
+    /// `hybrid` (seed 004's priority).
+    pub fn builtin() -> Self {
+        Registry::empty()
+            .with_eviction("sink-window", |p| {
+                let SinkWindowParams { sink, window } = p.parse()?;
+                Ok(Box::new(
+                    SinkWindow::new(sink, window).map_err(|e| e.to_string())?,
+                ))
+            })
+            .with_eviction("h2o", |p| {
+                let q: H2oParams = p.parse()?;
+                let t = trigger(q.budget_tokens, q.high, q.low)?;
+                scored(
+                    Score::AttentionEma { decay: q.decay },
+                    t,
+                    q.sink,
+                    q.window,
+                    Lanes::Page,
+                    p,
+                )
+            })
+            .with_eviction("lfu", |p| {
+                let q: LfuParams = p.parse()?;
+                let t = trigger(q.budget_tokens, q.high, q.low)?;
+                scored(Score::Lfu, t, q.sink, q.window, Lanes::Page, p)
+            })
+            .with_eviction("keydiff", |p| {
+                let q: KeyDiffParams = p.parse()?;
+                let t = trigger(q.budget_tokens, q.high, q.low)?;
+                let lanes = Lanes::of(q.per_head, q.per_token)?;
+                scored(Score::KeyDiff, t, q.sink, q.window, lanes, p)
+            })
+            .with_eviction("snapkv", |p| {
+                let q: SnapKvParams = p.parse()?;
+                let t = trigger(q.budget_tokens, q.high, q.low)?;
+                let lanes = Lanes::of(q.per_head, q.per_token)?;
+                let score = Score::SnapKv { window: q.observe };
+                scored(score, t, q.sink, q.window, lanes, p)
+            })
+            .with_eviction("hybrid", |p| {
+                let q: HybridParams = p.parse()?;
+                let t = trigger(q.budget_tokens, q.high, q.low)?;
+                let score = Score::Hybrid {
+                    alpha: q.alpha,
+                    beta: q.beta,
+                    gamma: q.gamma,
+                };
+                scored(score, t, q.sink, q.window, Lanes::Page, p)
+            })
+    }
+
+    /// The same with `name` building an eviction policy (replacing one of
+    /// that name).
+    pub fn with_eviction(
+        mut self,
+        name: &str,
+        build: impl Fn(&PolicyParams<'_>) -> Result<Box<dyn EvictionPolicy>, String>
+        + Send
+        + Sync
+        + 'static,
+    ) -> Self {
+        self.eviction.insert(name.to_string(), Arc::new(build));
+        self
+    }
+
+    /// The eviction policies it knows.
+    pub fn eviction_names(&self) -> Vec<&str> {
+        self.eviction.keys().map(String::as_str).collect()
+    }
+
+    /// A factory of the eviction policy `spec` names, checked by building
+    /// one now: an unknown name, a bad parameter, or a policy that packs
+    /// hot blocks (per head, per token) beside a cold tier, is an error.
+    pub fn eviction(
+        &self,
+        spec: &PolicySpec,
+        block_size: usize,
+        cold_tier: bool,
+    ) -> Result<EvictionFactory, String> {
+        let build = self.eviction.get(&spec.policy).ok_or_else(|| {
+            format!(
+                "unknown eviction policy {:?}; known: {}",
+                spec.policy,
+                self.eviction_names().join(", ")
+            )
+        })?;
+        let name = spec.policy.clone();
+        let built = |params: &serde_json::Map<String, serde_json::Value>| {
+            let p = PolicyParams {
+                params,
+                block_size,
+                cold_tier,
+            };
+            build(&p).map_err(|e| format!("eviction {name}: {e}"))
+        };
+        let first = built(&spec.params)?;
+        if cold_tier && (first.per_lane() || first.token_level()) {
+            return Err(format!(
+                "eviction {}: it packs hot blocks (per head or per token); it does not combine with a cold tier yet",
+                spec.policy
+            ));
+        }
+        let (build, params) = (Arc::clone(build), spec.params.clone());
+        let name = spec.policy.clone();
+        Ok(Arc::new(move || {
+            let p = PolicyParams {
+                params: &params,
+                block_size,
+                cold_tier,
+            };
+            build(&p).map_err(|e| format!("eviction {name}: {e}"))
+        }))
+    }
+}
+
+/// Whole entries, each KV head's pages, or single tokens.
+enum Lanes {
+    Page,
+    Head,
+    Token,
+}
+
+impl Lanes {
+    fn of(per_head: bool, per_token: bool) -> Result<Self, String> {
+        match (per_head, per_token) {
+            (true, true) => Err("eviction is per_head or per_token, not both".into()),
+            (true, false) => Ok(Lanes::Head),
+            (false, true) => Ok(Lanes::Token),
+            (false, false) => Ok(Lanes::Page),
+        }
+    }
+}
+
+/// A budget in tokens, or high and low watermarks over the byte budget.
+fn trigger(budget: Option<usize>, high: Option<f64>, low: Option<f64>) -> Result<Trigger, String> {
+    match (budget, high, low) {
+        (Some(n), None, None) => Ok(Trigger::Tokens(n)),
+        (None, Some(high), Some(low)) => Ok(Trigger::Watermark { high, low }),
+        _ => Err("give either budget_tokens or both high and low".into()),
+    }
+}
+
+fn scored(
+    score: Score,
+    trigger: Trigger,
+    sink: usize,
+    window: usize,
+    lanes: Lanes,
+    p: &PolicyParams<'_>,
+) -> Result<Box<dyn EvictionPolicy>, String> {
+    let s = Scored::new(score, trigger, sink, window).map_err(|e| e.to_string())?;
+    let max = kvforge_pool::MAX_HOLED_BLOCK as usize;
+    Ok(Box::new(match lanes {
+        Lanes::Page => s,
+        Lanes::Head => s.per_head().map_err(|e| e.to_string())?,
+        Lanes::Token if p.block_size > max => {
+            return Err(format!(
+                "per_token marks rows of blocks of at most {max} tokens, not {}",
+                p.block_size
+            ));
+        }
+        Lanes::Token => s.per_token().map_err(|e| e.to_string())?,
+    }))
+}
+
+fn default_decay() -> f32 {
+    0.9
+}
+
+/// SnapKV's default observation window (the paper's 32 queries).
+fn default_observe() -> usize {
+    32
+}
+
+/// StreamingLLM: the first `sink` and the newest `window` tokens.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SinkWindowParams {
+    sink: usize,
+    window: usize,
+}
+
+/// H2O: entries between the sink and the window, lowest attention EMA
+/// first, when the trigger fires.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct H2oParams {
+    sink: usize,
+    window: usize,
+    #[serde(default = "default_decay")]
+    decay: f32,
+    budget_tokens: Option<usize>,
+    high: Option<f64>,
+    low: Option<f64>,
+}
+
+/// LFU: the entries that drew more than their share least often go.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LfuParams {
+    sink: usize,
+    window: usize,
+    budget_tokens: Option<usize>,
+    high: Option<f64>,
+    low: Option<f64>,
+}
+
+/// KeyDiff: the entries whose keys stand closest to the mean key go.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct KeyDiffParams {
+    sink: usize,
+    window: usize,
+    #[serde(default)]
+    per_head: bool,
+    #[serde(default)]
+    per_token: bool,
+    budget_tokens: Option<usize>,
+    high: Option<f64>,
+    low: Option<f64>,
+}
+
+/// SnapKV: the attention of the latest step's last `observe` queries.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SnapKvParams {
+    sink: usize,
+    window: usize,
+    #[serde(default = "default_observe")]
+    observe: usize,
+    #[serde(default)]
+    per_head: bool,
+    #[serde(default)]
+    per_token: bool,
+    budget_tokens: Option<usize>,
+    high: Option<f64>,
+    low: Option<f64>,
+}
+
+/// Seed 004's hybrid `α(1−recency) + β(1−attention) + γ(1−frequency)`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HybridParams {
+    sink: usize,
+    window: usize,
+    alpha: f32,
+    beta: f32,
+    gamma: f32,
+    budget_tokens: Option<usize>,
+    high: Option<f64>,
+    low: Option<f64>,
+}

@@ -1,0 +1,127 @@
+//! Unit tests of the mechanisms file and the registry.
+#![allow(clippy::unwrap_used)]
+
+use std::path::Path;
+
+use super::*;
+
+fn parse(src: &str) -> Result<Mechanisms, String> {
+    Mechanisms::from_toml(src, Path::new("m.toml"), 16, &Registry::builtin())
+}
+
+#[test]
+fn a_file_sets_every_mechanism_of_an_engine_config() {
+    let m = parse(
+        "prefix = { index = \"radix\", tail = \"seal\", seed = 5 }\n\
+         cold = { format = \"int4\", window = 64, sink = 16, keys = \"token\", rotate = true }\n\
+         eviction = { policy = \"keydiff\", sink = 16, window = 128, budget_tokens = 256 }\n\
+         share = { policy = \"exact\" }\n\
+         lifecycle = { policy = \"rule\", protect = 2, delay = 1 }\n\
+         budget_mib = 3\n",
+    )
+    .unwrap();
+    let mut cfg = EngineConfig::default();
+    let reuse = m.apply(&mut cfg, &Registry::builtin(), Some(9)).unwrap();
+    assert!(reuse.enabled);
+    assert_eq!(reuse.seed, Some(5), "the file's seed wins");
+    let q = cfg.kv_quant.unwrap();
+    assert_eq!((q.bits, q.window, q.sink, q.rotate), (4, 64, 16, true));
+    assert_eq!(q.key_axis, kvforge_quant::Axis::PerToken);
+    assert_eq!(cfg.kv_budget, 3 << 20);
+    assert!(cfg.dedup.is_some() && cfg.lifecycle.is_some() && cfg.eviction.is_none());
+    let policy = (cfg.policies.eviction.unwrap())().unwrap();
+    assert!(policy.name().contains("keydiff"), "{}", policy.name());
+    assert_eq!(
+        m.describe(16, &Registry::builtin()),
+        format!(
+            "prefix radix/seal, cold int4 w64 s16 rot, evict {}, share exact, lifecycle rule p2 k1, budget 3 MiB",
+            policy.name()
+        )
+    );
+    assert_eq!(
+        Mechanisms::default().describe(16, &Registry::builtin()),
+        "full cache"
+    );
+}
+
+#[test]
+fn what_cannot_work_is_one_line_naming_the_file() {
+    let cases = [
+        ("budget_mb = 1\n", "m.toml:1:1: unknown field `budget_mb`"),
+        ("cold = { format = \"int3\", window = 16 }\n", "int3"),
+        (
+            "cold = { format = \"int4\", window = 20 }\n",
+            "multiples of the block size 16",
+        ),
+        (
+            "share = { policy = \"exact\" }\n",
+            "share needs a cold tier",
+        ),
+        (
+            "eviction = { sink = 4, window = 8 }\n",
+            "missing field `policy`",
+        ),
+        ("eviction = { policy = 3 }\n", "policy must be a name"),
+        (
+            "eviction = { policy = \"nope\" }\n",
+            "unknown eviction policy \"nope\"; known: h2o, hybrid, keydiff, lfu, sink-window, snapkv",
+        ),
+        (
+            "eviction = { policy = \"lfu\", sink = 4, window = 8 }\n",
+            "either budget_tokens or both high and low",
+        ),
+        (
+            "cold = { format = \"int4\", window = 32 }\n\
+             eviction = { policy = \"keydiff\", per_head = true, sink = 4, window = 64, budget_tokens = 96 }\n",
+            "does not combine with a cold tier",
+        ),
+        (
+            "cold = { format = \"int4\", window = 32 }\n\
+             eviction = { policy = \"sink-window\", sink = 4, window = 16 }\n",
+            "inside the cold tier's hot window",
+        ),
+        (
+            "lifecycle = { policy = \"recent-turns\", keep = 0 }\n",
+            "lifecycle.keep must be at least 1",
+        ),
+        ("block_size = 0\n", "block_size must be within 1..=4096"),
+    ];
+    for (src, want) in cases {
+        let e = parse(src).unwrap_err();
+        assert!(e.contains(want) && !e.contains('\n'), "{src:?}: {e}");
+        assert!(e.starts_with("m.toml"), "{e}");
+    }
+}
+
+#[test]
+fn a_registered_policy_is_named_like_a_builtin_and_checked_the_same() {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct P {
+        window: usize,
+    }
+    let registry = Registry::builtin().with_eviction("mine", |p| {
+        let P { window } = p.parse()?;
+        let policy = kvforge_evict::SinkWindow::new(0, window).map_err(|e| e.to_string())?;
+        Ok(Box::new(policy))
+    });
+    let src = "eviction = { policy = \"mine\", window = 32 }\n";
+    let m = Mechanisms::from_toml(src, Path::new("m.toml"), 16, &registry).unwrap();
+    let mut cfg = EngineConfig::default();
+    m.apply(&mut cfg, &registry, None).unwrap();
+    assert_eq!(
+        (cfg.policies.eviction.unwrap())().unwrap().name(),
+        "sink0-window32"
+    );
+    let bad = "eviction = { policy = \"mine\", window = 0 }\n";
+    let e = Mechanisms::from_toml(bad, Path::new("m.toml"), 16, &registry).unwrap_err();
+    assert!(
+        e.contains("eviction mine:") && e.contains("at least one token"),
+        "{e}"
+    );
+    assert!(
+        parse(src)
+            .unwrap_err()
+            .contains("unknown eviction policy \"mine\"")
+    );
+}
