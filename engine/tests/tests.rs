@@ -20,6 +20,7 @@ mod fused;
 mod hardening;
 mod lifecycle;
 mod manager;
+mod seam;
 mod tier;
 
 fn root() -> PathBuf {

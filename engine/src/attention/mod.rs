@@ -70,12 +70,37 @@ pub(crate) fn kernel_table(pages: &[(PageRef, usize)], block_size: usize) -> Vec
     out
 }
 
-/// The storage a backend reads: the hot tier's per-layer K/V tensors and
-/// the cold tier.
+/// The storage a backend reads: the hot tier's per-layer K/V tensors
+/// (`[slots, kv_heads, head_dim]`, slot `block × block_size + row`) and the
+/// cold tier. A backend reads a step's keys and values through
+/// [`StepView::gather`], or the hot tensors directly at the view's slots.
 pub struct KvTensors<'a> {
     pub(crate) k: &'a [Tensor],
     pub(crate) v: &'a [Tensor],
     pub(crate) cold: Option<&'a ColdTier>,
+}
+
+impl KvTensors<'_> {
+    /// Layers stored.
+    pub fn layers(&self) -> usize {
+        self.k.len()
+    }
+
+    /// Layer `layer`'s hot keys, `[slots, kv_heads, head_dim]`.
+    pub fn keys(&self, layer: usize) -> Option<&Tensor> {
+        self.k.get(layer)
+    }
+
+    /// Layer `layer`'s hot values, `[slots, kv_heads, head_dim]`.
+    pub fn values(&self, layer: usize) -> Option<&Tensor> {
+        self.v.get(layer)
+    }
+
+    /// Whether a cold tier is attached (its blocks are read dequantized
+    /// through [`StepView::gather`]).
+    pub fn has_cold_tier(&self) -> bool {
+        self.cold.is_some()
+    }
 }
 
 /// What an eviction policy asked the backend to report per entry, besides

@@ -109,14 +109,14 @@ impl StepView {
     }
 
     /// The block size the table's rows count in.
-    pub(crate) fn block_size(&self) -> usize {
+    pub fn block_size(&self) -> usize {
         self.block_size
     }
 
     /// Folds one value per live key (in position order) into one per row
     /// of the table (`entries × block_size`, row `r` of entry `i` at `i ×
     /// block_size + r`; 0 for rows not read): a token-level policy's input.
-    pub(crate) fn per_row(&self, per_key: &[f32]) -> Vec<f32> {
+    pub fn per_row(&self, per_key: &[f32]) -> Vec<f32> {
         let mut out = vec![0f32; self.entry_keys.len() * self.block_size];
         for (&at, &x) in self.key_rows.iter().zip(per_key) {
             out[at as usize] += x;
@@ -139,10 +139,28 @@ impl StepView {
         self.entry_keys.len()
     }
 
+    /// Queries of the step (`start()..start() + queries()`).
+    pub fn queries(&self) -> usize {
+        self.n as usize
+    }
+
+    /// Which keys each query may see: `[queries, keys]` bool, true where
+    /// visible; `None` when every key is visible to every query, or when
+    /// the view is plainly causal ([`is_causal`](Self::is_causal)).
+    pub fn mask(&self) -> Option<&Tensor> {
+        self.mask.as_ref()
+    }
+
+    /// Whether key `j` is visible to query `i` exactly when `j <= i` (the
+    /// keys are the positions `0..` of a prompt run from the start).
+    pub fn is_causal(&self) -> bool {
+        self.causal
+    }
+
     /// Folds one value per live key (in position order) into one per table
     /// entry: their sum, or with `mean` their mean (0 for an entry without
     /// live keys).
-    pub(crate) fn per_entry(&self, per_key: &[f32], mean: bool) -> Vec<f32> {
+    pub fn per_entry(&self, per_key: &[f32], mean: bool) -> Vec<f32> {
         let mut out = Vec::with_capacity(self.entry_keys.len());
         let mut at = 0usize;
         for &len in &self.entry_keys {
@@ -160,15 +178,20 @@ impl StepView {
 
     /// One layer's K (or V, with `values`) of every live key, in position
     /// order: `[keys, kv_heads, head_dim]` in `kind` (cold blocks are
-    /// dequantized straight into it, not rounded to the storage dtype).
-    pub(crate) fn gather(
+    /// dequantized straight into it, not rounded to the storage dtype;
+    /// aliases read from their canonical block; holes and dropped entries
+    /// left out).
+    pub fn gather(
         &self,
         kv: &KvTensors<'_>,
         layer: usize,
         values: bool,
         kind: Kind,
     ) -> Result<Tensor> {
-        let src = if values { &kv.v[layer] } else { &kv.k[layer] };
+        let tensors = if values { kv.v } else { kv.k };
+        let src = tensors
+            .get(layer)
+            .ok_or_else(|| EngineError::Request(format!("layer {layer} of {}", tensors.len())))?;
         if let [Run::Hot { slots, .. }] = self.runs.as_slice() {
             return Ok(src.f_index_select(0, slots)?.f_to_kind(kind)?);
         }
