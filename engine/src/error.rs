@@ -19,9 +19,12 @@ pub enum EngineError {
     /// Invalid sampling parameters.
     #[error("invalid sampling parameters: {0}")]
     Sampling(String),
-    /// The KV pool has no room for the request.
+    /// The KV cache has no room for a step: which one, and what ran out
+    /// in numbers (bytes over the budget, or blocks of a tier). Nothing
+    /// was taken; the caller may wait, free a sequence and retry, or
+    /// refuse.
     #[error("KV cache full: {0}")]
-    CacheFull(String),
+    CacheFull(kvforge_coordinator::Shortfall),
     /// The device cannot be used (no GPU, CPU-only libtorch).
     #[error("device: {0}")]
     Device(String),
@@ -46,7 +49,6 @@ impl From<kvforge_coordinator::CoordError> for EngineError {
     fn from(e: kvforge_coordinator::CoordError) -> Self {
         use kvforge_coordinator::CoordError as C;
         match e {
-            C::CacheFull(s) => EngineError::CacheFull(s),
             C::Pool(e) => EngineError::Pool(e),
             C::Prefix(e) => EngineError::Prefix(e),
             C::Quant(e) => EngineError::Quant(e),
@@ -64,9 +66,9 @@ impl EngineError {
             | EngineError::Tokenizer(s)
             | EngineError::Request(s)
             | EngineError::Sampling(s)
-            | EngineError::CacheFull(s)
             | EngineError::Device(s)
             | EngineError::Torch(s) => s.clone(),
+            EngineError::CacheFull(s) => s.to_string(),
             EngineError::Pool(e) => e.to_string(),
             EngineError::Prefix(e) => e.to_string(),
             EngineError::Quant(e) => e.to_string(),

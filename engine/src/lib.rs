@@ -63,8 +63,8 @@ pub use fused::FusedBackend;
 pub use generate::{Generation, Sampler, SamplingParams};
 pub use kv::{ContiguousCache, KvDims, KvStore};
 pub use kvforge_coordinator::{
-    Coordinator, CoordinatorConfig, DedupConfig, EvictionConfig, LabelSource, LifecycleConfig,
-    Score, SimHashConfig, Trigger,
+    Coordinator, CoordinatorConfig, DedupConfig, EvictionConfig, LabelSource, Lack,
+    LifecycleConfig, Score, Shortfall, SimHashConfig, Trigger,
 };
 pub use kvforge_kernels::DEFAULT_MIN_SPLIT;
 pub use kvforge_kernels::Isa;

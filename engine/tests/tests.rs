@@ -8,8 +8,8 @@ use std::process::Command;
 
 use kvforge_engine::gguf::GgufFile;
 use kvforge_engine::{
-    ContiguousCache, Device, Engine, EngineConfig, EngineError, Kind, KvStore, Llama, LlamaConfig,
-    PagedKvCache, SamplingParams, Sequence, Tokenizer, parse_device, parse_dtype,
+    ContiguousCache, Device, Engine, EngineConfig, EngineError, Kind, KvStore, Lack, Llama,
+    LlamaConfig, PagedKvCache, SamplingParams, Sequence, Tokenizer, parse_device, parse_dtype,
 };
 use tch::Tensor;
 
@@ -594,12 +594,23 @@ fn full_kv_cache_is_an_error_and_changes_nothing() {
     let model = tiny();
     let cache = PagedKvCache::new(&model.cfg, 4, 8, Device::Cpu, Kind::Float).unwrap();
     let mut seq = Sequence::default();
-    let e = one_line(
-        &model
-            .forward(&[1; 9], &mut cache.view(&mut seq), false)
-            .err()
-            .unwrap(),
-    );
+    let err = model
+        .forward(&[1; 9], &mut cache.view(&mut seq), false)
+        .err()
+        .unwrap();
+    // Running out is an outcome a caller can act on: which step, what ran
+    // out, by how much (two blocks of 4 tokens hold 8, the step needs 3).
+    match &err {
+        EngineError::CacheFull(short) => {
+            assert_eq!(short.tokens, 9);
+            assert!(
+                matches!(short.lack, Lack::Bytes { need, budget } if need == budget / 2 * 3),
+                "{short:?}"
+            );
+        }
+        other => panic!("not CacheFull: {other:?}"),
+    }
+    let e = one_line(&err);
     assert!(e.contains("KV cache full"), "{e}");
     assert_eq!(seq.len(), 0);
     assert!(cache.table(&seq).unwrap().entries().is_empty());

@@ -16,6 +16,9 @@ use crate::plan::SeqId;
 /// it found it, and what it had done is kept; a plan gives back every
 /// reference it took on any error, `Injected` included (its only exception:
 /// idle sequences' entries dropped to make the step fit stay dropped).
+/// A step that does not fit is not an error:
+/// [`plan`](crate::Coordinator::plan) answers
+/// [`Planned::Full`](crate::Planned::Full).
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum CoordError {
     /// A configuration that cannot work (or options that cannot be
@@ -38,11 +41,9 @@ pub enum CoordError {
     /// block that is not a full hot one, a victim that does not exist).
     #[error("policy: {0}")]
     Policy(String),
-    /// The byte budget or a tier's blocks cannot hold the step.
-    #[error("KV cache full: {0}")]
-    CacheFull(String),
-    /// A coordinator invariant is broken (a bug; only reported with
-    /// [`Coordinator::check_every_call`](crate::Coordinator::check_every_call)).
+    /// A coordinator invariant is broken: a bug, found by
+    /// [`Coordinator::check_every_call`](crate::Coordinator::check_every_call)
+    /// or by a plan whose checked room was not there.
     #[error("coordinator invariant broken: {0}")]
     Invariant(String),
     /// A failure a test injected into a plan

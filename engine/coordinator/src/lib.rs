@@ -27,7 +27,7 @@
 //! engine other than kvforge's could drive it.
 //!
 //! ```
-//! use kvforge_coordinator::{ColdConfig, Coordinator, CoordinatorConfig, PrefixConfig};
+//! use kvforge_coordinator::{ColdConfig, Coordinator, CoordinatorConfig, Planned, PrefixConfig};
 //! use kvforge_pool::{KvLayout, Slot, StorageFormat};
 //! use kvforge_prefix::ExtraKeys;
 //!
@@ -40,10 +40,13 @@
 //!
 //! let prompt: Vec<u32> = (0..20).collect();
 //! let opened = c.open(&prompt, &ExtraKeys::default())?;
-//! let plan = c.plan(opened.seq, prompt.len())?; // the engine writes K/V at plan.writes
+//! let plan = match c.plan(opened.seq, prompt.len())? {
+//!     Planned::Step(plan) => plan, // the engine writes K/V at plan.writes
+//!     Planned::Full(short) => return Err(short.into()), // or wait, or preempt
+//! };
 //! assert_eq!(plan.tokens(), 20);
 //! c.commit(opened.seq)?;
-//! let plan = c.plan(opened.seq, 1)?; // blocks older than the window go cold first
+//! let plan = c.plan(opened.seq, 1)?.step().ok_or("full")?; // blocks older than the window go cold first
 //! assert_eq!(plan.demotions.len(), 3); // positions 0..12
 //! c.commit(opened.seq)?;
 //! assert!(matches!(c.table(opened.seq)?.entries()[0].slot(), Slot::Cold(_)));
@@ -72,7 +75,7 @@ pub use kvforge_lifecycle::{Label, LabelSource, Segment};
 pub use kvforge_lsh::{Content, ShareStats, SimHashConfig};
 pub use kvforge_pool::{BlockId, BlockTable, Entry, PoolStats, Slot, TieredPool};
 pub use kvforge_prefix::MatchStats;
-pub use plan::{CopyOp, Demotion, Pack, Plan, RowPack, Write};
+pub use plan::{CopyOp, Demotion, Lack, Pack, Plan, Planned, RowPack, Shortfall, Write};
 
 /// The README's example, compiled and run as a doctest.
 #[doc = include_str!("../README.md")]

@@ -119,6 +119,69 @@ impl Plan {
 /// Names one sequence of a coordinator.
 pub type SeqId = u64;
 
+/// What [`Coordinator::plan`](crate::Coordinator::plan) decided: the step,
+/// or that it does not fit. Running out is an outcome the caller handles
+/// (wait, preempt, evict harder, refuse the request), not an error: a
+/// `Full` step changed nothing (as an error does not).
+#[must_use = "a step that does not fit must be handled"]
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Planned {
+    /// The step fits: carry it out, then commit or abort it.
+    Step(Plan),
+    /// It does not; nothing was taken.
+    Full(Shortfall),
+}
+
+impl Planned {
+    /// The plan, or `None` when the step does not fit.
+    pub fn step(self) -> Option<Plan> {
+        match self {
+            Planned::Step(p) => Some(p),
+            Planned::Full(_) => None,
+        }
+    }
+}
+
+/// Why a step does not fit, in numbers a caller can act on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("a step of {tokens} tokens of sequence {seq} does not fit: {lack}")]
+pub struct Shortfall {
+    /// The sequence.
+    pub seq: SeqId,
+    /// New tokens the step asked for.
+    pub tokens: usize,
+    /// What ran out.
+    pub lack: Lack,
+}
+
+/// What a step that does not fit runs out of.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Lack {
+    /// Bytes in use after the step (idle sequences' cuts counted) would
+    /// exceed the byte budget (`need` is `u64::MAX` when the sum
+    /// overflows).
+    #[error("it needs {need} bytes of KV, over the budget of {budget} bytes")]
+    Bytes {
+        /// Bytes in use the step would leave.
+        need: u64,
+        /// The budget.
+        budget: u64,
+    },
+    /// A tier has too few free blocks (cached ones and idle sequences'
+    /// cuts counted free).
+    #[error("{need} more blocks of tier {tier} needed, {free} of {capacity} free")]
+    Blocks {
+        /// [`HOT`](crate::HOT) or [`COLD`](crate::COLD).
+        tier: usize,
+        /// Blocks the step needs there.
+        need: usize,
+        /// Blocks it could have.
+        free: usize,
+        /// The tier's size in blocks.
+        capacity: usize,
+    },
+}
+
 /// The phases of a plan, in order (where a test injects a failure:
 /// [`testing::fail_plan_at`](crate::testing::fail_plan_at)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]

@@ -20,8 +20,8 @@ use std::collections::{BTreeMap, HashMap};
 use kvforge_coordinator::testing::{check_invariants, fail_plan_at};
 use kvforge_coordinator::{
     COLD, ColdConfig, Content, CoordError, Coordinator, CoordinatorConfig, DedupConfig,
-    EvictionConfig, HOT, IndexKind, Label, LifecycleConfig, Phase, Plan, PrefixConfig, Score,
-    Segment, SeqId, SimHashConfig, Slot, TieredPool, Trigger, TurnTail,
+    EvictionConfig, HOT, IndexKind, Label, LifecycleConfig, Phase, Plan, Planned, PrefixConfig,
+    Score, Segment, SeqId, SimHashConfig, Slot, TieredPool, Trigger, TurnTail,
 };
 use kvforge_evict::Scored;
 use kvforge_lifecycle::{LifecycleParams, LifecyclePolicy};
@@ -997,7 +997,7 @@ impl World {
                     fail_plan_at(&mut self.c, phase);
                     match self.c.plan(id, n) {
                         Err(CoordError::Injected { .. }) => self.st.injected += 1,
-                        Err(CoordError::CacheFull(_)) => {}
+                        Ok(Planned::Full(_)) => {}
                         other => {
                             return Err(defect("injection", format!("{phase:?}: {other:?}")));
                         }
@@ -1012,15 +1012,15 @@ impl World {
                     return Ok(());
                 }
                 match self.c.plan(id, n) {
-                    Err(CoordError::CacheFull(m)) => {
+                    Ok(Planned::Full(m)) => {
                         self.st.refused += 1;
-                        self.log.push(format!("plan {id} {n} -> CacheFull {m}"));
+                        self.log.push(format!("plan {id} {n} -> {m}"));
                         // A refused plan evicts no idle sequence either.
                         self.check_after_refusal(&before, None, &format!("refused plan {id} {n}"))?;
                         self.check_all("refused plan")
                     }
                     Err(e) => Err(defect("plan-error", format!("seq {id} n {n}: {e}"))),
-                    Ok(p) => {
+                    Ok(Planned::Step(p)) => {
                         self.st.plans += 1;
                         self.st.demotions += p.demotions.len();
                         self.st.reused_demotions +=
@@ -1656,7 +1656,7 @@ fn threads_interleaving_steps_keep_counts_exact_and_leak_nothing() {
                                 let id = mine[i].0;
                                 let n = 1 + r.below(9);
                                 match g.c.plan(id, n) {
-                                    Ok(_) => {
+                                    Ok(Planned::Step(_)) => {
                                         g.pending.insert(id);
                                         drop(g);
                                         std::thread::yield_now();
@@ -1675,7 +1675,7 @@ fn threads_interleaving_steps_keep_counts_exact_and_leak_nothing() {
                                         check(&mut g, &ids);
                                         continue;
                                     }
-                                    Err(CoordError::CacheFull(_)) => {}
+                                    Ok(Planned::Full(_)) => {}
                                     Err(e) => panic!("plan: {e}"),
                                 }
                             }
@@ -1812,7 +1812,9 @@ fn rollback_turn_restores_everything_exactly() {
         for _ in 0..(1 + r.below(12)) {
             let n = 1 + r.below(9);
             let new: Vec<u32> = (0..n).map(|_| r.below(3) as u32).collect();
-            let Ok(p) = w.c.plan(id, n) else { continue };
+            let Ok(Planned::Step(p)) = w.c.plan(id, n) else {
+                continue;
+            };
             let undo = match w.execute(id, &p, &new) {
                 Ok(u) => u,
                 Err(d) => {

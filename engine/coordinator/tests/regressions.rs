@@ -6,7 +6,7 @@
 //! changes nothing.
 
 use kvforge_coordinator::{
-    COLD, ColdConfig, CoordError, Coordinator, CoordinatorConfig, EvictionConfig, HOT,
+    COLD, ColdConfig, CoordError, Coordinator, CoordinatorConfig, EvictionConfig, HOT, Planned,
     PrefixConfig, Score, Slot, Trigger, TurnTail,
 };
 use kvforge_evict::Scored;
@@ -14,7 +14,7 @@ use kvforge_pool::{BlockAllocator, BlockTable, KvLayout, StorageFormat};
 use kvforge_prefix::ExtraKeys;
 use kvforge_quant::TierPolicy;
 
-use crate::checked;
+use crate::{Fits, checked};
 
 const BS: u32 = 4;
 
@@ -72,9 +72,9 @@ fn a_prefix_hit_on_cached_cold_blocks_goes_over_the_budget() {
     // A: 6 full blocks + 1 token; 5 of them go cold after one more step.
     let prompt: Vec<u32> = (0..24).collect();
     let a = c.open(&prompt, &ExtraKeys::default()).unwrap().seq;
-    c.plan(a, 24).unwrap();
+    c.plan(a, 24).fits();
     c.commit(a).unwrap();
-    c.plan(a, 1).unwrap();
+    c.plan(a, 1).fits();
     c.commit(a).unwrap();
     assert!(in_use(&c, COLD) > 0);
     c.register(
@@ -87,7 +87,7 @@ fn a_prefix_hit_on_cached_cold_blocks_goes_over_the_budget() {
     assert_eq!(c.bytes_in_use(), 0);
     // B fills the whole hot tier: exactly the budget.
     let b = c.open_empty();
-    c.plan(b, 8 * BS as usize).unwrap();
+    c.plan(b, 8 * BS as usize).fits();
     c.commit(b).unwrap();
     assert_eq!(c.bytes_in_use(), budget);
     assert_eq!(c.bytes_in_use(), 8 * hot_bytes);
@@ -125,7 +125,7 @@ fn a_tier_policy_naming_an_entry_twice_is_refused() {
     let mut c = checked(cfg);
     c.set_tier_policy(Box::new(Twice)).unwrap();
     let a = c.open_empty();
-    c.plan(a, 8).unwrap();
+    c.plan(a, 8).fits();
     c.commit(a).unwrap();
     // A fork holds entry 0's hot block too.
     let f = c.fork(a).unwrap();
@@ -133,7 +133,7 @@ fn a_tier_policy_naming_an_entry_twice_is_refused() {
     assert_eq!(c.pools().ref_count(h).unwrap(), 2);
     let r = c.plan(a, 4);
     println!("plan with a duplicate demotion: {r:?}");
-    if r.is_err() {
+    if !matches!(r, Ok(Planned::Step(_))) {
         return; // refused: fine
     }
     c.commit(a).unwrap();
@@ -169,7 +169,7 @@ fn a_holed_entry_named_for_demotion_leaks_the_blocks_the_plan_took() {
     c.set_eviction_policy(Some(Box::new(p)));
     let s = c.open_empty();
     // 24 tokens: entries 0..6. Novelty low on a few rows of entries 1..4.
-    c.plan(s, 24).unwrap();
+    c.plan(s, 24).fits();
     let low = [(1, 0), (2, 1), (3, 0), (3, 2)];
     let nv: Vec<f32> = (0..6 * 4)
         .map(|x| {
@@ -187,12 +187,12 @@ fn a_holed_entry_named_for_demotion_leaks_the_blocks_the_plan_took() {
     let r = c.plan(s, 1);
     println!("plan: {r:?}");
     match r {
-        Ok(p) => {
+        Ok(Planned::Step(p)) => {
             println!("rows {:?} demotions {:?}", p.rows, p.demotions);
             c.abort(s).unwrap();
         }
-        Err(e) => {
-            println!("error {e}");
+        refused => {
+            println!("refused: {refused:?}");
             let after = (in_use(&c, HOT), in_use(&c, COLD));
             c.close(s).unwrap();
             println!(
@@ -218,7 +218,7 @@ fn a_holed_entry_named_for_demotion_leaks_the_blocks_the_plan_took() {
     );
 }
 
-/// F: a plan that fails with CacheFull after taking entries from idle
+/// F: a plan refused (the cache full) after taking entries from idle
 /// sequences leaves them dropped ("on error nothing changed").
 #[test]
 fn a_failed_plan_leaves_idle_sequences_evicted() {
@@ -228,14 +228,14 @@ fn a_failed_plan_leaves_idle_sequences_evicted() {
     // Idle sequence i: 3 blocks (12 tokens), the first 2 outside its window
     // (SinkWindow drops them at its next step, or when another needs room).
     let i = c.open_empty();
-    c.plan(i, 8).unwrap();
+    c.plan(i, 8).fits();
     c.commit(i).unwrap();
     let idle_before = c.table(i).unwrap().clone();
     // The stepping sequence asks for far more than the budget holds.
     let s = c.open_empty();
     let r = c.plan(s, 40);
     println!("plan: {r:?}");
-    assert!(matches!(r, Err(CoordError::CacheFull(_))));
+    assert!(matches!(r, Ok(Planned::Full(_))));
     assert_eq!(
         c.table(i).unwrap(),
         &idle_before,
@@ -253,11 +253,11 @@ fn an_aborted_plan_leaves_idle_sequences_evicted_as_documented() {
     cfg.eviction = Some(EvictionConfig::SinkWindow { sink: 0, window: 4 });
     let mut c = checked(cfg);
     let i = c.open_empty();
-    c.plan(i, 16).unwrap();
+    c.plan(i, 16).fits();
     c.commit(i).unwrap();
     let idle_before = c.table(i).unwrap().clone();
     let s = c.open_empty();
-    c.plan(s, 5 * BS as usize).unwrap();
+    c.plan(s, 5 * BS as usize).fits();
     c.abort(s).unwrap();
     assert_ne!(c.table(i).unwrap(), &idle_before);
     assert!(c.counters().evicted_idle_entries > 0);
@@ -275,7 +275,7 @@ fn a_refused_register_under_seal_changes_nothing() {
     cfg.prefix = Some(prefix(TurnTail::Seal));
     let mut c = checked(cfg);
     let s = c.open_empty();
-    c.plan(s, 6).unwrap();
+    c.plan(s, 6).fits();
     c.commit(s).unwrap();
     assert!(c.table(s).unwrap().is_open());
     let r = c.register(s, &[1, 2], &ExtraKeys::default());
@@ -296,13 +296,13 @@ fn a_rolled_back_block_refilled_reuses_the_cold_copy_of_its_old_content() {
     cfg.cold = Some(cold(4, 0));
     let mut c = checked(cfg);
     let s = c.open_empty();
-    c.plan(s, 2).unwrap(); // P: rows 0..2, open
+    c.plan(s, 2).fits(); // P: rows 0..2, open
     c.commit(s).unwrap();
     let p = c.table(s).unwrap().entries()[0].slot().block().unwrap();
     c.begin_turn(s).unwrap();
-    c.plan(s, 6).unwrap(); // P rows 2..4 written with the turn's tokens
+    c.plan(s, 6).fits(); // P rows 2..4 written with the turn's tokens
     c.commit(s).unwrap();
-    let plan = c.plan(s, 1).unwrap(); // P leaves the window: quantized
+    let plan = c.plan(s, 1).fits(); // P leaves the window: quantized
     assert_eq!(plan.demotions.len(), 1);
     let d = plan.demotions[0];
     assert!(d.hot == p && d.quantize);
@@ -313,9 +313,9 @@ fn a_rolled_back_block_refilled_reuses_the_cold_copy_of_its_old_content() {
     assert_eq!(c.table(s).unwrap().entries()[0].slot(), Slot::Hot(p));
     assert_eq!(c.table(s).unwrap().entries()[0].tokens(), 2);
     // The next turn writes other tokens into rows 2..4 of P.
-    c.plan(s, 6).unwrap();
+    c.plan(s, 6).fits();
     c.commit(s).unwrap();
-    let plan = c.plan(s, 1).unwrap();
+    let plan = c.plan(s, 1).fits();
     let d = plan.demotions[0];
     println!("second demotion of P: {d:?} (stale cold copy {stale:?})");
     assert!(
@@ -355,9 +355,9 @@ fn a_near_duplicate_canonical_is_handed_out_as_a_prefix_hit() {
     // Z: tokens 1000.. ; its block 0 goes cold and becomes a candidate.
     let z_tokens: Vec<u32> = (1000..1009).collect();
     let z = c.open(&z_tokens, &ns).unwrap().seq;
-    c.plan(z, 9).unwrap();
+    c.plan(z, 9).fits();
     c.commit(z).unwrap();
-    let plan = c.plan(z, 1).unwrap();
+    let plan = c.plan(z, 1).fits();
     let cz = plan.demotions[0].cold;
     stored.insert(cz, vec_of(1.0));
     let got = c
@@ -368,14 +368,14 @@ fn a_near_duplicate_canonical_is_handed_out_as_a_prefix_hit() {
     // X: tokens 0..9, registered while hot; Y opens with X's prefix (holds H0).
     let x_tokens: Vec<u32> = (0..9).collect();
     let x = c.open(&x_tokens, &ns).unwrap().seq;
-    c.plan(x, 9).unwrap();
+    c.plan(x, 9).fits();
     c.commit(x).unwrap();
     c.register(x, &x_tokens, &ns).unwrap();
     let h0 = c.table(x).unwrap().entries()[0].slot().block().unwrap();
     let y = c.open(&x_tokens, &ns).unwrap();
     assert_eq!(c.table(y.seq).unwrap().entries()[0].slot(), Slot::Hot(h0));
     // X's block 0 goes cold; its content is close to Z's: aliased to cz.
-    let plan = c.plan(x, 1).unwrap();
+    let plan = c.plan(x, 1).fits();
     let cx = plan.demotions[0].cold;
     stored.insert(cx, vec_of(2.0));
     let got = c
@@ -395,9 +395,9 @@ fn a_near_duplicate_canonical_is_handed_out_as_a_prefix_hit() {
         w.reused
     );
     // Y's own demotion of H0 (the shared hot block).
-    c.plan(y.seq, 9 - y.reused).unwrap();
+    c.plan(y.seq, 9 - y.reused).fits();
     c.commit(y.seq).unwrap();
-    let plan = c.plan(y.seq, 1).unwrap();
+    let plan = c.plan(y.seq, 1).fits();
     println!("Y's demotions: {:?}", plan.demotions);
     c.commit(y.seq).unwrap();
     let y0 = c.table(y.seq).unwrap().entries()[0].slot();
@@ -426,11 +426,11 @@ fn a_prefix_hit_between_plan_and_commit_goes_over_the_budget() {
     let ns = ExtraKeys::default();
     let toks: Vec<u32> = (0..12).collect();
     let a = c.open(&toks, &ns).unwrap().seq;
-    c.plan(a, 12).unwrap();
+    c.plan(a, 12).fits();
     c.commit(a).unwrap();
     c.register(a, &toks, &ns).unwrap();
     // a's next token: entries 0 and 1 go cold (their hot blocks counted freed).
-    let p = c.plan(a, 1).unwrap();
+    let p = c.plan(a, 1).fits();
     assert_eq!(p.demotions.len(), 2);
     // Another request arrives while a's step is in flight.
     let b = c.open(&[toks.clone(), vec![77]].concat(), &ns).unwrap();
@@ -453,7 +453,7 @@ fn a_prefix_hit_between_plan_and_commit_goes_over_the_budget() {
 fn a_refused_rollback_changes_nothing() {
     let mut c = Coordinator::new(CoordinatorConfig::new(layout(), 16)).unwrap();
     let s = c.open_empty();
-    c.plan(s, 5).unwrap();
+    c.plan(s, 5).fits();
     let r = c.rollback_turn(s);
     assert!(matches!(r, Err(CoordError::Order { .. })), "{r:?}");
     assert!(
@@ -469,17 +469,17 @@ fn a_refused_rollback_changes_nothing() {
 fn after_a_rollback_the_sequence_writes_into_rows_a_fork_reads() {
     let mut c = Coordinator::new(CoordinatorConfig::new(layout(), 16)).unwrap();
     let s = c.open_empty();
-    c.plan(s, 1).unwrap(); // P: 1 token, open
+    c.plan(s, 1).fits(); // P: 1 token, open
     c.commit(s).unwrap();
     let p = c.table(s).unwrap().entries()[0].slot().block().unwrap();
     c.begin_turn(s).unwrap();
-    c.plan(s, 3).unwrap(); // P rows 1..4: the turn's tokens
+    c.plan(s, 3).fits(); // P rows 1..4: the turn's tokens
     c.commit(s).unwrap();
     let f = c.fork(s).unwrap();
     assert_eq!(c.table(f).unwrap().entries()[0].slot(), Slot::Hot(p));
     assert_eq!(c.table(f).unwrap().entries()[0].tokens(), 4);
     c.rollback_turn(s).unwrap();
-    let plan = c.plan(s, 1).unwrap();
+    let plan = c.plan(s, 1).fits();
     println!(
         "after the rollback: {:?}; the fork reads rows 0..4 of {p:?}",
         plan.writes
@@ -501,18 +501,18 @@ fn after_a_rollback_the_sequence_writes_into_rows_a_prefix_hit_reads() {
     let mut c = checked(cfg);
     let ns = ExtraKeys::default();
     let s = c.open_empty();
-    c.plan(s, 1).unwrap();
+    c.plan(s, 1).fits();
     c.commit(s).unwrap();
     let p = c.table(s).unwrap().entries()[0].slot().block().unwrap();
     c.begin_turn(s).unwrap();
-    c.plan(s, 3).unwrap();
+    c.plan(s, 3).fits();
     c.commit(s).unwrap();
     c.register(s, &[1, 2, 3, 4], &ns).unwrap();
     let b = c.open(&[1, 2, 3, 4, 5], &ns).unwrap();
     assert_eq!(b.reused, 4);
     assert_eq!(c.table(b.seq).unwrap().entries()[0].slot(), Slot::Hot(p));
     c.rollback_turn(s).unwrap();
-    let plan = c.plan(s, 1).unwrap();
+    let plan = c.plan(s, 1).fits();
     let w = plan.writes[0];
     assert!(
         !(w.block == p && w.offset < 4),
@@ -540,13 +540,13 @@ fn a_rolled_back_block_refilled_reuses_a_cold_copy_kept_alive_by_an_alias() {
     };
     // S1: P holds 2 tokens when its turn begins.
     let s1 = c.open_empty();
-    c.plan(s1, 2).unwrap();
+    c.plan(s1, 2).fits();
     c.commit(s1).unwrap();
     let p = c.table(s1).unwrap().entries()[0].slot().block().unwrap();
     c.begin_turn(s1).unwrap();
-    c.plan(s1, 6).unwrap(); // P rows 2..4 hold the turn's tokens ("old")
+    c.plan(s1, 6).fits(); // P rows 2..4 hold the turn's tokens ("old")
     c.commit(s1).unwrap();
-    let plan = c.plan(s1, 1).unwrap();
+    let plan = c.plan(s1, 1).fits();
     let old_copy = plan.demotions[0].cold;
     assert_eq!(plan.demotions[0].hot, p);
     stored.insert(old_copy, content(1));
@@ -557,9 +557,9 @@ fn a_rolled_back_block_refilled_reuses_a_cold_copy_kept_alive_by_an_alias() {
     c.commit(s1).unwrap();
     // S2 computed the same tokens: its block quantizes to the same bytes.
     let s2 = c.open_empty();
-    c.plan(s2, 8).unwrap();
+    c.plan(s2, 8).fits();
     c.commit(s2).unwrap();
-    let plan = c.plan(s2, 1).unwrap();
+    let plan = c.plan(s2, 1).fits();
     let mine = plan.demotions[0].cold;
     stored.insert(mine, content(1));
     let got = c
@@ -572,9 +572,9 @@ fn a_rolled_back_block_refilled_reuses_a_cold_copy_kept_alive_by_an_alias() {
     assert_eq!(c.table(s1).unwrap().entries()[0].tokens(), 2);
     // The next turn writes other tokens into rows 2..4 of P.
     c.begin_turn(s1).unwrap();
-    c.plan(s1, 6).unwrap();
+    c.plan(s1, 6).fits();
     c.commit(s1).unwrap();
-    let plan = c.plan(s1, 1).unwrap();
+    let plan = c.plan(s1, 1).fits();
     let d = plan.demotions[0];
     println!("second demotion of P: {d:?}; cold copy of the rolled-back content: {old_copy:?}");
     assert!(
@@ -601,11 +601,11 @@ fn a_block_packed_in_place_reuses_the_cold_copy_of_its_old_content() {
     };
     let a = c.open_empty();
     c.set_eviction_policy(None);
-    c.plan(a, 20).unwrap();
+    c.plan(a, 20).fits();
     c.commit(a).unwrap();
     let f = c.fork(a).unwrap();
     // a's entries 0..4 go cold: the demotion map remembers X_i -> C_i.
-    let plan = c.plan(a, 1).unwrap();
+    let plan = c.plan(a, 1).fits();
     let made: Vec<(kvforge_pool::BlockId, kvforge_pool::BlockId)> =
         plan.demotions.iter().map(|d| (d.hot, d.cold)).collect();
     println!("a's demotions: {made:?}");
@@ -625,7 +625,7 @@ fn a_block_packed_in_place_reuses_the_cold_copy_of_its_old_content() {
         })
         .collect();
     c.observe_keys(f, &nv).unwrap();
-    let plan = c.plan(f, 1).unwrap();
+    let plan = c.plan(f, 1).fits();
     println!("f's pack: {:?}; demotions {:?}", plan.pack, plan.demotions);
     let packed: Vec<kvforge_pool::BlockId> = plan
         .pack
@@ -634,7 +634,7 @@ fn a_block_packed_in_place_reuses_the_cold_copy_of_its_old_content() {
         .map(|p| p.dst.clone())
         .unwrap_or_default();
     c.commit(f).unwrap();
-    let plan = c.plan(f, 1).unwrap();
+    let plan = c.plan(f, 1).fits();
     println!("f's next demotions: {:?}", plan.demotions);
     for d in &plan.demotions {
         if packed.contains(&d.hot) {
@@ -671,7 +671,7 @@ fn blocks_computed_after_token_level_holes_are_registered_as_the_plain_prefix() 
     let ns = ExtraKeys::default();
     let toks: Vec<u32> = (0..32).collect();
     let s = c.open(&toks[..24], &ns).unwrap().seq;
-    c.plan(s, 24).unwrap();
+    c.plan(s, 24).fits();
     let nv: Vec<f32> = (0..6 * 4)
         .map(|x| {
             if [(1, 0), (1, 1), (2, 3)].contains(&(x / 4, x % 4)) {
@@ -684,7 +684,7 @@ fn blocks_computed_after_token_level_holes_are_registered_as_the_plain_prefix() 
     c.observe_keys(s, &nv).unwrap();
     c.commit(s).unwrap();
     // Token 24: 25 live > 22: three rows of entries 1 and 2 become holes.
-    let p = c.plan(s, 1).unwrap();
+    let p = c.plan(s, 1).fits();
     assert!(p.rows.is_none() && p.drops.is_empty());
     c.commit(s).unwrap();
     let holed: Vec<usize> = (0..c.table(s).unwrap().entries().len())
@@ -694,7 +694,7 @@ fn blocks_computed_after_token_level_holes_are_registered_as_the_plain_prefix() 
     assert!(!holed.is_empty());
     // Tokens 25..32 are computed with those rows invisible.
     c.set_eviction_policy(None);
-    c.plan(s, 7).unwrap();
+    c.plan(s, 7).fits();
     c.commit(s).unwrap();
     let registered = c.register(s, &toks, &ns).unwrap();
     let o = c.open(&[toks.clone(), vec![99]].concat(), &ns).unwrap();
@@ -722,12 +722,12 @@ fn a_registration_extends_below_another_sequences_entry_of_a_shared_block() {
     let ns = ExtraKeys::default();
     let toks: Vec<u32> = (0..9).collect();
     let a = c.open_empty();
-    c.plan(a, 7).unwrap(); // X = 0..4, P = 4..7 (open)
+    c.plan(a, 7).fits(); // X = 0..4, P = 4..7 (open)
     c.commit(a).unwrap();
     let p = c.table(a).unwrap().entries()[1].slot().block().unwrap();
     let f = c.fork(a).unwrap(); // f: X, P (3 tokens, sealed)
     assert_eq!(c.register(f, &toks[..7], &ns).unwrap(), 7);
-    c.plan(a, 2).unwrap(); // P row 3 = token 7, Q row 0 = token 8 (open)
+    c.plan(a, 2).fits(); // P row 3 = token 7, Q row 0 = token 8 (open)
     c.commit(a).unwrap();
     let q = c.table(a).unwrap().entries()[2].slot().block().unwrap();
     c.register(a, &toks, &ns).unwrap(); // stops at P (indexed by f)
@@ -791,12 +791,12 @@ fn an_idle_cut_does_not_free_the_cold_copy_the_step_reuses() {
     let mut c = checked(cfg);
     // A computes 3 blocks; B and D read them too.
     let a = c.open_empty();
-    c.plan(a, 12).unwrap();
+    c.plan(a, 12).fits();
     c.commit(a).unwrap();
     let b = c.fork(a).unwrap();
     let d = c.fork(a).unwrap();
     // A's next token: its blocks 0 and 1 go cold (C0, C1, held by A only).
-    let p = c.plan(a, 1).unwrap();
+    let p = c.plan(a, 1).fits();
     assert_eq!(p.demotions.len(), 2);
     let copies: Vec<_> = p.demotions.iter().map(|d| d.cold).collect();
     c.commit(a).unwrap();
@@ -804,8 +804,8 @@ fn an_idle_cut_does_not_free_the_cold_copy_the_step_reuses() {
     // B's step reuses C0 and C1 and only fits if idle A gives up entries:
     // the policy would cut all of A, C0 and C1 included.
     c.set_eviction_policy(Some(Box::new(DropAllOf(a))));
-    match c.plan(b, 1) {
-        Ok(p) => {
+    match c.plan(b, 1).unwrap() {
+        Planned::Step(p) => {
             assert!(
                 p.demotions
                     .iter()
@@ -814,8 +814,7 @@ fn an_idle_cut_does_not_free_the_cold_copy_the_step_reuses() {
             c.commit(b).unwrap();
             assert!(c.bytes_in_use() <= c.budget());
         }
-        Err(e) => {
-            assert!(matches!(e, CoordError::CacheFull(_)), "{e}");
+        Planned::Full(_) => {
             assert_eq!(c.table(a).unwrap(), &a_before, "a refused plan cut nothing");
         }
     }
@@ -844,21 +843,21 @@ fn a_prefix_hit_during_a_step_that_is_aborted_stays_within_the_budget() {
     // X leaves three cached cold blocks behind (positions 0..12).
     let xt: Vec<u32> = (0..17).collect();
     let x = c.open(&xt, &ns).unwrap().seq;
-    c.plan(x, 16).unwrap();
+    c.plan(x, 16).fits();
     c.commit(x).unwrap();
     c.register(x, &xt[..16], &ns).unwrap();
-    assert_eq!(c.plan(x, 1).unwrap().demotions.len(), 3);
+    assert_eq!(c.plan(x, 1).fits().demotions.len(), 3);
     c.commit(x).unwrap();
     c.close(x).unwrap();
     assert_eq!(c.bytes_in_use(), 0);
     // A holds four hot blocks; its next step drops three of them.
     let a = c.open_empty();
-    c.plan(a, 16).unwrap();
+    c.plan(a, 16).fits();
     c.commit(a).unwrap();
     c.set_eviction_policy(Some(Box::new(
         kvforge_evict::SinkWindow::new(0, 4).unwrap(),
     )));
-    let p = c.plan(a, 1).unwrap();
+    let p = c.plan(a, 1).fits();
     assert_eq!(p.drops.len(), 3);
     // B asks for X's prompt while A's step is in flight; then A's step fails.
     let b = c.open(&[xt.clone(), vec![99]].concat(), &ns).unwrap();

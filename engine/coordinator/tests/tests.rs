@@ -10,13 +10,29 @@ use std::sync::{Arc, Mutex};
 
 use kvforge_coordinator::{
     COLD, ColdConfig, Content, CoordError, Coordinator, CoordinatorConfig, DedupConfig,
-    EvictionConfig, HOT, IndexKind, LifecycleConfig, PrefixConfig, Score, SeqId, SimHashConfig,
-    Slot, TieredPool, Trigger,
+    EvictionConfig, HOT, IndexKind, Lack, LifecycleConfig, Plan, Planned, PrefixConfig, Score,
+    SeqId, SimHashConfig, Slot, TieredPool, Trigger,
 };
 use kvforge_pool::{BlockAllocator, BlockId, KvLayout, PoolStats, StorageFormat};
 use kvforge_prefix::{ExtraKeys, MatchStats};
 
 const BS: u32 = 4;
+
+/// A plan that must fit: panics on an error or a shortfall.
+pub(crate) trait Fits {
+    fn fits(self) -> Plan;
+}
+
+impl Fits for kvforge_coordinator::Result<Planned> {
+    #[track_caller]
+    fn fits(self) -> Plan {
+        match self {
+            Ok(Planned::Step(p)) => p,
+            Ok(Planned::Full(s)) => panic!("{s}"),
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
 
 /// A coordinator that checks every invariant after each public call.
 pub(crate) fn checked(cfg: CoordinatorConfig) -> Coordinator {
@@ -104,7 +120,7 @@ fn bytes(b: &[u8]) -> Content {
 }
 
 fn step(c: &mut Coordinator, seq: SeqId, n: usize) -> kvforge_coordinator::Plan {
-    let p = c.plan(seq, n).unwrap();
+    let p = c.plan(seq, n).fits();
     c.commit(seq).unwrap();
     p
 }
@@ -145,7 +161,7 @@ fn the_abort_of_every_kind_of_operation_leaves_everything_as_it_was() {
     let seqs = [a, b.seq];
     for (seq, n) in [(a, 1), (a, 9), (b.seq, 12), (b.seq, 1)] {
         let before = state(&c, &seqs);
-        let p = c.plan(seq, n).unwrap();
+        let p = c.plan(seq, n).fits();
         // Alias every freshly quantized block (exact sharing, as if the
         // engine found identical bytes).
         for d in p.demotions.iter().filter(|d| d.quantize) {
@@ -163,7 +179,7 @@ fn the_abort_of_every_kind_of_operation_leaves_everything_as_it_was() {
     let mut c2 = checked(all_on(64));
     let s = c2.open_empty();
     step(&mut c2, s, 28);
-    let p = c2.plan(s, 1).unwrap();
+    let p = c2.plan(s, 1).fits();
     assert!(!p.drops.is_empty() && !p.demotions.is_empty() && !p.writes.is_empty());
     c2.abort(s).unwrap();
     for s in seqs {
@@ -315,7 +331,7 @@ fn scored_eviction_keeps_the_entry_attention_favours() {
     // attention of each step. The second step already needs 8 tokens out
     // of 24 but only entry 1 (4..8) is outside the sink and the window.
     for n in [12, 12] {
-        c.plan(s, n).unwrap();
+        c.plan(s, n).fits();
         let k = c.view(s).unwrap().entries().len();
         let mass: Vec<f32> = (0..k).map(|i| if i == 2 { 9.0 } else { 1.0 }).collect();
         c.observe(s, &mass).unwrap();
@@ -347,7 +363,7 @@ fn keydiff_eviction_keeps_the_entry_whose_keys_stand_out() {
     assert!(c.wants_keys() && !c.wants_attention());
     let s = c.open_empty();
     for n in [12, 12] {
-        c.plan(s, n).unwrap();
+        c.plan(s, n).fits();
         let k = c.view(s).unwrap().entries().len();
         let novelty: Vec<f32> = (0..k).map(|i| if i == 3 { 0.8 } else { 0.1 }).collect();
         // A signal for another number of entries is refused, changing nothing.
@@ -388,7 +404,7 @@ fn per_head_in(
     let mut c = checked(cfg);
     assert!(c.per_lane() && c.wants_keys());
     let s = c.open_empty();
-    c.plan(s, first).unwrap();
+    c.plan(s, first).fits();
     lane_novelty(&mut c, s, keeps);
     c.commit(s).unwrap();
     (c, s)
@@ -411,7 +427,7 @@ fn lane_novelty(c: &mut Coordinator, s: SeqId, keeps: [usize; 4]) {
 /// 2, 3, 4 (whose blocks are returned); lane l keeps entry `[2, 3, 4, 2][l]`.
 fn packing_case(cfg: CoordinatorConfig) -> (Coordinator, SeqId, Vec<BlockId>) {
     let (mut c, s) = per_head_in(cfg, 4, 16, 12, [0; 4]);
-    c.plan(s, 12).unwrap();
+    c.plan(s, 12).fits();
     lane_novelty(&mut c, s, [2, 3, 4, 2]);
     c.commit(s).unwrap();
     let blocks: Vec<BlockId> = (2..5)
@@ -425,11 +441,11 @@ fn per_head_eviction_packs_the_pages_each_lane_keeps_into_fewer_blocks() {
     let (mut c, s, blocks) = packing_case(config(64));
     let in_use = c.pools().stats().in_use;
     let before = state(&c, &[s]);
-    c.plan(s, 1).unwrap();
+    c.plan(s, 1).fits();
     c.abort(s).unwrap();
     assert_eq!(state(&c, &[s]), before, "an aborted pack changes nothing");
     c.reset_step_peak();
-    let p = c.plan(s, 1).unwrap();
+    let p = c.plan(s, 1).fits();
     // Inside the step the old blocks are still held beside the packed one
     // and the new token's.
     let bb = layout().block_bytes();
@@ -473,7 +489,7 @@ fn per_head_eviction_packs_in_place_when_no_one_else_sees_the_blocks() {
     let in_use = c.pools().stats().in_use;
     let bb = layout().block_bytes();
     c.reset_step_peak();
-    let p = c.plan(s, 1).unwrap();
+    let p = c.plan(s, 1).fits();
     assert_eq!(
         c.step_peak_bytes(),
         (in_use as u64 + 1) * bb,
@@ -505,7 +521,7 @@ fn per_head_eviction_packs_in_place_when_no_one_else_sees_the_blocks() {
 fn a_packed_block_is_never_registered_as_a_prefix() {
     // No sink: entry 0 is packed (lane 0 keeps it, the others entry 1).
     let (mut c, s) = per_head(0, 9, 12, [0, 1, 1, 1]);
-    let p = c.plan(s, 1).unwrap();
+    let p = c.plan(s, 1).fits();
     assert_eq!(p.drops, [1]);
     assert_eq!(p.pack.unwrap().dst.len(), 1);
     c.commit(s).unwrap();
@@ -590,7 +606,7 @@ fn token_case(mut cfg: CoordinatorConfig) -> (Coordinator, SeqId, Vec<BlockId>) 
     let mut c = checked(cfg);
     assert!(c.token_level() && c.wants_keys() && !c.per_lane());
     let s = c.open_empty();
-    c.plan(s, 24).unwrap();
+    c.plan(s, 24).fits();
     let low = [(1, 0), (1, 1), (1, 2), (2, 1), (2, 3), (3, 0), (4, 2)];
     let nv: Vec<f32> = (0..6 * 4)
         .map(|x| {
@@ -620,14 +636,14 @@ fn token_level_eviction_marks_rows_and_compacts_them_into_fewer_blocks() {
     let (b1, b2, b3, b4) = (blocks[0], blocks[1], blocks[2], blocks[3]);
     let in_use = c.pools().stats().in_use;
     let before = state(&c, &[s]);
-    c.plan(s, 1).unwrap();
+    c.plan(s, 1).fits();
     c.abort(s).unwrap();
     assert_eq!(
         state(&c, &[s]),
         before,
         "an aborted compaction changes nothing"
     );
-    let p = c.plan(s, 1).unwrap();
+    let p = c.plan(s, 1).fits();
     let rows = p.rows.clone().unwrap();
     assert!(rows.in_place && p.pack.is_none());
     assert_eq!(rows.dst, blocks);
@@ -666,7 +682,7 @@ fn token_level_eviction_marks_rows_and_compacts_them_into_fewer_blocks() {
 fn token_level_compaction_copies_when_an_index_could_see_the_blocks() {
     let (mut c, s, blocks) = token_case(config(64));
     let in_use = c.pools().stats().in_use;
-    let p = c.plan(s, 1).unwrap();
+    let p = c.plan(s, 1).fits();
     let rows = p.rows.clone().unwrap();
     assert!(!rows.in_place);
     assert_eq!(rows.dst.len(), 3);
@@ -774,7 +790,7 @@ fn a_failed_turn_rolls_back_exactly_after_demotions_and_drops() {
             .any(|e| matches!(e.slot(), Slot::Cold(_)))
     );
     assert!(c.counters().demoted_blocks > 0 && c.counters().evicted_entries > 0);
-    c.plan(s, 1).unwrap(); // a step in flight when the turn fails
+    c.plan(s, 1).fits(); // a step in flight when the turn fails
     c.rollback_turn(s).unwrap();
     assert_eq!(state(&c, &[s]), before);
     c.close(s).unwrap();
@@ -964,7 +980,7 @@ fn a_fork_reads_the_same_blocks_and_writes_its_own() {
     // The original goes on writing into its own open block.
     step(&mut c, s, 1);
     assert_eq!(c.table(s).unwrap().held().collect::<Vec<_>>(), blocks(&ts));
-    c.plan(s, 1).unwrap();
+    c.plan(s, 1).fits();
     let e = c.fork(s).unwrap_err().to_string();
     assert!(e.contains("during a step"), "{e}");
     c.abort(s).unwrap();
@@ -1024,14 +1040,21 @@ fn bad_configurations_and_calls_are_clear_errors_that_change_nothing() {
         c.abort(s).unwrap_err(),
         c.rollback_turn(s).unwrap_err(),
         c.plan(s, 0).unwrap_err(),
-        c.plan(s, 1000).unwrap_err(),
     ] {
         assert!(!e.to_string().contains('\n'), "{e}");
     }
     assert!(matches!(c.plan(99, 1), Err(CoordError::UnknownSeq(99))));
-    assert!(matches!(c.plan(s, 1000), Err(CoordError::CacheFull(_))));
+    // Running out is an outcome, in numbers, and changes nothing either.
+    match c.plan(s, 1000).unwrap() {
+        Planned::Full(short) => {
+            assert_eq!((short.seq, short.tokens), (s, 1000));
+            assert!(matches!(short.lack, Lack::Bytes { need, budget } if need > budget));
+            assert!(!short.to_string().contains('\n'), "{short}");
+        }
+        Planned::Step(p) => panic!("1000 tokens fit in 8 blocks: {p:?}"),
+    }
     assert_eq!(state(&c, &[s]), before);
-    c.plan(s, 1).unwrap();
+    c.plan(s, 1).fits();
     assert!(matches!(c.plan(s, 1), Err(CoordError::Order { .. })));
     assert!(
         c.share(s, BlockId::new(3, 1), &bytes(&[0]), &mut |_| Some(bytes(
@@ -1056,7 +1079,7 @@ fn the_budget_covers_every_tier() {
     let mut steps = 0;
     // Demotion frees hot bytes for cold ones (a quarter the size), so
     // the sequence runs past the 24 tokens six hot blocks hold.
-    while c.plan(s, 1).is_ok() {
+    while let Planned::Step(_) = c.plan(s, 1).unwrap() {
         c.commit(s).unwrap();
         steps += 1;
         assert!(c.bytes_in_use() <= c.budget());
@@ -1097,7 +1120,7 @@ fn many_threads_share_prefixes_over_one_budget_and_leak_nothing() {
                         };
                         let mut g = c.lock().unwrap();
                         match g.plan(o.seq, n) {
-                            Ok(p) => {
+                            Ok(Planned::Step(p)) => {
                                 for d in p.demotions.iter().filter(|d| d.quantize) {
                                     let b = bytes(&[d.hot.index() as u8; 4]);
                                     g.share(o.seq, d.cold, &b, &mut |_| {
@@ -1112,7 +1135,7 @@ fn many_threads_share_prefixes_over_one_budget_and_leak_nothing() {
                                     held += n;
                                 }
                             }
-                            Err(CoordError::CacheFull(_)) => {
+                            Ok(Planned::Full(_)) => {
                                 ok = false;
                                 break;
                             }
@@ -1167,7 +1190,7 @@ fn a_continued_partial_block_is_copied_not_sealed() {
     let b = c.open(&tokens[..14], &e).unwrap();
     assert_eq!(b.reused, 10);
     let before = state(&c, &[a, b.seq]);
-    let p = c.plan(b.seq, 3).unwrap();
+    let p = c.plan(b.seq, 3).fits();
     assert_eq!(p.copies.len(), 1);
     let cp = p.copies[0];
     assert_eq!((cp.src, cp.tokens), (a_tail, 2));
@@ -1351,8 +1374,8 @@ fn near_duplicate_aliasing_racing_eviction_on_eight_threads_never_reads_a_freed_
                         };
                         let mut g = c.lock().unwrap();
                         let p = match g.plan(o.seq, n) {
-                            Ok(p) => p,
-                            Err(CoordError::CacheFull(_)) => break,
+                            Ok(Planned::Step(p)) => p,
+                            Ok(Planned::Full(_)) => break,
                             Err(e) => panic!("{e}"),
                         };
                         for d in p.demotions.iter().filter(|d| d.quantize) {
@@ -1502,7 +1525,9 @@ fn a_full_budget_takes_entries_from_idle_sequences() {
     let (a, b) = (c.open_empty(), c.open_empty());
     step(&mut c, a, 28);
     let before = state(&c, &[a, b]);
-    let e = c.plan(b, 16).unwrap_err().to_string();
-    assert!(e.contains("over the budget"), "{e}");
+    let Planned::Full(short) = c.plan(b, 16).unwrap() else {
+        panic!("16 tokens fit beside 28 in 8 blocks");
+    };
+    assert!(short.to_string().contains("over the budget"), "{short}");
     assert_eq!(state(&c, &[a, b]), before);
 }

@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use kvforge_coordinator::{Coordinator, SeqId, TieredPool};
+use kvforge_coordinator::{Coordinator, Planned, SeqId, TieredPool};
 use tch::Tensor;
 
 use crate::attention::{Observe, StepView};
@@ -178,7 +178,10 @@ impl KvStore for PagedSeq<'_> {
             return Err(EngineError::Request("KvStore::prepare twice".into()));
         }
         let id = self.cache.ensure(self.seq)?;
-        let plan = self.cache.coordinator().plan(id, n)?;
+        let plan = match self.cache.coordinator().plan(id, n)? {
+            Planned::Step(plan) => plan,
+            Planned::Full(short) => return Err(EngineError::CacheFull(short)),
+        };
         match self.execute(id, &plan, n) {
             Ok(step) => {
                 self.step = Some(step);

@@ -149,7 +149,7 @@ impl Coordinator {
         if let Some((src, tokens)) = d.copy_src {
             let (&dst, rest) = hot_new
                 .split_first()
-                .ok_or_else(|| CoordError::CacheFull("no block for the copied tail".into()))?;
+                .ok_or_else(|| CoordError::Invariant("no block for the copied tail".into()))?;
             hot_new = rest;
             d.next.reopen_tail(dst)?;
             d.release.push(src);

@@ -5,7 +5,8 @@ use std::collections::HashMap;
 
 use kvforge_pool::{BlockAllocator, BlockId, TieredPool};
 
-use crate::error::{CoordError, Result};
+use crate::error::Result;
+use crate::plan::Lack;
 
 use super::Coordinator;
 use super::pack::Rewrite;
@@ -19,7 +20,8 @@ impl Coordinator {
     /// still held, so a step can exceed it by them. When it does not fit,
     /// idle sequences' cuts are worked out (kept in the draft, applied
     /// only by `take`); then every tier must have room for its blocks.
-    pub(super) fn fit(&mut self, d: &mut Draft) -> Result<()> {
+    /// What runs out, if anything does.
+    pub(super) fn fit(&mut self, d: &mut Draft) -> Result<Option<Lack>> {
         let freed: u64 = d
             .release
             .iter()
@@ -32,16 +34,15 @@ impl Coordinator {
             .sum();
         let hot_bytes = self.cfg.layout.block_bytes();
         let cold_bytes = self.cold_layout().map_or(0, |l| l.block_bytes());
-        let n = d.n;
-        let step_bytes = (d.need_hot as u64)
+        let budget = self.budget;
+        let over = |need| Lack::Bytes { need, budget };
+        let Some(step_bytes) = (d.need_hot as u64)
             .checked_mul(hot_bytes)
             .zip((d.fresh.len() as u64).checked_mul(cold_bytes))
             .and_then(|(h, c)| h.checked_add(c))
-            .ok_or_else(|| {
-                CoordError::CacheFull(format!(
-                    "a step of {n} tokens needs more KV than any budget holds"
-                ))
-            })?;
+        else {
+            return Ok(Some(over(u64::MAX)));
+        };
         let mut want = self
             .tiers
             .in_use_bytes()
@@ -54,12 +55,8 @@ impl Coordinator {
         }
         want = want.saturating_sub(d.idle.bytes);
         if want > self.budget {
-            return Err(CoordError::CacheFull(format!(
-                "the step needs {want} bytes of KV, over the budget of {} bytes",
-                self.budget
-            )));
+            return Ok(Some(over(want)));
         }
-        let bs = self.block_size();
         for (tier, need, cut) in [
             (HOT, d.need_hot, d.idle.hot),
             (COLD, d.fresh.len(), d.idle.cold),
@@ -70,14 +67,15 @@ impl Coordinator {
             let st = self.tiers.tier_stats(tier)?;
             let free = st.max_blocks.saturating_sub(st.in_use + st.retired) + cut;
             if need > free {
-                let what = if tier == HOT { "hot" } else { "cold" };
-                return Err(CoordError::CacheFull(format!(
-                    "{need} more {what} blocks of {bs} tokens needed, {free} of {} free",
-                    st.max_blocks
-                )));
+                return Ok(Some(Lack::Blocks {
+                    tier,
+                    need,
+                    free,
+                    capacity: st.max_blocks,
+                }));
             }
         }
-        Ok(())
+        Ok(None)
     }
 
     /// Bytes in use however the steps in flight end: each one, committed,

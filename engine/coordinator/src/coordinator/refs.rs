@@ -97,7 +97,7 @@ impl Coordinator {
         }
         let mut got = Allocation::default();
         if !self.tiers.allocate_in(tier, n, &mut got)? {
-            return Err(CoordError::CacheFull(format!(
+            return Err(CoordError::Invariant(format!(
                 "{n} blocks of tier {tier} were counted free and are not"
             )));
         }

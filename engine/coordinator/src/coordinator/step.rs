@@ -5,7 +5,7 @@
 use kvforge_pool::{BlockId, BlockTable, Slot};
 
 use crate::error::{CoordError, Result};
-use crate::plan::Plan;
+use crate::plan::{Plan, Planned, Shortfall};
 
 use super::demote::follow_moves;
 use super::evict::IdleCuts;
@@ -70,7 +70,7 @@ impl Coordinator {
     /// that is aborted). When the step only fits by taking entries from
     /// idle sequences, those are dropped first; an abort does not bring
     /// them back.
-    pub fn plan(&mut self, seq: SeqId, n: usize) -> Result<Plan> {
+    pub fn plan(&mut self, seq: SeqId, n: usize) -> Result<Planned> {
         let r = self.plan_call(seq, n);
         self.fail_at = None;
         self.checked(r)
@@ -78,7 +78,7 @@ impl Coordinator {
 
     /// The pipeline: phases that only decide, then phases that take
     /// references, with one point that gives back whatever was taken.
-    fn plan_call(&mut self, seq: SeqId, n: usize) -> Result<Plan> {
+    fn plan_call(&mut self, seq: SeqId, n: usize) -> Result<Planned> {
         let mut d = self.draft(seq, n)?;
         self.phase(Phase::Evict)?;
         self.evict_own(&mut d)?;
@@ -88,13 +88,19 @@ impl Coordinator {
         self.choose_demotions(&mut d)?;
         self.phase(Phase::Fit)?;
         self.size(&mut d);
-        self.fit(&mut d)?;
+        if let Some(lack) = self.fit(&mut d)? {
+            return Ok(Planned::Full(Shortfall {
+                seq,
+                tokens: n,
+                lack,
+            }));
+        }
         match self.take(&mut d).and_then(|()| self.build(&mut d)) {
             Ok(pending) => {
                 self.step_peak = self.step_peak.max(self.tiers.in_use_bytes());
                 let plan = std::mem::take(&mut d.plan);
                 self.seq_mut(seq)?.pending = Some(pending);
-                Ok(plan)
+                Ok(Planned::Step(plan))
             }
             Err(e) => {
                 let _ = self.release_all(&d.taken);
