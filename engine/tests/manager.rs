@@ -623,7 +623,12 @@ fn streaming_and_window_perplexity_agree_and_do_not_depend_on_chunking() {
     let toks: Vec<u32> = user_turns(12, 5).concat().into_iter().take(64).collect();
     assert_eq!(toks.len(), 64);
     let w = engine.window_ppl(&toks, 64).unwrap();
-    let mut last = None;
+    // Chunks of 1, 7 and 32 tokens are different computation orders
+    // (libtorch picks kernels by shape and CPU): the perplexities agree
+    // within rounding, not bit for bit. Measured: at most 3.7e-7 relative
+    // apart with AVX-512 kernels, 1.1e-6 with ATEN_CPU_CAPABILITY=default;
+    // the two kernel sets 5e-6 apart. Tolerance 1e-4.
+    let mut first = None;
     for chunk in [1, 7, 32] {
         let s = engine.streaming_ppl(&toks, 32, chunk, 0).unwrap();
         assert_eq!(s.scored, 32);
@@ -633,13 +638,17 @@ fn streaming_and_window_perplexity_agree_and_do_not_depend_on_chunking() {
             s.nll_sum,
             w.nll_sum
         );
-        if let Some(prev) = last {
-            assert!(
-                (s.ppl - prev as f64).abs() < 1e-6 * s.ppl,
-                "chunking changed perplexity"
-            );
-        }
-        last = Some(s.ppl as f32 as f64 as f32);
+        let p1 = *first.get_or_insert(s.ppl);
+        let rel = (s.ppl - p1).abs() / p1;
+        eprintln!(
+            "chunk {chunk}: perplexity {} ({rel:.1e} relative to chunk 1)",
+            s.ppl
+        );
+        assert!(
+            rel < 1e-4,
+            "chunk {chunk} changed perplexity: {} vs {p1}",
+            s.ppl
+        );
         assert_eq!(
             engine.cache.bytes_in_use(),
             0,
