@@ -15,6 +15,7 @@
 //! run on a machine with no libtorch.
 
 pub mod ablate;
+pub mod output;
 pub mod plot;
 pub mod sealing;
 

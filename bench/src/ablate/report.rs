@@ -3,12 +3,12 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::path::Path;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use serde::{Deserialize, Serialize};
 
 use super::config::{Experiment, Mechanisms};
+use crate::output::{Csv, Output};
 use crate::{median, plot};
 
 /// One measured item of one workload under one configuration.
@@ -45,14 +45,10 @@ impl Record {
 /// Where and how the run happened (recorded in the report).
 #[derive(Clone, Debug, Default)]
 pub struct RunInfo {
-    /// `git rev-parse HEAD` (and `-dirty`) of this invocation.
-    pub commit: String,
     /// The experiment file.
     pub config_path: String,
     /// Its text.
     pub config_text: String,
-    /// Cores, CPU model, GPU.
-    pub machine: String,
     /// Seconds this invocation took (a resumed run measures only what was
     /// missing; the report also gives the sum of every item's time).
     pub wall_secs: f64,
@@ -197,8 +193,10 @@ fn with_points(x: f64, base: f64) -> String {
     format!("{:.0}% ({:+.0} pt)", x * 100.0, (x - base) * 100.0)
 }
 
-/// Writes `report.md`, `results.csv`, `turns.csv` and the PNGs to `dir`.
-pub fn write(dir: &Path, exp: &Experiment, records: &[Record], info: &RunInfo) -> Result<()> {
+/// Writes `results.csv`, `turns.csv`, the PNGs and `report.md` to `out`
+/// (the commit and machine of this invocation from its provenance).
+pub fn write(out: &mut Output, exp: &Experiment, records: &[Record], info: &RunInfo) -> Result<()> {
+    let now = out.provenance().clone();
     let summary = summarize(exp, records);
     let base = summary
         .iter()
@@ -209,12 +207,12 @@ pub fn write(dir: &Path, exp: &Experiment, records: &[Record], info: &RunInfo) -
     let _ = writeln!(md, "# Ablation `{}`\n", exp.name);
     let _ = writeln!(
         md,
-        "Measured at commit {}; configuration `{}`; {}; items measured in {:.0} s (their sum), \
+        "Measured at commit {}; configuration `{}`; {}, CPU run; items measured in {:.0} s (their sum), \
          this invocation took {:.0} s. \
          Changes are against `{}`. Model: {}.\n",
-        commits(records, &info.commit),
+        commits(records, &now.commit),
         info.config_path,
-        info.machine,
+        now.machine,
         records.iter().map(|r| r.secs).sum::<f64>(),
         info.wall_secs,
         exp.baseline(),
@@ -276,14 +274,10 @@ pub fn write(dir: &Path, exp: &Experiment, records: &[Record], info: &RunInfo) -
         "\n## The experiment file\n\n```toml\n{}\n```\n",
         info.config_text.trim_end()
     );
-    let write_file = |name: &str, text: &str| -> Result<()> {
-        let p = dir.join(name);
-        std::fs::write(&p, text).with_context(|| format!("writing {}", p.display()))
-    };
-    write_file("report.md", &md)?;
-    write_file("results.csv", &results_csv(records))?;
-    write_file("turns.csv", &turns_csv(records))?;
-    plots(dir, exp, records, &summary)?;
+    out.csv("results.csv", &results_csv(records))?;
+    out.csv("turns.csv", &turns_csv(records))?;
+    plots(out, exp, records, &summary)?;
+    out.report(&md)?;
     Ok(())
 }
 
@@ -432,73 +426,60 @@ fn workload_sections(md: &mut String, exp: &Experiment, records: &[Record]) {
     }
 }
 
-fn csv_field(s: &str) -> String {
-    if s.contains([',', '"', '\n']) {
-        format!("\"{}\"", s.replace('"', "\"\""))
-    } else {
-        s.to_string()
-    }
-}
-
-/// A CSV: `head` then the union of the rows' keys as columns; each row is
-/// its leading fields (already joined) and its values, empty where absent.
-fn csv_table(head: &str, rows: &[(String, &BTreeMap<String, f64>)]) -> String {
+/// A CSV: the `lead` columns, then the union of the rows' keys; each row
+/// is its leading fields and its values, empty where absent.
+fn csv_table(lead: &[&str], rows: &[(Vec<String>, &BTreeMap<String, f64>)]) -> Csv {
     let keys: std::collections::BTreeSet<&str> = rows
         .iter()
         .flat_map(|(_, v)| v.keys().map(String::as_str))
         .collect();
-    let mut s = String::from(head);
-    for k in &keys {
-        let _ = write!(s, ",{k}");
+    let head: Vec<&str> = lead.iter().copied().chain(keys.iter().copied()).collect();
+    let mut csv = Csv::new(&head);
+    for (fields, values) in rows {
+        let values = keys
+            .iter()
+            .map(|k| values.get(*k).map_or(String::new(), f64::to_string));
+        csv.row(fields.iter().cloned().chain(values));
     }
-    s.push('\n');
-    for (lead, values) in rows {
-        s.push_str(lead);
-        for k in &keys {
-            match values.get(*k) {
-                Some(v) => {
-                    let _ = write!(s, ",{v}");
-                }
-                None => s.push(','),
-            }
-        }
-        s.push('\n');
-    }
-    s
+    csv
 }
 
-fn results_csv(records: &[Record]) -> String {
-    let rows: Vec<(String, &BTreeMap<String, f64>)> = records
+fn results_csv(records: &[Record]) -> Csv {
+    let rows: Vec<(Vec<String>, &BTreeMap<String, f64>)> = records
         .iter()
         .map(|r| {
-            let lead = format!(
-                "{},{},{},{},{:.3}",
-                csv_field(&r.config),
-                r.workload,
-                r.item,
-                csv_field(r.error.as_deref().unwrap_or("")),
-                r.secs
-            );
+            let lead = vec![
+                r.config.clone(),
+                r.workload.clone(),
+                r.item.clone(),
+                r.error.clone().unwrap_or_default(),
+                format!("{:.3}", r.secs),
+            ];
             (lead, &r.values)
         })
         .collect();
-    csv_table("config,workload,item,error,secs", &rows)
+    csv_table(&["config", "workload", "item", "error", "secs"], &rows)
 }
 
-fn turns_csv(records: &[Record]) -> String {
-    let rows: Vec<(String, &BTreeMap<String, f64>)> = records
+fn turns_csv(records: &[Record]) -> Csv {
+    let rows: Vec<(Vec<String>, &BTreeMap<String, f64>)> = records
         .iter()
         .flat_map(|r| {
-            r.turns
-                .iter()
-                .enumerate()
-                .map(move |(i, t)| (format!("{},{},{}", csv_field(&r.config), r.item, i + 1), t))
+            r.turns.iter().enumerate().map(move |(i, t)| {
+                let lead = vec![r.config.clone(), r.item.clone(), (i + 1).to_string()];
+                (lead, t)
+            })
         })
         .collect();
-    csv_table("config,item,turn", &rows)
+    csv_table(&["config", "item", "turn"], &rows)
 }
 
-fn plots(dir: &Path, exp: &Experiment, records: &[Record], summary: &[Summary]) -> Result<()> {
+fn plots(
+    out: &mut Output,
+    exp: &Experiment,
+    records: &[Record],
+    summary: &[Summary],
+) -> Result<()> {
     let pts = |f: fn(&Summary) -> (f64, f64)| -> Vec<(String, f64, f64)> {
         summary
             .iter()
@@ -509,24 +490,28 @@ fn plots(dir: &Path, exp: &Experiment, records: &[Record], summary: &[Summary]) 
             .collect()
     };
     if exp.workloads.stream.is_some() {
-        plot::scatter_plot(
-            &dir.join("pareto.png"),
-            "Memory against quality (streaming perplexity)",
-            "peak KV MiB at the longest context",
-            "perplexity",
-            &pts(|s| (s.stream_mib, s.ppl)),
-            true,
-        )?;
+        out.png("pareto.png", |path| {
+            plot::scatter_plot(
+                path,
+                "Memory against quality (streaming perplexity)",
+                "peak KV MiB at the longest context",
+                "perplexity",
+                &pts(|s| (s.stream_mib, s.ppl)),
+                true,
+            )
+        })?;
     }
     if exp.workloads.passkey.is_some() {
-        plot::scatter_plot(
-            &dir.join("passkey.png"),
-            "Pass key accuracy against KV budget",
-            "mean peak KV MiB",
-            "accuracy",
-            &pts(|s| (s.passkey_mib, s.passkey)),
-            false,
-        )?;
+        out.png("passkey.png", |path| {
+            plot::scatter_plot(
+                path,
+                "Pass key accuracy against KV budget",
+                "mean peak KV MiB",
+                "accuracy",
+                &pts(|s| (s.passkey_mib, s.passkey)),
+                false,
+            )
+        })?;
     }
     if exp.workloads.chat.is_some() {
         let mut series: Vec<(&str, Vec<(f64, f64)>)> = Vec::new();
@@ -549,15 +534,17 @@ fn plots(dir: &Path, exp: &Experiment, records: &[Record], summary: &[Summary]) 
             .iter()
             .flat_map(|s| s.1.iter().map(|p| p.1))
             .fold(0.0f64, f64::max);
-        plot::line_plot(
-            &dir.join("chat_kv.png"),
-            "KV held over a conversation (first chat)",
-            "turn",
-            "KV MiB",
-            (1.0, turns.max(2.0)),
-            (0.0, (top * 1.1).max(1e-3)),
-            &series,
-        )?;
+        out.png("chat_kv.png", |path| {
+            plot::line_plot(
+                path,
+                "KV held over a conversation (first chat)",
+                "turn",
+                "KV MiB",
+                (1.0, turns.max(2.0)),
+                (0.0, (top * 1.1).max(1e-3)),
+                &series,
+            )
+        })?;
     }
     Ok(())
 }
@@ -576,6 +563,16 @@ mod tests {
         assert_eq!(with_change(110.0, 100.0, 1), "110.0 (+10.0%)");
         assert_eq!(with_points(0.5, 0.75), "50% (-25 pt)");
         assert_eq!(with_change(f64::NAN, 1.0, 1), "–");
-        assert_eq!(csv_field("a,b"), "\"a,b\"");
+    }
+
+    #[test]
+    fn a_table_has_the_union_of_the_keys_and_blanks_where_absent() {
+        let a: BTreeMap<String, f64> = [("x".to_string(), 1.5)].into();
+        let b: BTreeMap<String, f64> = [("y".to_string(), 2.0)].into();
+        let rows = vec![(vec!["a,1".to_string()], &a), (vec!["b".to_string()], &b)];
+        let csv = csv_table(&["name"], &rows);
+        #[allow(clippy::unwrap_used)]
+        let text = csv.text().unwrap();
+        assert_eq!(text, "name,x,y\n\"a,1\",1.5,\nb,,2\n");
     }
 }

@@ -19,6 +19,7 @@ use kvforge_engine::{
 use super::config::{ChatWorkload, Experiment, Mechanisms, PasskeyWorkload, StreamWorkload};
 use super::report::{self, Record, RunInfo};
 use crate::SplitMix;
+use crate::output::{Output, Provenance};
 
 /// What to run and where.
 #[derive(Clone, Debug)]
@@ -50,7 +51,11 @@ pub fn run(opts: &Options) -> Result<PathBuf> {
             opts.root.join(dir)
         }
     });
-    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    let provenance = Provenance {
+        commit: crate::output::commit(&opts.root),
+        ..Provenance::capture()
+    };
+    let mut output = Output::with_provenance(&out, provenance)?;
     let text = std::fs::read_to_string(&opts.config)
         .with_context(|| format!("reading {}", opts.config.display()))?;
     let items_path = out.join("items.jsonl");
@@ -70,10 +75,8 @@ pub fn run(opts: &Options) -> Result<PathBuf> {
     std::fs::write(&stamp_path, &text)
         .with_context(|| format!("writing {}", stamp_path.display()))?;
     let mut info = RunInfo {
-        commit: commit(&opts.root),
         config_path: opts.config.display().to_string(),
         config_text: text,
-        machine: machine(),
         wall_secs: 0.0,
     };
 
@@ -162,7 +165,7 @@ pub fn run(opts: &Options) -> Result<PathBuf> {
                 rec.workload = workload.into();
                 rec.item = item.name.clone();
                 rec.secs = t0.elapsed().as_secs_f64();
-                rec.commit = info.commit.clone();
+                rec.commit = output.provenance().commit.clone();
                 let line = serde_json::to_string(&rec)?;
                 writeln!(log, "{line}")
                     .and_then(|()| log.flush())
@@ -186,11 +189,11 @@ pub fn run(opts: &Options) -> Result<PathBuf> {
             }
         }
         info.wall_secs = started.elapsed().as_secs_f64();
-        report::write(&out, &exp, &records, &info)?;
+        report::write(&mut output, &exp, &records, &info)?;
     }
     bar.finish_and_clear();
     info.wall_secs = started.elapsed().as_secs_f64();
-    report::write(&out, &exp, &records, &info)?;
+    report::write(&mut output, &exp, &records, &info)?;
     Ok(out)
 }
 
@@ -243,48 +246,6 @@ fn load_records(path: &Path) -> Result<Vec<Record>> {
         }
     }
     Ok(out)
-}
-
-fn commit(root: &Path) -> String {
-    let git = |args: &[&str]| {
-        std::process::Command::new("git")
-            .current_dir(root)
-            .args(args)
-            .output()
-            .ok()
-            .filter(|o| o.status.success())
-            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-    };
-    match git(&["rev-parse", "--short=12", "HEAD"]) {
-        Some(c) => {
-            let dirty = git(&["status", "--porcelain", "--untracked-files=no"])
-                .is_some_and(|s| !s.is_empty());
-            if dirty { format!("{c}-dirty") } else { c }
-        }
-        None => "unknown".into(),
-    }
-}
-
-fn machine() -> String {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split(':').nth(1))
-                .map(|s| s.trim().to_string())
-        })
-        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
-    let gpu = if kvforge_engine::tch::Cuda::is_available() {
-        format!(
-            "{} CUDA device(s), unused",
-            kvforge_engine::tch::Cuda::device_count()
-        )
-    } else {
-        "no GPU".into()
-    };
-    format!("{cores} cores ({cpu}), {gpu}, CPU run")
 }
 
 fn load_model(exp: &Experiment) -> Result<(Llama, Tokenizer)> {

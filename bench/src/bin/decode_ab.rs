@@ -8,10 +8,11 @@
 //! `--rounds` rounds, every configuration decodes `--steps` greedy tokens
 //! with each of `--backends` in turn (the backend is swapped on the same
 //! cache, so every backend sees the same contexts): interleaving spreads
-//! machine noise over all arms alike. Prints one Markdown row per arm: the
+//! machine noise over all arms alike. One Markdown row per arm: the
 //! median over rounds of tokens/s, its ratio to the first arm (the
 //! reference backend on the first dtype, unquantized) and to the same
-//! cache with the first backend, and KV bytes.
+//! cache with the first backend, and KV bytes; printed, and written with
+//! `decode.csv` to `--out` (default `target/decode-ab`).
 //!
 //! Then batched decode (`--batch B` sequences at `--batch-context` tokens,
 //! different slices of the article, on the first KV dtype, unquantized,
@@ -32,8 +33,11 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
+use std::fmt::Write as _;
+
 use anyhow::{Context, Result, bail};
 use kvforge_bench::median;
+use kvforge_bench::output::{Csv, Output};
 use kvforge_engine::ppl::greedy_token;
 use kvforge_engine::{
     AttentionBackend, Engine, EngineConfig, FusedBackend, Isa, Kind, KvQuant, KvStore,
@@ -53,6 +57,7 @@ struct Args {
     block_size: usize,
     model: PathBuf,
     text: PathBuf,
+    out: PathBuf,
 }
 
 fn parse_args() -> Result<Args> {
@@ -69,6 +74,7 @@ fn parse_args() -> Result<Args> {
         block_size: 32,
         model: PathBuf::from("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
         text: PathBuf::from("data/exllamav2/wiki.utf8"),
+        out: PathBuf::from("target/decode-ab"),
     };
     for (flag, value) in kvforge_bench::flag_pairs()? {
         let num = || kvforge_bench::positive(&flag, &value);
@@ -85,8 +91,9 @@ fn parse_args() -> Result<Args> {
             "--weights" => a.weights = Some(value),
             "--model" => a.model = value.into(),
             "--text" => a.text = value.into(),
+            "--out" => a.out = value.into(),
             _ => bail!(
-                "unknown flag {flag}; flags: --context --steps --rounds --formats --backends --kv-dtypes --batch --batch-context --weights --block-size --model --text"
+                "unknown flag {flag}; flags: --context --steps --rounds --formats --backends --kv-dtypes --batch --batch-context --weights --block-size --model --text --out"
             ),
         }
     }
@@ -145,6 +152,7 @@ fn run() -> Result<()> {
     for b in &a.backends {
         backend(b)?;
     }
+    let mut out = Output::create(&a.out)?;
     let backends = &a.backends;
     let kinds: Vec<(String, Kind)> = a
         .kv_dtypes
@@ -211,9 +219,9 @@ fn run() -> Result<()> {
         }
     }
     let base = median(arms[0].rates[0].clone());
-    println!(
+    let mut md = format!(
         "Decode at {} tokens of context, {} rounds × {} steps per arm, interleaved, medians (block {}, compute {:?}, weights {}, {} kernel).\n\n\
-         | KV cache | backend | decode tok/s | × first row | × {} on this cache | KV MiB (hot + cold) |\n|---|---|---:|---:|---:|---:|",
+         | KV cache | backend | decode tok/s | × first row | × {} on this cache | KV MiB (hot + cold) |\n|---|---|---:|---:|---:|---:|\n",
         a.context,
         a.rounds,
         a.steps,
@@ -223,12 +231,31 @@ fn run() -> Result<()> {
         Isa::detect().name(),
         backends[0]
     );
+    let mut csv = Csv::new(&[
+        "kv_cache",
+        "backend",
+        "decode_tok_s",
+        "vs_first_row",
+        "vs_first_backend",
+        "hot_bytes",
+        "cold_bytes",
+    ]);
     for arm in &arms {
         let (hot, cold) = arm.cache.tier_bytes();
         let own = median(arm.rates[0].clone());
         for (b, bname) in backends.iter().enumerate() {
             let rate = median(arm.rates[b].clone());
-            println!(
+            csv.row([
+                arm.name.clone(),
+                bname.clone(),
+                format!("{rate:.3}"),
+                format!("{:.4}", rate / base),
+                format!("{:.4}", rate / own),
+                hot.to_string(),
+                cold.to_string(),
+            ]);
+            let _ = writeln!(
+                md,
                 "| {} | {bname} | {rate:.2} | {:.2} | {:.2} | {:.1} ({:.1} + {:.1}) |",
                 arm.name,
                 rate / base,
@@ -248,13 +275,24 @@ fn run() -> Result<()> {
             .iter()
             .find(|b| b.starts_with("fused"))
             .unwrap_or(&backends[0]);
-        batched(&a, &engine, &all_ids, name, kinds[0].1)?;
+        md.push_str(&batched(&a, &engine, &all_ids, name, kinds[0].1)?);
     }
+    out.csv("decode.csv", &csv)?;
+    out.report(&md)?;
+    println!("{md}");
+    println!("written to {}", a.out.display());
     Ok(())
 }
 
 /// Batch 1 against batch `a.batch`, interleaved, on the same sequences.
-fn batched(a: &Args, engine: &Engine, ids: &[u32], backend_name: &str, kind: Kind) -> Result<()> {
+/// Its section of the report.
+fn batched(
+    a: &Args,
+    engine: &Engine,
+    ids: &[u32],
+    backend_name: &str,
+    kind: Kind,
+) -> Result<String> {
     let (b, ctx) = (a.batch, a.batch_context);
     let stride = 512.min(ctx);
     if ids.len() < (b - 1) * stride + ctx {
@@ -300,10 +338,10 @@ fn batched(a: &Args, engine: &Engine, ids: &[u32], backend_name: &str, kind: Kin
         many.push((b * a.steps) as f64 / t.elapsed().as_secs_f64());
     }
     let (one, many) = (median(one), median(many));
-    println!(
+    let md = format!(
         "\nBatched decode: {b} sequences of {ctx} tokens (slices of the article {stride} tokens apart), {} KV, {backend_name} backend; {} rounds × {} steps, interleaved, medians.\n\n\
          | decode | tok/s (all sequences) | × one by one |\n|---|---:|---:|\n\
-         | one by one | {one:.2} | 1.00 |\n| batch {b} | {many:.2} | {:.2} |",
+         | one by one | {one:.2} | 1.00 |\n| batch {b} | {many:.2} | {:.2} |\n",
         a.kv_dtypes[0],
         a.rounds,
         a.steps,
@@ -312,5 +350,5 @@ fn batched(a: &Args, engine: &Engine, ids: &[u32], backend_name: &str, kind: Kin
     for s in &mut seqs {
         cache.free(s)?;
     }
-    Ok(())
+    Ok(md)
 }

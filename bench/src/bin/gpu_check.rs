@@ -31,6 +31,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use kvforge_bench::median;
+use kvforge_bench::output::Output;
 use kvforge_engine::ppl::greedy_token;
 use kvforge_engine::{
     AttentionBackend, Device, FusedBackend, Kind, KvQuant, Llama, LlamaConfig, PagedKvCache,
@@ -79,6 +80,7 @@ fn run() -> Result<()> {
             _ => bail!("unknown flag {flag}; flags: --out DIR, --dry-run 1"),
         }
     }
+    let mut out = Output::create(&out_dir)?;
     let mut r = Report::default();
     r.line("# gpu-check");
     if dry {
@@ -122,9 +124,7 @@ fn run() -> Result<()> {
             }
         }
     }
-    std::fs::create_dir_all(&out_dir)?;
-    let path = out_dir.join("gpu-check.md");
-    std::fs::write(&path, &r.md).with_context(|| format!("writing {}", path.display()))?;
+    let path = out.report_as("gpu-check.md", &r.md)?;
     if !r.failed.is_empty() {
         bail!(
             "{} check(s) failed: {}",

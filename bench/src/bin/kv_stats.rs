@@ -28,6 +28,7 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
+use kvforge_bench::output::{Csv, Output};
 use kvforge_bench::{count, load_chats};
 use kvforge_engine::ppl::articles;
 use kvforge_engine::{
@@ -701,7 +702,7 @@ fn run() -> Result<()> {
     let e = Engine::load(&a.model, &EngineConfig::default())
         .with_context(|| format!("loading {} (run `cargo xtask setup`)", a.model.display()))?;
     let texts = texts(&e, &a)?;
-    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    let mut out = Output::create(&a.out)?;
     let t0 = std::time::Instant::now();
     let mut stats = Vec::new();
     for t in &texts {
@@ -723,20 +724,29 @@ fn run() -> Result<()> {
             }
         }
     }
-    write_csv(&a, &stats)?;
-    write_report(&a, &texts, &stats, t0.elapsed().as_secs_f64())?;
-    write_simulated(&a, &sims)?;
+    write_csv(&stats, &mut out)?;
+    let mut md = report(&a, &texts, &stats, t0.elapsed().as_secs_f64());
+    write_simulated(&sims, &mut md, &mut out)?;
     for t in &texts {
-        plot(&a, &t.name, &stats)?;
+        plot(&t.name, &stats, &mut out)?;
     }
-    println!("wrote {}", a.out.join("report.md").display());
+    let report = out.report(&md)?;
+    println!("wrote {}", report.display());
     Ok(())
 }
 
-fn write_simulated(a: &Args, sims: &[Simulated]) -> Result<()> {
-    let mut csv =
-        String::from("text,shared,threshold,ppl,ppl_change,vectors_shared,simhash_us_per_token\n");
-    let mut md = String::from(
+/// Writes `simulated.csv` and appends its section to `md`.
+fn write_simulated(sims: &[Simulated], md: &mut String, out: &mut Output) -> Result<()> {
+    let mut csv = Csv::new(&[
+        "text",
+        "shared",
+        "threshold",
+        "ppl",
+        "ppl_change",
+        "vectors_shared",
+        "simhash_us_per_token",
+    ]);
+    md.push_str(
         "\n## Token-level sharing, simulated\n\n\
          Each new value (`v`), or value and pre-RoPE key (`k+v`), whose best cosine among the vectors already stored \
          for its layer and head reaches the threshold is replaced by that vector (keys rotated at their own position), \
@@ -761,11 +771,15 @@ fn write_simulated(a: &Args, sims: &[Simulated]) -> Result<()> {
             s.what
         };
         let us = s.lsh_us.map_or(String::new(), |u| format!("{u:.0}"));
-        let _ = writeln!(
-            csv,
-            "{},{what},{th},{:.4},{change:.3},{:.4},{us}",
-            s.text, s.ppl, s.shared
-        );
+        csv.row([
+            s.text.clone(),
+            what.to_string(),
+            th.clone(),
+            format!("{:.4}", s.ppl),
+            format!("{change:.3}"),
+            format!("{:.4}", s.shared),
+            us.clone(),
+        ]);
         let _ = writeln!(
             md,
             "| {} | {what} | {th} | {:.3} | {change:+.2}% | {:.1}% | {} |",
@@ -775,37 +789,43 @@ fn write_simulated(a: &Args, sims: &[Simulated]) -> Result<()> {
             if us.is_empty() { "–" } else { &us }
         );
     }
-    let p = a.out.join("simulated.csv");
-    std::fs::write(&p, csv).with_context(|| format!("writing {}", p.display()))?;
-    let p = a.out.join("report.md");
-    let mut report = std::fs::read_to_string(&p).unwrap_or_default();
-    report.push_str(&md);
-    std::fs::write(&p, report).with_context(|| format!("writing {}", p.display()))
+    out.csv("simulated.csv", &csv)?;
+    Ok(())
 }
 
-fn write_csv(a: &Args, stats: &[Stat]) -> Result<()> {
-    let mut csv = String::from(
-        "text,axis,granularity,kind,layer,vectors,frac_ge_0.90,frac_ge_0.95,frac_ge_0.99,mean_best_cos,int4_identical\n",
-    );
+fn write_csv(stats: &[Stat], out: &mut Output) -> Result<()> {
+    let mut csv = Csv::new(&[
+        "text",
+        "axis",
+        "granularity",
+        "kind",
+        "layer",
+        "vectors",
+        "frac_ge_0.90",
+        "frac_ge_0.95",
+        "frac_ge_0.99",
+        "mean_best_cos",
+        "int4_identical",
+    ]);
     for s in stats {
         let layer = s.layer.map_or("all".into(), |l| l.to_string());
         let dup = s.int4_dup.map_or(String::new(), |d| format!("{d:.4}"));
-        let _ = writeln!(
-            csv,
-            "{},{},{},{},{layer},{},{:.4},{:.4},{:.4},{:.4},{dup}",
-            s.text,
-            s.axis,
-            s.granularity,
-            s.kind,
-            s.best.len(),
-            s.frac(0.90),
-            s.frac(0.95),
-            s.frac(0.99),
-            s.mean(),
-        );
+        csv.row([
+            s.text.clone(),
+            s.axis.to_string(),
+            s.granularity.to_string(),
+            s.kind.to_string(),
+            layer,
+            s.best.len().to_string(),
+            format!("{:.4}", s.frac(0.90)),
+            format!("{:.4}", s.frac(0.95)),
+            format!("{:.4}", s.frac(0.99)),
+            format!("{:.4}", s.mean()),
+            dup,
+        ]);
     }
-    let p = a.out.join("kv_stats.csv");
-    std::fs::write(&p, csv).with_context(|| format!("writing {}", p.display()))
+    out.csv("kv_stats.csv", &csv)?;
+    Ok(())
 }
 
 /// Pools the best cosines of `stats` rows matching the filter.
@@ -816,7 +836,8 @@ fn pooled<'a>(stats: &'a [Stat], keep: impl Fn(&Stat) -> bool) -> (Vec<f32>, Vec
     (best, dups)
 }
 
-fn write_report(a: &Args, texts: &[Text], stats: &[Stat], secs: f64) -> Result<()> {
+/// The report's main table.
+fn report(a: &Args, texts: &[Text], stats: &[Stat], secs: f64) -> String {
     let mut md = String::new();
     let _ = writeln!(md, "# Near-duplicate KV vectors\n");
     let _ = writeln!(
@@ -899,13 +920,12 @@ fn write_report(a: &Args, texts: &[Text], stats: &[Stat], secs: f64) -> Result<(
             );
         }
     }
-    let p = a.out.join("report.md");
-    std::fs::write(&p, md).with_context(|| format!("writing {}", p.display()))
+    md
 }
 
 /// The share of vectors whose best earlier match reaches each cosine, per
 /// kind, token granularity, layers pooled.
-fn plot(a: &Args, text: &str, stats: &[Stat]) -> Result<()> {
+fn plot(text: &str, stats: &[Stat], out: &mut Output) -> Result<()> {
     let mut series = Vec::new();
     for kind in KINDS {
         for (label, first) in [("layer 0", true), ("layers 1+", false)] {
@@ -932,13 +952,16 @@ fn plot(a: &Args, text: &str, stats: &[Stat]) -> Result<()> {
         .iter()
         .map(|(n, p)| (n.as_str(), p.clone()))
         .collect();
-    kvforge_bench::plot::line_plot(
-        &a.out.join(format!("best_cos_{text}.png")),
-        &format!("{text}: best cosine with an earlier vector (same layer, head)"),
-        "cosine",
-        "share of vectors at or above",
-        (0.5, 1.0),
-        (0.0, 1.0),
-        &named,
-    )
+    out.png(&format!("best_cos_{text}.png"), |path| {
+        kvforge_bench::plot::line_plot(
+            path,
+            &format!("{text}: best cosine with an earlier vector (same layer, head)"),
+            "cosine",
+            "share of vectors at or above",
+            (0.5, 1.0),
+            (0.0, 1.0),
+            &named,
+        )
+    })?;
+    Ok(())
 }

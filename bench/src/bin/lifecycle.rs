@@ -32,6 +32,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
+use kvforge_bench::output::{Csv, Output};
 use kvforge_engine::lifecycle::segment_cuts;
 use kvforge_engine::{
     CacheManager, Engine, EngineConfig, EvictionConfig, LabelSource, LifecycleConfig, Message,
@@ -299,6 +300,7 @@ fn run() -> Result<()> {
     let a = parse_args()?;
     let filler_turns = a.filler + 4;
     let chats = kvforge_bench::load_chats(&a.data, filler_turns, a.conversations, 10..=60)?;
+    let mut out = Output::create(&a.out)?;
     let convs: Vec<Vec<Turn>> = chats
         .iter()
         .enumerate()
@@ -339,9 +341,8 @@ fn run() -> Result<()> {
         rows.extend(conf_rows);
     }
     bar.finish_and_clear();
-    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
-    write_outputs(&a, &rows, budget)?;
-    println!("lifecycle: {}", a.out.join("report.md").display());
+    let report = write_outputs(&a, &rows, budget, &mut out)?;
+    println!("lifecycle: {}", report.display());
     Ok(())
 }
 
@@ -603,47 +604,61 @@ fn summarise(rows: &[Row], config: &str) -> Summary {
     }
 }
 
-fn csv_text(s: &str) -> String {
-    format!("\"{}\"", s.replace('"', "\"\"").replace('\n', " "))
-}
-
-fn write_outputs(a: &Args, rows: &[Row], budget: u64) -> Result<()> {
-    let mut csv = String::from(
-        "config,conversation,turn,prompt_tokens,reused_tokens,ttft_secs,held_bytes,peak_bytes,\
-         segments,labels_valid,fallback,queued,revived,reclaimed,compressed,summary_tokens,label_secs,\
-         compress_secs,probe,expected,correct,old_value,answer\n",
-    );
+fn write_outputs(a: &Args, rows: &[Row], budget: u64, out: &mut Output) -> Result<PathBuf> {
+    let mut csv = Csv::new(&[
+        "config",
+        "conversation",
+        "turn",
+        "prompt_tokens",
+        "reused_tokens",
+        "ttft_secs",
+        "held_bytes",
+        "peak_bytes",
+        "segments",
+        "labels_valid",
+        "fallback",
+        "queued",
+        "revived",
+        "reclaimed",
+        "compressed",
+        "summary_tokens",
+        "label_secs",
+        "compress_secs",
+        "probe",
+        "expected",
+        "correct",
+        "old_value",
+        "answer",
+    ]);
     for r in rows {
-        let _ = writeln!(
-            csv,
-            "{},{},{},{},{},{:.4},{},{},{},{},{},{},{},{},{},{},{:.3},{:.3},{},{},{},{},{}",
-            r.config,
-            r.conversation,
-            r.turn,
-            r.prompt_tokens,
-            r.reused_tokens,
-            r.ttft_secs,
-            r.held_bytes,
-            r.peak_bytes,
-            r.segments,
+        csv.row([
+            r.config.to_string(),
+            r.conversation.to_string(),
+            r.turn.to_string(),
+            r.prompt_tokens.to_string(),
+            r.reused_tokens.to_string(),
+            format!("{:.4}", r.ttft_secs),
+            r.held_bytes.to_string(),
+            r.peak_bytes.to_string(),
+            r.segments.to_string(),
             r.labels_valid.map_or(String::new(), |v| v.to_string()),
-            r.fallback,
-            r.queued,
-            r.revived,
-            r.reclaimed,
-            r.compressed,
-            r.summary_tokens,
-            r.label_secs,
-            r.compress_secs,
+            r.fallback.to_string(),
+            r.queued.to_string(),
+            r.revived.to_string(),
+            r.reclaimed.to_string(),
+            r.compressed.to_string(),
+            r.summary_tokens.to_string(),
+            format!("{:.3}", r.label_secs),
+            format!("{:.3}", r.compress_secs),
             r.probe
                 .map_or(String::new(), |p| format!("{p:?}").to_lowercase()),
-            r.expected,
-            r.correct,
-            r.old_value,
-            csv_text(&r.answer),
-        );
+            r.expected.to_string(),
+            r.correct.to_string(),
+            r.old_value.to_string(),
+            r.answer.replace('\n', " "),
+        ]);
     }
-    std::fs::write(a.out.join("turns.csv"), csv)?;
+    out.csv("turns.csv", &csv)?;
     let configs: Vec<String> = CONFIGS
         .iter()
         .filter(|c| rows.iter().any(|r| r.config == **c))
@@ -663,12 +678,30 @@ fn write_outputs(a: &Args, rows: &[Row], budget: u64) -> Result<()> {
             format!("{n}/{d}")
         }
     };
-    let mut res = String::from(
-        "config,peak_kv_bytes,peak_vs_full,kept_correct,kept_asked,updated_new,updated_old,updated_asked,\
-         control_hits,control_asked,ttft_median_secs,ttft_mean_secs,label_turns,labels_valid,fallbacks,\
-         revived_segments,reclaimed_segments,compressed_segments,summary_tokens,label_secs,compress_secs,\
-         turns\n",
-    );
+    let mut res = Csv::new(&[
+        "config",
+        "peak_kv_bytes",
+        "peak_vs_full",
+        "kept_correct",
+        "kept_asked",
+        "updated_new",
+        "updated_old",
+        "updated_asked",
+        "control_hits",
+        "control_asked",
+        "ttft_median_secs",
+        "ttft_mean_secs",
+        "label_turns",
+        "labels_valid",
+        "fallbacks",
+        "revived_segments",
+        "reclaimed_segments",
+        "compressed_segments",
+        "summary_tokens",
+        "label_secs",
+        "compress_secs",
+        "turns",
+    ]);
     let mut md = String::new();
     let _ = writeln!(
         md,
@@ -696,32 +729,30 @@ fn write_outputs(a: &Args, rows: &[Row], budget: u64) -> Result<()> {
         "| config | peak KV MiB | vs full | held at end MiB | kept facts | updated: new / old | control hits | TTFT median ms | TTFT mean ms | labels valid | rule fallbacks | label pass ms / turn | revived | reclaimed | compressed (summary ms) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     );
     for s in &sums {
-        let _ = writeln!(
-            res,
-            "{},{},{:.4},{},{},{},{},{},{},{},{:.4},{:.4},{},{},{},{},{},{},{},{:.3},{:.3},{}",
-            s.config,
-            s.peak_bytes,
-            s.peak_bytes as f64 / full_peak.max(1) as f64,
-            s.kept.0,
-            s.kept.1,
-            s.updated_new,
-            s.updated_old,
-            s.updated,
-            s.control.0,
-            s.control.1,
-            s.ttft_median,
-            s.ttft_mean,
-            s.label_turns,
-            s.labels_valid,
-            s.fallbacks,
-            s.revived,
-            s.reclaimed,
-            s.compressed,
-            s.summary_tokens,
-            s.label_secs,
-            s.compress_secs,
-            s.turns,
-        );
+        res.row([
+            s.config.to_string(),
+            s.peak_bytes.to_string(),
+            format!("{:.4}", s.peak_bytes as f64 / full_peak.max(1) as f64),
+            s.kept.0.to_string(),
+            s.kept.1.to_string(),
+            s.updated_new.to_string(),
+            s.updated_old.to_string(),
+            s.updated.to_string(),
+            s.control.0.to_string(),
+            s.control.1.to_string(),
+            format!("{:.4}", s.ttft_median),
+            format!("{:.4}", s.ttft_mean),
+            s.label_turns.to_string(),
+            s.labels_valid.to_string(),
+            s.fallbacks.to_string(),
+            s.revived.to_string(),
+            s.reclaimed.to_string(),
+            s.compressed.to_string(),
+            s.summary_tokens.to_string(),
+            format!("{:.3}", s.label_secs),
+            format!("{:.3}", s.compress_secs),
+            s.turns.to_string(),
+        ]);
         let _ = writeln!(
             md,
             "| {} | {:.2} | {} | {:.2} | {} | {} / {} of {} | {} | {:.0} | {:.0} | {} | {} | {:.0} | {} | {} | {} ({:.0}) |",
@@ -757,8 +788,7 @@ fn write_outputs(a: &Args, rows: &[Row], budget: u64) -> Result<()> {
              or a summary pass included); `vs full` divides by `full`'s."
         );
     }
-    std::fs::write(a.out.join("results.csv"), res)?;
-    std::fs::write(a.out.join("report.md"), md)?;
+    out.csv("results.csv", &res)?;
     // Recall against peak KV; KV held after each turn of conversation 0.
     let points: Vec<(String, f64, f64)> = sums
         .iter()
@@ -770,14 +800,16 @@ fn write_outputs(a: &Args, rows: &[Row], budget: u64) -> Result<()> {
             )
         })
         .collect();
-    kvforge_bench::plot::scatter_plot(
-        &a.out.join("recall_vs_peak.png"),
-        "Kept-fact recall against peak KV",
-        "peak KV (MiB)",
-        "kept facts recalled",
-        &points,
-        false,
-    )?;
+    out.png("recall_vs_peak.png", |path| {
+        kvforge_bench::plot::scatter_plot(
+            path,
+            "Kept-fact recall against peak KV",
+            "peak KV (MiB)",
+            "kept facts recalled",
+            &points,
+            false,
+        )
+    })?;
     let series: Vec<(&str, Vec<(f64, f64)>)> = configs
         .iter()
         .map(|c| {
@@ -791,14 +823,16 @@ fn write_outputs(a: &Args, rows: &[Row], budget: u64) -> Result<()> {
         .collect();
     let max_turn = rows.iter().map(|r| r.turn).max().unwrap_or(1) as f64;
     let max_mib = rows.iter().map(|r| mib(r.peak_bytes)).fold(0.0, f64::max);
-    kvforge_bench::plot::line_plot(
-        &a.out.join("kv_per_turn.png"),
-        "Peak KV per turn (conversation 0)",
-        "turn",
-        "peak KV (MiB)",
-        (0.0, max_turn),
-        (0.0, max_mib * 1.1),
-        &series,
-    )?;
-    Ok(())
+    out.png("kv_per_turn.png", |path| {
+        kvforge_bench::plot::line_plot(
+            path,
+            "Peak KV per turn (conversation 0)",
+            "turn",
+            "peak KV (MiB)",
+            (0.0, max_turn),
+            (0.0, max_mib * 1.1),
+            &series,
+        )
+    })?;
+    out.report(&md)
 }

@@ -22,6 +22,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
+use kvforge_bench::output::{Csv, Output};
 use kvforge_bench::sealing::{self, Turn, TurnTail};
 use kvforge_bench::{median, smollm2_layout};
 use kvforge_engine::{
@@ -101,6 +102,7 @@ fn main() -> std::process::ExitCode {
 fn run() -> Result<()> {
     let a = parse_args()?;
     let chats = kvforge_bench::load_chats(&a.data, a.turns, a.chats, 10..=20)?;
+    let mut out = Output::create(&a.out)?;
     let total = (a.repeats * a.block_sizes.len() * a.chats * a.turns) as u64;
     let bar = ProgressBar::new(total);
     bar.set_style(
@@ -138,8 +140,7 @@ fn run() -> Result<()> {
             sweep.push(chain);
         }
     }
-    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
-    write_outputs(&a, &rows, &sweep)?;
+    write_outputs(&a, &rows, &sweep, &mut out)?;
     Ok(())
 }
 
@@ -244,44 +245,63 @@ fn replay_chats(
     Ok(streams)
 }
 
-fn write_outputs(a: &Args, rows: &[Row], sweep: &[sealing::SealRun]) -> Result<()> {
-    let mut csv = String::from(
-        "block_size,repeat,chat,turn,prompt_tokens,reusable_tokens,reused_tokens,hit_rate,ttft_reuse_ms,ttft_recompute_ms,kv_cached_bytes\n",
-    );
+fn write_outputs(
+    a: &Args,
+    rows: &[Row],
+    sweep: &[sealing::SealRun],
+    out: &mut Output,
+) -> Result<()> {
+    let mut csv = Csv::new(&[
+        "block_size",
+        "repeat",
+        "chat",
+        "turn",
+        "prompt_tokens",
+        "reusable_tokens",
+        "reused_tokens",
+        "hit_rate",
+        "ttft_reuse_ms",
+        "ttft_recompute_ms",
+        "kv_cached_bytes",
+    ]);
     for r in rows {
         let hit = if r.reusable == 0 {
             f64::NAN
         } else {
             r.reused as f64 / r.reusable as f64
         };
-        csv.push_str(&format!(
-            "{},{},{},{},{},{},{},{:.4},{:.2},{:.2},{}\n",
-            r.block_size,
-            r.repeat,
-            r.chat,
-            r.turn,
-            r.prompt,
-            r.reusable,
-            r.reused,
-            hit,
-            r.ttft_reuse * 1e3,
-            r.ttft_recompute * 1e3,
-            r.kv_cached_bytes
-        ));
+        csv.row([
+            r.block_size.to_string(),
+            r.repeat.to_string(),
+            r.chat.to_string(),
+            r.turn.to_string(),
+            r.prompt.to_string(),
+            r.reusable.to_string(),
+            r.reused.to_string(),
+            format!("{hit:.4}"),
+            format!("{:.2}", r.ttft_reuse * 1e3),
+            format!("{:.2}", r.ttft_recompute * 1e3),
+            r.kv_cached_bytes.to_string(),
+        ]);
     }
-    std::fs::write(a.out.join("per_turn.csv"), csv)?;
-    let mut scsv = String::from("block_size,tail,hit_rate,kv_held_mib_per_chat,empty_slots\n");
+    out.csv("per_turn.csv", &csv)?;
+    let mut scsv = Csv::new(&[
+        "block_size",
+        "tail",
+        "hit_rate",
+        "kv_held_mib_per_chat",
+        "empty_slots",
+    ]);
     for s in sweep {
-        scsv.push_str(&format!(
-            "{},{:?},{:.4},{:.3},{:.4}\n",
-            s.block_size,
-            s.tail,
-            s.replay.hit_rate(),
-            kv_mib(s, a.chats),
-            s.waste()
-        ));
+        scsv.row([
+            s.block_size.to_string(),
+            format!("{:?}", s.tail),
+            format!("{:.4}", s.replay.hit_rate()),
+            format!("{:.3}", kv_mib(s, a.chats)),
+            format!("{:.4}", s.waste()),
+        ]);
     }
-    std::fs::write(a.out.join("sweep.csv"), scsv)?;
+    out.csv("sweep.csv", &scsv)?;
 
     let mut md = format!(
         "Stateless replay of {} chitchat conversations x {} turns (SmolLM2-135M, {} weights, \
@@ -361,9 +381,6 @@ fn write_outputs(a: &Args, rows: &[Row], sweep: &[sealing::SealRun]) -> Result<(
             tri[2].replay.blocks_held as f64 / tri[0].replay.blocks_held.max(1) as f64,
         ));
     }
-    std::fs::write(a.out.join("report.md"), &md)?;
-    println!("{md}");
-
     let turns: Vec<usize> = (1..=a.turns).collect();
     let reuse: Vec<(f64, f64)> = turns
         .iter()
@@ -374,15 +391,17 @@ fn write_outputs(a: &Args, rows: &[Row], sweep: &[sealing::SealRun]) -> Result<(
         .map(|&t| (t as f64, per_turn(t, &|r| r.ttft_recompute * 1e3)))
         .collect();
     let ymax = full.iter().chain(&reuse).map(|p| p.1).fold(1.0, f64::max) * 1.1;
-    kvforge_bench::plot::line_plot(
-        &a.out.join("ttft.png"),
-        &format!("Time to first token per turn (block {bs0}, medians)"),
-        "turn",
-        "ms",
-        (1.0, a.turns as f64),
-        (0.0, ymax),
-        &[("full recompute", full), ("prefix reuse", reuse)],
-    )?;
+    out.png("ttft.png", |path| {
+        kvforge_bench::plot::line_plot(
+            path,
+            &format!("Time to first token per turn (block {bs0}, medians)"),
+            "turn",
+            "ms",
+            (1.0, a.turns as f64),
+            (0.0, ymax),
+            &[("full recompute", full), ("prefix reuse", reuse)],
+        )
+    })?;
     let xs = |tail: TurnTail| -> Vec<(f64, f64)> {
         sweep
             .iter()
@@ -390,19 +409,23 @@ fn write_outputs(a: &Args, rows: &[Row], sweep: &[sealing::SealRun]) -> Result<(
             .map(|s| ((s.block_size as f64).log2(), 100.0 * s.replay.hit_rate()))
             .collect()
     };
-    kvforge_bench::plot::line_plot(
-        &a.out.join("hit_rate.png"),
-        "Hit rate of reusable tokens vs log2(block size)",
-        "log2(block size)",
-        "%",
-        (4.0, 9.0),
-        (0.0, 100.0),
-        &[
-            ("tail not cached", xs(TurnTail::Skip)),
-            ("sealed", xs(TurnTail::Seal)),
-            ("copied", xs(TurnTail::Copy)),
-        ],
-    )?;
+    out.png("hit_rate.png", |path| {
+        kvforge_bench::plot::line_plot(
+            path,
+            "Hit rate of reusable tokens vs log2(block size)",
+            "log2(block size)",
+            "%",
+            (4.0, 9.0),
+            (0.0, 100.0),
+            &[
+                ("tail not cached", xs(TurnTail::Skip)),
+                ("sealed", xs(TurnTail::Seal)),
+                ("copied", xs(TurnTail::Copy)),
+            ],
+        )
+    })?;
+    out.report(&md)?;
+    println!("{md}");
     println!("written to {}", a.out.display());
     Ok(())
 }

@@ -24,6 +24,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
+use kvforge_bench::output::{Csv, Output};
 use kvforge_coordinator::Slot;
 use kvforge_engine::{
     Axis, CacheManager, Engine, EngineConfig, EvictionConfig, KvQuant, Message, ReuseConfig,
@@ -164,6 +165,7 @@ fn main() -> std::process::ExitCode {
 fn run() -> Result<()> {
     let a = parse_args()?;
     let chats = kvforge_bench::load_chats(&a.data, a.turns, a.sessions, 10..=20)?;
+    let mut out = Output::create(&a.out)?;
     let bar = ProgressBar::new((2 * a.sessions * a.turns) as u64);
     bar.set_style(
         ProgressStyle::with_template("{bar:40} {pos}/{len} turns {msg}")
@@ -182,9 +184,8 @@ fn run() -> Result<()> {
     bar.set_message(format!("pass 2: budget {} MiB", budget >> 20));
     let tight = replay(&a, &chats, budget, 2, &bar)?;
     bar.finish_and_clear();
-    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
-    write_outputs(&a, &free, &tight)?;
-    println!("pressure: {}", a.out.join("report.md").display());
+    let report = write_outputs(&a, &free, &tight, &mut out)?;
+    println!("pressure: {}", report.display());
     Ok(())
 }
 
@@ -316,29 +317,38 @@ fn mib(b: u64) -> String {
     format!("{:.1}", b as f64 / f64::from(1u32 << 20))
 }
 
-fn write_outputs(a: &Args, free: &Pass, tight: &Pass) -> Result<()> {
-    let mut csv = String::from(
-        "pass,session,turn,error,answer_tokens,kv_bytes,hot_bytes,cold_bytes,evicted_entries,evicted_idle_entries,demoted_blocks,lost\n",
-    );
+fn write_outputs(a: &Args, free: &Pass, tight: &Pass, out: &mut Output) -> Result<PathBuf> {
+    let mut csv = Csv::new(&[
+        "pass",
+        "session",
+        "turn",
+        "error",
+        "answer_tokens",
+        "kv_bytes",
+        "hot_bytes",
+        "cold_bytes",
+        "evicted_entries",
+        "evicted_idle_entries",
+        "demoted_blocks",
+        "lost",
+    ]);
     for r in free.rows.iter().chain(&tight.rows) {
-        let _ = writeln!(
-            csv,
-            "{},{},{},{:?},{},{},{},{},{},{},{},{}",
-            r.pass,
-            r.session,
-            r.turn,
-            r.error,
-            r.answer.len(),
-            r.kv_bytes,
-            r.hot_bytes,
-            r.cold_bytes,
-            r.evicted,
-            r.evicted_idle,
-            r.demoted,
-            u8::from(r.lost)
-        );
+        csv.row([
+            r.pass.to_string(),
+            r.session.to_string(),
+            r.turn.to_string(),
+            r.error.clone(),
+            r.answer.len().to_string(),
+            r.kv_bytes.to_string(),
+            r.hot_bytes.to_string(),
+            r.cold_bytes.to_string(),
+            r.evicted.to_string(),
+            r.evicted_idle.to_string(),
+            r.demoted.to_string(),
+            u8::from(r.lost).to_string(),
+        ]);
     }
-    std::fs::write(a.out.join("turns.csv"), csv)?;
+    out.csv("turns.csv", &csv)?;
 
     let n = a.sessions;
     let same: Vec<bool> = (0..n)
@@ -458,20 +468,6 @@ fn write_outputs(a: &Args, free: &Pass, tight: &Pass) -> Result<()> {
         }
         let _ = writeln!(md);
     }
-    let _ = writeln!(
-        md,
-        "`cargo xtask pressure --sessions {n} --turns {} --answer-tokens {} --share {} --policy {} \
-         --high {} --low {} --sink {} --window {} --cold {}`; per turn: `turns.csv`.",
-        a.turns,
-        a.answer_tokens,
-        a.share,
-        a.policy,
-        a.high,
-        a.low,
-        a.sink,
-        a.window,
-        a.cold.map_or("none".to_string(), |b| format!("int{b}"))
-    );
-    std::fs::write(a.out.join("report.md"), md)?;
-    Ok(())
+    let _ = writeln!(md, "Per turn: `turns.csv`.");
+    out.report(&md)
 }

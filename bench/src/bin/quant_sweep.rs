@@ -16,6 +16,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
+use kvforge_bench::output::{Csv, Output};
 use kvforge_bench::{count, longest_article};
 use kvforge_engine::{Axis, Engine, EngineConfig, KvQuant, PplReport};
 
@@ -173,7 +174,7 @@ fn run() -> Result<()> {
             }
         }
     }
-    std::fs::create_dir_all(&a.out)?;
+    let mut out = Output::create(&a.out)?;
     let bar = ProgressBar::new(plan.len() as u64);
     bar.set_style(
         ProgressStyle::with_template("{bar:40} {pos}/{len} runs {msg}")
@@ -196,14 +197,28 @@ fn run() -> Result<()> {
         bar.inc(1);
     }
     bar.finish_and_clear();
-    write_outputs(&a, &rows)
+    write_outputs(&a, &rows, &mut out)
 }
 
-fn write_outputs(a: &Args, rows: &[Row]) -> Result<()> {
+fn write_outputs(a: &Args, rows: &[Row], out: &mut Output) -> Result<()> {
     let base = |ctx: usize| rows.iter().find(|r| r.context == ctx && r.quant.is_none());
-    let mut csv = String::from(
-        "context,format,window,rotate,ppl,ppl_change,kv_bytes,hot_bytes,cold_bytes,kv_bytes_per_token,kv_cut_vs_f32,kv_cut_vs_f16,decode_tok_s,decode_ratio,tok_s\n",
-    );
+    let mut csv = Csv::new(&[
+        "context",
+        "format",
+        "window",
+        "rotate",
+        "ppl",
+        "ppl_change",
+        "kv_bytes",
+        "hot_bytes",
+        "cold_bytes",
+        "kv_bytes_per_token",
+        "kv_cut_vs_f32",
+        "kv_cut_vs_f16",
+        "decode_tok_s",
+        "decode_ratio",
+        "tok_s",
+    ]);
     let mut md = format!(
         "Streaming perplexity of the longest `wiki.utf8` article (SmolLM2-135M, {} weights, f32 compute and hot tier, \
          block {}, prefix {}, chunk {}; values per token in groups of {}, keys {}; first {} tokens kept hot; then {} greedy decode steps). \
@@ -237,23 +252,23 @@ fn write_outputs(a: &Args, rows: &[Row]) -> Result<()> {
             let cut32 = 1.0 - r.kv_bytes as f64 / b.r.kv_bytes as f64;
             let cut16 = 1.0 - r.kv_bytes as f64 / (b.r.kv_bytes as f64 / 2.0);
             let ratio = r.decode_tokens_per_sec / b.r.decode_tokens_per_sec.max(1e-9);
-            csv.push_str(&format!(
-                "{ctx},{},{},{},{:.6},{:.6},{},{},{},{:.1},{:.4},{:.4},{:.3},{:.3},{:.1}\n",
+            csv.row([
+                ctx.to_string(),
                 row.format(),
-                row.window(),
-                row.rotate(),
-                r.ppl,
-                change,
-                r.kv_bytes,
-                r.hot_bytes,
-                r.cold_bytes,
-                r.kv_bytes_per_token,
-                cut32,
-                cut16,
-                r.decode_tokens_per_sec,
-                ratio,
-                r.tokens_per_sec
-            ));
+                row.window().to_string(),
+                row.rotate().to_string(),
+                format!("{:.6}", r.ppl),
+                format!("{change:.6}"),
+                r.kv_bytes.to_string(),
+                r.hot_bytes.to_string(),
+                r.cold_bytes.to_string(),
+                format!("{:.1}", r.kv_bytes_per_token),
+                format!("{cut32:.4}"),
+                format!("{cut16:.4}"),
+                format!("{:.3}", r.decode_tokens_per_sec),
+                format!("{ratio:.3}"),
+                format!("{:.1}", r.tokens_per_sec),
+            ]);
             md.push_str(&format!(
                 "| {} | {} | {} | {:.4} | {:+.3}% | {:.1} ({:.1} + {:.1}) | {:.0} | {:.1}% | {:.1}% | {:.2} | {:.2} |\n",
                 row.format(),
@@ -271,10 +286,10 @@ fn write_outputs(a: &Args, rows: &[Row]) -> Result<()> {
                 ratio
             ));
         }
-        pareto(a, rows, ctx, b)?;
+        pareto(a, rows, ctx, b, out)?;
     }
-    std::fs::write(a.out.join("sweep.csv"), csv)?;
-    std::fs::write(a.out.join("report.md"), &md)?;
+    out.csv("sweep.csv", &csv)?;
+    out.report(&md)?;
     println!("{md}");
     println!("written to {}", a.out.display());
     Ok(())
@@ -286,7 +301,7 @@ fn mib(b: u64) -> f64 {
 
 /// Perplexity change (%) against KV bytes (% of the unquantized f32
 /// cache), one line per format × rotation through its windows.
-fn pareto(a: &Args, rows: &[Row], ctx: usize, base: &Row) -> Result<()> {
+fn pareto(a: &Args, rows: &[Row], ctx: usize, base: &Row, out: &mut Output) -> Result<()> {
     let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
     for f in &a.formats {
         for &rot in &a.rotations {
@@ -316,13 +331,16 @@ fn pareto(a: &Args, rows: &[Row], ctx: usize, base: &Row) -> Result<()> {
         .iter()
         .map(|(n, p)| (n.as_str(), p.clone()))
         .collect();
-    kvforge_bench::plot::line_plot(
-        &a.out.join(format!("pareto_{ctx}.png")),
-        &format!("Perplexity change vs KV bytes, {ctx}-token context"),
-        "KV bytes, % of the unquantized f32 cache",
-        "perplexity change, %",
-        (0.0, 100.0),
-        (lo - pad, hi + pad),
-        &named,
-    )
+    out.png(&format!("pareto_{ctx}.png"), |path| {
+        kvforge_bench::plot::line_plot(
+            path,
+            &format!("Perplexity change vs KV bytes, {ctx}-token context"),
+            "KV bytes, % of the unquantized f32 cache",
+            "perplexity change, %",
+            (0.0, 100.0),
+            (lo - pad, hi + pad),
+            &named,
+        )
+    })?;
+    Ok(())
 }

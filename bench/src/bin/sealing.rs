@@ -2,13 +2,15 @@
 //! block size, with the last block of each turn not cached, sealed, or
 //! copied by the request that continues it.
 //!
-//! `cargo run -p kvforge-bench --release --bin sealing [CHATS] [TURNS]`
-//! (defaults: 200 chats of 16 turns). Prints a Markdown table. Both index
-//! kinds replay the same chats and must agree exactly.
+//! `cargo run -p kvforge-bench --release --bin sealing [CHATS] [TURNS] [OUT]`
+//! (defaults: 200 chats of 16 turns, `target/sealing`). Prints a Markdown
+//! table and writes it, with `sealing.csv`, to OUT. Both index kinds
+//! replay the same chats and must agree exactly.
 
 #![allow(clippy::print_stdout)] // a report printer
 
 use anyhow::{Context, bail};
+use kvforge_bench::output::{Csv, Output};
 use kvforge_bench::sealing::{IndexKind, TurnTail, replay, synthetic_chat};
 use kvforge_bench::smollm2_layout;
 
@@ -33,11 +35,19 @@ fn main() -> std::process::ExitCode {
 
 fn run() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
-    if args.len() > 3 {
-        bail!("usage: sealing [CHATS] [TURNS]");
+    if args.len() > 4 {
+        bail!("usage: sealing [CHATS] [TURNS] [OUT]");
     }
     let chats = arg(&args, 1, "CHATS", 200)?;
     let turns = arg(&args, 2, "TURNS", 16)?;
+    let mut output = Output::create(args.get(3).map_or("target/sealing", String::as_str))?;
+    let mut csv = Csv::new(&[
+        "block_size",
+        "tail",
+        "hit_rate",
+        "blocks_held",
+        "empty_slots",
+    ]);
     let data: Vec<_> = (0..chats as u64)
         .map(|s| synthetic_chat(turns, s))
         .collect();
@@ -56,6 +66,13 @@ fn run() -> anyhow::Result<()> {
             if a.replay != b.replay {
                 bail!("hash chain and radix disagree at block {bs}, {tail:?}: {a:?} vs {b:?}");
             }
+            csv.row([
+                bs.to_string(),
+                format!("{tail:?}"),
+                format!("{:.4}", a.replay.hit_rate()),
+                a.replay.blocks_held.to_string(),
+                format!("{:.4}", a.waste()),
+            ]);
             rows.push(a);
         }
         let (skip, sealed, copy) = (rows[0], rows[1], rows[2]);
@@ -76,6 +93,8 @@ fn run() -> anyhow::Result<()> {
             100.0 * sealed.waste(),
         ));
     }
+    output.csv("sealing.csv", &csv)?;
+    output.report(&out)?;
     print!("{out}");
     Ok(())
 }
