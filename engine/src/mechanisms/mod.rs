@@ -1,8 +1,7 @@
 //! One configuration of kvforge's mechanisms — prefix reuse, the cold
 //! tier, eviction, sharing, the lifecycle, the byte budget — as a TOML
 //! table (or any serde format), read the same way by the CLI
-//! (`--config FILE`), the ablation's experiment files, the server and the
-//! Python package:
+//! (`--config FILE`) and the ablation's experiment files:
 //!
 //! ```toml
 //! prefix = { index = "hash-chain", tail = "copy" }
