@@ -8,6 +8,11 @@
 //!   model (`configs/ablate.toml`; `--quick`, `--full`, `--config FILE`,
 //!   `--resume`), one report in `target/ablate/<name>/`.
 //! * `kvforge ARGS` — setup, then the `kvforge` CLI (release build).
+//! * `serve ARGS` — setup, then `kvforge-serve`, the OpenAI-compatible
+//!   server (release build; `--port`, `--config` …).
+//! * `serve-load ARGS` — the server under replayed chitchat conversations
+//!   at rising concurrency, a soak, and the same load on llama.cpp's
+//!   `llama-server` (`target/serve-load`).
 //! * `engine-bench` — kvforge and Hugging Face transformers, prefill and
 //!   decode speed at 1k context on the same model, one table.
 //! * `pressure ARGS` — many chitchat sessions over a budget that holds a
@@ -49,7 +54,7 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 
 const USAGE: &str = "usage: cargo xtask <setup [--reference] | ci | ablate [--quick | --full | --config FILE] [--resume] | \
-                     bench [FILTER] | fuzz [RUNS] | kvforge ARGS... | prefix-bench ARGS... | pressure ARGS... | lifecycle ARGS... | quant-sweep ARGS... | decode-ab ARGS... | gpu-check | model-check [CASES] | cross-test | kv-stats ARGS... | engine-bench [CONTEXT] [DECODE] | tidy>";
+                     bench [FILTER] | fuzz [RUNS] | kvforge ARGS... | serve ARGS... | serve-load ARGS... | prefix-bench ARGS... | pressure ARGS... | lifecycle ARGS... | quant-sweep ARGS... | decode-ab ARGS... | gpu-check | model-check [CASES] | cross-test | kv-stats ARGS... | engine-bench [CONTEXT] [DECODE] | tidy>";
 
 fn main() {
     if let Err(e) = run() {
@@ -69,6 +74,7 @@ fn run() -> Result<()> {
         Some("ci") if args.len() == 1 => ci(&root),
         Some("ablate") => run_after_setup(&root, "kvforge-bench", "ablate", &args[1..]),
         Some("kvforge") => run_after_setup(&root, "kvforge-engine", "kvforge", &args[1..]),
+        Some("serve") => run_after_setup(&root, "kvforge-server", "kvforge-serve", &args[1..]),
         Some("prefix-bench") => run_after_setup(&root, "kvforge-bench", "prefix_bench", &args[1..]),
         Some("pressure") => run_after_setup(&root, "kvforge-bench", "pressure", &args[1..]),
         Some("lifecycle") => run_after_setup(&root, "kvforge-bench", "lifecycle", &args[1..]),

@@ -77,6 +77,22 @@ impl Default for ReuseConfig {
     }
 }
 
+impl ReuseConfig {
+    /// Turns prefix reuse on (or off) in `cache`, on top of whatever else
+    /// it is configured with; for a caller that drives sequences itself
+    /// (a server's scheduler) instead of through a [`CacheManager`].
+    pub fn apply(&self, cache: &mut crate::cache::PagedKvCache) -> Result<()> {
+        let mut c = cache.config();
+        c.prefix = self.enabled.then_some(PrefixConfig {
+            index: self.index,
+            seed: self.seed,
+            tail: self.tail,
+        });
+        let quant = cache.cold_tier();
+        cache.configure(c, quant)
+    }
+}
+
 /// What one turn did.
 #[derive(Clone, Debug, Default)]
 pub struct TurnReport {
@@ -127,14 +143,7 @@ impl CacheManager {
     /// of whatever else the cache is configured with (cold tier, eviction,
     /// sharing, lifecycle).
     pub fn new(mut engine: Engine, cfg: ReuseConfig) -> Result<Self> {
-        let mut c = engine.cache.config();
-        c.prefix = cfg.enabled.then_some(PrefixConfig {
-            index: cfg.index,
-            seed: cfg.seed,
-            tail: cfg.tail,
-        });
-        let quant = engine.cache.cold_tier();
-        engine.cache.configure(c, quant)?;
+        cfg.apply(&mut engine.cache)?;
         Ok(CacheManager {
             cfg,
             engine,

@@ -94,6 +94,16 @@ enum Command {
         #[command(flatten)]
         common: Common,
     },
+    /// The OpenAI-compatible server with continuous batching: runs the
+    /// `kvforge-serve` binary next to this one (crate `kvforge-server`;
+    /// `cargo xtask serve` builds and runs it). `kvforge serve --help`
+    /// lists its flags.
+    #[command(disable_help_flag = true)]
+    Serve {
+        /// kvforge-serve's flags.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<std::ffi::OsString>,
+    },
     /// Prefill the first --context tokens of a text file, then decode
     /// --max-tokens greedy tokens; prints one JSON line of speeds.
     Bench {
@@ -106,6 +116,29 @@ enum Command {
         #[command(flatten)]
         common: Common,
     },
+}
+
+/// Replaces this process with the `kvforge-serve` binary beside it, so
+/// that signals (SIGTERM) reach the server itself.
+fn serve(args: &[std::ffi::OsString]) -> Result<(), kvforge_engine::EngineError> {
+    use std::os::unix::process::CommandExt;
+    let missing = || {
+        kvforge_engine::EngineError::Request(
+            "kvforge serve runs kvforge-serve, which is not built next to kvforge: \
+             cargo build --release -p kvforge-server (or run `cargo xtask serve`)"
+                .into(),
+        )
+    };
+    let exe = std::env::current_exe().map_err(|_| missing())?;
+    let server = exe.with_file_name("kvforge-serve");
+    if !server.is_file() {
+        return Err(missing());
+    }
+    let err = std::process::Command::new(&server).args(args).exec();
+    Err(kvforge_engine::EngineError::Request(format!(
+        "cannot run {}: {err}",
+        server.display()
+    )))
 }
 
 /// `KVFORGE_LOG=error|warn|info|debug|trace` turns on logging to stderr.
@@ -156,6 +189,7 @@ fn main() -> ExitCode {
             common,
         } => generate(prompt, *raw, common),
         Command::Chat { common, reuse } => chat(common, reuse),
+        Command::Serve { args } => serve(args),
         Command::Bench {
             text,
             context,

@@ -1,0 +1,155 @@
+//! The fields both endpoints share, checked: sampling, stop strings,
+//! streaming, `n`, the penalties, the prompt's length.
+
+use kvforge_engine::SamplingParams;
+use serde_json::Value;
+
+use super::{Common, Endpoint, Limits, MAX_STOP, Parsed, bad};
+use crate::error::ApiError;
+
+impl Common {
+    /// The checked request, around `prompt`.
+    pub(super) fn finish(
+        self,
+        endpoint: Endpoint,
+        prompt: Vec<u32>,
+        max_tokens: Option<u64>,
+        max_param: &str,
+        limits: &Limits,
+    ) -> Result<Parsed, ApiError> {
+        if self.n.is_some_and(|n| n != 1) {
+            return Err(bad("n", "n must be 1: send several requests instead"));
+        }
+        for (name, v) in [
+            ("frequency_penalty", self.frequency_penalty),
+            ("presence_penalty", self.presence_penalty),
+        ] {
+            if v.is_some_and(|x| x != 0.0) {
+                return Err(bad(name, format!("{name} is not supported (only 0)")));
+            }
+        }
+        if prompt.is_empty() {
+            return Err(bad(
+                if endpoint == Endpoint::Chat {
+                    "messages"
+                } else {
+                    "prompt"
+                },
+                "the prompt is empty",
+            ));
+        }
+        if prompt.len() >= limits.max_ctx {
+            return Err(ApiError::invalid(format!(
+                "the prompt is {} tokens, and this model's context is {} tokens",
+                prompt.len(),
+                limits.max_ctx
+            ))
+            .with_param(if endpoint == Endpoint::Chat {
+                "messages"
+            } else {
+                "prompt"
+            })
+            .with_code("context_length_exceeded"));
+        }
+        let params = self.sampling(max_tokens, max_param, limits)?;
+        let stop = stop_strings(self.stop.as_ref())?;
+        let stream = self.stream.unwrap_or(false);
+        if self.stream_options.is_some() && !stream {
+            return Err(bad(
+                "stream_options",
+                "stream_options is only allowed with stream: true",
+            ));
+        }
+        if let Some(salt) = &self.cache_salt {
+            if salt.is_empty() {
+                return Err(bad("cache_salt", "cache_salt must not be empty"));
+            }
+        }
+        Ok(Parsed {
+            endpoint,
+            prompt,
+            params,
+            stop,
+            stream,
+            include_usage: self
+                .stream_options
+                .and_then(|o| o.include_usage)
+                .unwrap_or(false),
+            cache_salt: self.cache_salt,
+            user: self.user,
+        })
+    }
+
+    /// The sampling parameters, each checked.
+    fn sampling(
+        &self,
+        max_tokens: Option<u64>,
+        max_param: &str,
+        limits: &Limits,
+    ) -> Result<SamplingParams, ApiError> {
+        let max_tokens = match max_tokens {
+            Some(0) => return Err(bad(max_param, format!("{max_param} must be at least 1"))),
+            Some(m) => usize::try_from(m).unwrap_or(usize::MAX),
+            None => limits.default_max_tokens,
+        };
+        let temperature = self.temperature.unwrap_or(1.0);
+        if !(0.0..=2.0).contains(&temperature) {
+            return Err(bad(
+                "temperature",
+                format!("temperature must be between 0 and 2, got {temperature}"),
+            ));
+        }
+        let top_p = self.top_p.unwrap_or(1.0);
+        if !(top_p > 0.0 && top_p <= 1.0) {
+            return Err(bad(
+                "top_p",
+                format!("top_p must be in (0, 1], got {top_p}"),
+            ));
+        }
+        let top_k = match self.top_k {
+            None | Some(-1) | Some(0) => 0,
+            Some(k) if k > 0 => usize::try_from(k).unwrap_or(usize::MAX),
+            Some(k) => {
+                return Err(bad(
+                    "top_k",
+                    format!("top_k must be -1, 0 or positive, got {k}"),
+                ));
+            }
+        };
+        Ok(SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            seed: self.seed.unwrap_or(0),
+            max_tokens,
+            ignore_eos: self.ignore_eos.unwrap_or(false),
+        })
+    }
+}
+
+fn stop_strings(v: Option<&Value>) -> Result<Vec<String>, ApiError> {
+    let list = match v {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(items)) => {
+            let mut out = Vec::with_capacity(items.len());
+            for (i, x) in items.iter().enumerate() {
+                match x.as_str() {
+                    Some(s) => out.push(s.to_string()),
+                    None => return Err(bad(&format!("stop[{i}]"), "stop must hold strings")),
+                }
+            }
+            out
+        }
+        Some(_) => {
+            return Err(bad("stop", "stop must be a string or an array of strings"));
+        }
+    };
+    if list.len() > MAX_STOP {
+        return Err(bad("stop", format!("at most {MAX_STOP} stop strings")));
+    }
+    if list.iter().any(String::is_empty) {
+        return Err(bad("stop", "stop strings must not be empty"));
+    }
+    Ok(list)
+}

@@ -1,0 +1,291 @@
+//! The HTTP side: routes, API keys, body limits, request checks, and the
+//! replies (one JSON body, or server-sent events ending in `[DONE]`).
+//! Nothing here runs the model: a request becomes a [`Job`] for the
+//! engine loop, and its [`Event`]s come back on a channel of its own.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, mpsc};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use kvforge_engine::Tokenizer;
+use serde_json::{Value, json};
+use tokio::sync::mpsc::unbounded_channel;
+
+use crate::api::{self, ChatRequest, CompletionRequest, Endpoint, Limits, Parsed};
+use crate::error::ApiError;
+use crate::metrics;
+use crate::sched::{Event, Job, Msg, Shared, lock};
+
+mod reply;
+use reply::{Meta, stream_reply, whole_reply};
+
+/// What every handler reads.
+pub struct App {
+    /// Request limits and the model id.
+    pub limits: Limits,
+    /// The model's tokenizer (prompts are tokenized here, not in the loop).
+    pub tokenizer: Tokenizer,
+    /// Accepted API keys (empty: no key needed); each its own namespace.
+    pub keys: Vec<String>,
+    /// Largest request body in bytes.
+    pub max_body: usize,
+    /// Requests waiting at most.
+    pub max_waiting: usize,
+    /// Into the engine loop.
+    pub tx: mpsc::Sender<Msg>,
+    /// Shared with the loop.
+    pub shared: Arc<Shared>,
+    next_id: AtomicU64,
+}
+
+impl App {
+    /// The state of a router over the loop behind `tx`.
+    pub fn new(
+        limits: Limits,
+        tokenizer: Tokenizer,
+        keys: Vec<String>,
+        max_body: usize,
+        max_waiting: usize,
+        tx: mpsc::Sender<Msg>,
+        shared: Arc<Shared>,
+    ) -> Self {
+        App {
+            limits,
+            tokenizer,
+            keys,
+            max_body,
+            max_waiting,
+            tx,
+            shared,
+            next_id: AtomicU64::new(1),
+        }
+    }
+}
+
+/// The routes.
+pub fn router(app: Arc<App>) -> Router {
+    let limit = app.max_body;
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics_text))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(app)
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let mut r = (status, axum::Json(self.body())).into_response();
+        if let Some(s) = self.retry_after {
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        r
+    }
+}
+
+async fn not_found() -> ApiError {
+    let mut e = ApiError::invalid(
+        "no such endpoint; see /v1/models, /v1/chat/completions, /v1/completions",
+    );
+    e.status = 404;
+    e
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+impl App {
+    /// The index of the request's API key (0 when none is configured).
+    fn authorize(&self, headers: &HeaderMap) -> Result<usize, ApiError> {
+        if self.keys.is_empty() {
+            return Ok(0);
+        }
+        let given = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim);
+        match given {
+            None => Err(ApiError::unauthorized(
+                "no API key: send the header Authorization: Bearer KEY",
+            )),
+            Some(k) => self
+                .keys
+                .iter()
+                .position(|x| x == k)
+                .ok_or_else(|| ApiError::unauthorized("incorrect API key provided")),
+        }
+    }
+
+    /// Takes a place in the queue, or refuses.
+    fn reserve(&self) -> Result<(), ApiError> {
+        if self.shared.closing.load(Ordering::SeqCst) {
+            return Err(ApiError::shutting_down());
+        }
+        self.shared
+            .queued
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |q| {
+                (q < self.max_waiting).then_some(q + 1)
+            })
+            .map(|_| ())
+            .map_err(|_| ApiError::queue_full(self.max_waiting))
+    }
+
+    fn parse(&self, body: Result<Bytes, BytesRejection>, ep: Endpoint) -> Result<Parsed, ApiError> {
+        let body = body.map_err(|r| {
+            if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                ApiError::too_large(self.max_body)
+            } else {
+                ApiError::invalid(r.body_text())
+            }
+        })?;
+        let v: Value = serde_json::from_slice(&body).map_err(|e| api::json_error(&e))?;
+        api::check_fields(&v, ep)?;
+        let p = match ep {
+            Endpoint::Chat => serde_json::from_value::<ChatRequest>(v)
+                .map_err(|e| api::json_error(&e))?
+                .parse(&self.limits, &self.tokenizer)?,
+            Endpoint::Completion => serde_json::from_value::<CompletionRequest>(v)
+                .map_err(|e| api::json_error(&e))?
+                .parse(&self.limits, &self.tokenizer)?,
+        };
+        if let Some(kv) = self.limits.max_kv_tokens {
+            if p.prompt.len() + 1 > kv {
+                return Err(ApiError::invalid(format!(
+                    "the prompt is {} tokens, and the server's KV budget holds {kv}",
+                    p.prompt.len()
+                ))
+                .with_code("kv_budget_exceeded"));
+            }
+        }
+        Ok(p)
+    }
+}
+
+async fn chat(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    generate(app, headers, body, Endpoint::Chat).await
+}
+
+async fn completions(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    generate(app, headers, body, Endpoint::Completion).await
+}
+
+/// One generation request, from the body to the reply.
+async fn generate(
+    app: Arc<App>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+    ep: Endpoint,
+) -> Response {
+    let arrived = Instant::now();
+    let run = async {
+        let key = app.authorize(&headers)?;
+        let p = app.parse(body, ep)?;
+        app.reserve()?;
+        let (tx, mut rx) = unbounded_channel();
+        let mut namespace = format!("key{key}");
+        if let Some(salt) = &p.cache_salt {
+            namespace.push('\u{0}');
+            namespace.push_str(salt);
+        }
+        let job = Job {
+            prompt: p.prompt.clone(),
+            params: p.params.clone(),
+            stop: p.stop.clone(),
+            namespace,
+            user: p.user.clone(),
+            events: tx,
+            arrived,
+        };
+        if app.tx.send(Msg::Submit(job)).is_err() {
+            app.shared.queued.fetch_sub(1, Ordering::SeqCst);
+            return Err(ApiError::shutting_down());
+        }
+        let first = match rx.recv().await {
+            None => return Err(ApiError::internal("the engine loop stopped")),
+            Some(Event::Failed(e)) => return Err(e),
+            Some(e) => e,
+        };
+        let id = app.next_id.fetch_add(1, Ordering::Relaxed);
+        let meta = Meta {
+            id: match ep {
+                Endpoint::Chat => format!("chatcmpl-{id}"),
+                Endpoint::Completion => format!("cmpl-{id}"),
+            },
+            created: now_secs(),
+            model: app.limits.model_id.clone(),
+            endpoint: ep,
+        };
+        if p.stream {
+            Ok(stream_reply(meta, p.include_usage, first, rx).into_response())
+        } else {
+            whole_reply(meta, first, rx).await
+        }
+    };
+    run.await.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
+    if let Err(e) = app.authorize(&headers) {
+        return e.into_response();
+    }
+    axum::Json(json!({
+        "object": "list",
+        "data": [{
+            "id": app.limits.model_id,
+            "object": "model",
+            "created": 0,
+            "owned_by": "kvforge",
+            "max_model_len": app.limits.max_ctx,
+        }],
+    }))
+    .into_response()
+}
+
+async fn health(State(app): State<Arc<App>>) -> Response {
+    if app.shared.closing.load(Ordering::SeqCst) {
+        ApiError::shutting_down().into_response()
+    } else {
+        axum::Json(json!({"status": "ok"})).into_response()
+    }
+}
+
+async fn metrics_text(State(app): State<Arc<App>>) -> Response {
+    let m = lock(&app.shared.metrics).clone();
+    let cache = lock(&app.shared.cache).clone();
+    let text = match cache {
+        Some(c) => metrics::render(&m, &c),
+        None => String::new(),
+    };
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
+}

@@ -1,0 +1,183 @@
+//! The replies: one JSON body, or server-sent events ending in `[DONE]`,
+//! in OpenAI's shapes for chat and completions.
+
+use std::convert::Infallible;
+
+use axum::response::sse::{Event as Sse, Sse as SseBody};
+use axum::response::{IntoResponse, Response};
+use futures_util::stream::{self, Stream};
+use serde_json::{Value, json};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use crate::api::Endpoint;
+use crate::error::ApiError;
+use crate::sched::{Event, Outcome};
+
+/// What every chunk of a reply names.
+pub(super) struct Meta {
+    pub(super) id: String,
+    pub(super) created: u64,
+    pub(super) model: String,
+    pub(super) endpoint: Endpoint,
+}
+
+fn usage(o: &Outcome) -> Value {
+    json!({
+        "prompt_tokens": o.prompt_tokens,
+        "completion_tokens": o.completion_tokens,
+        "total_tokens": o.prompt_tokens + o.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": o.cached_tokens},
+    })
+}
+
+fn finish_reason(o: &Outcome) -> &'static str {
+    if o.stopped { "stop" } else { "length" }
+}
+
+impl Meta {
+    fn body(&self, choice: Value, usage: Option<Value>, chunk: bool) -> Value {
+        let object = match (self.endpoint, chunk) {
+            (Endpoint::Chat, false) => "chat.completion",
+            (Endpoint::Chat, true) => "chat.completion.chunk",
+            (Endpoint::Completion, _) => "text_completion",
+        };
+        let mut v = json!({
+            "id": self.id,
+            "object": object,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": concat!("kvforge-", env!("CARGO_PKG_VERSION")),
+            "choices": if choice.is_null() { json!([]) } else { json!([choice]) },
+        });
+        if let Some(u) = usage {
+            v["usage"] = u;
+        }
+        v
+    }
+
+    /// A streamed choice: text (or a chat delta) and the finish reason.
+    fn delta(&self, text: Option<&str>, first: bool, finish: Option<&str>) -> Value {
+        match self.endpoint {
+            Endpoint::Chat => {
+                let mut delta = json!({});
+                if first {
+                    delta["role"] = json!("assistant");
+                }
+                if let Some(t) = text {
+                    delta["content"] = json!(t);
+                }
+                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+            }
+            Endpoint::Completion => {
+                json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish})
+            }
+        }
+    }
+}
+
+/// Collects the whole reply (non-streaming).
+pub(super) async fn whole_reply(
+    meta: Meta,
+    first: Event,
+    mut rx: UnboundedReceiver<Event>,
+) -> Result<Response, ApiError> {
+    let mut text = String::new();
+    let mut ev = Some(first);
+    loop {
+        let e = match ev.take() {
+            Some(e) => e,
+            None => match rx.recv().await {
+                Some(e) => e,
+                None => break,
+            },
+        };
+        match e {
+            Event::Token(t) => text.push_str(&t),
+            Event::Failed(e) => return Err(e),
+            Event::Done(o) => {
+                let choice = match meta.endpoint {
+                    Endpoint::Chat => json!({
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text},
+                        "logprobs": null,
+                        "finish_reason": finish_reason(&o),
+                    }),
+                    Endpoint::Completion => json!({
+                        "index": 0, "text": text, "logprobs": null,
+                        "finish_reason": finish_reason(&o),
+                    }),
+                };
+                return Ok(axum::Json(meta.body(choice, Some(usage(&o)), false)).into_response());
+            }
+        }
+    }
+    Err(ApiError::internal("the engine loop stopped"))
+}
+
+/// Server-sent events: one chunk per token, the finish reason, the usage
+/// if asked for, then `[DONE]`. A failure after the first token is one
+/// `{"error": …}` event and the end of the stream.
+pub(super) fn stream_reply(
+    meta: Meta,
+    include_usage: bool,
+    first: Event,
+    rx: UnboundedReceiver<Event>,
+) -> SseBody<impl Stream<Item = Result<Sse, Infallible>>> {
+    struct St {
+        meta: Meta,
+        include_usage: bool,
+        rx: UnboundedReceiver<Event>,
+        next: Option<Event>,
+        started: bool,
+        out: std::collections::VecDeque<String>,
+        done: bool,
+    }
+    let st = St {
+        meta,
+        include_usage,
+        rx,
+        next: Some(first),
+        started: false,
+        out: Default::default(),
+        done: false,
+    };
+    let s = stream::unfold(st, |mut st| async move {
+        loop {
+            if let Some(data) = st.out.pop_front() {
+                return Some((Ok(Sse::default().data(data)), st));
+            }
+            if st.done {
+                return None;
+            }
+            let ev = match st.next.take() {
+                Some(e) => e,
+                None => st.rx.recv().await?,
+            };
+            let usage_null = st.include_usage.then_some(Value::Null);
+            match ev {
+                Event::Token(t) => {
+                    let c = st.meta.delta(Some(&t), !st.started, None);
+                    st.started = true;
+                    st.out
+                        .push_back(st.meta.body(c, usage_null, true).to_string());
+                }
+                Event::Done(o) => {
+                    let c = st.meta.delta(None, !st.started, Some(finish_reason(&o)));
+                    st.out
+                        .push_back(st.meta.body(c, usage_null, true).to_string());
+                    if st.include_usage {
+                        let u = st.meta.body(Value::Null, Some(usage(&o)), true);
+                        st.out.push_back(u.to_string());
+                    }
+                    st.out.push_back("[DONE]".into());
+                    st.done = true;
+                }
+                Event::Failed(e) => {
+                    st.out.push_back(e.body().to_string());
+                    st.done = true;
+                }
+            }
+        }
+    });
+    SseBody::new(s)
+}

@@ -1,0 +1,197 @@
+//! `kvforge serve`: an OpenAI-compatible HTTP server over the kvforge
+//! engine, with continuous batching.
+//!
+//! * [`http`]: axum routes — `POST /v1/chat/completions`,
+//!   `POST /v1/completions`, `GET /v1/models`, `/health`, `/metrics`;
+//!   API keys, body limits, request checks, JSON and SSE replies.
+//! * [`sched`]: the engine loop on its own thread — admission under a
+//!   token budget, chunked prefill, one batched decode per step,
+//!   preemption by recompute when the KV budget is full.
+//! * [`api`]: the request bodies and their checks; [`error`]: OpenAI-shaped
+//!   errors; [`metrics`]: Prometheus text with vLLM's names.
+//! * [`client`]: a small blocking HTTP/1.1 client (tests, the load
+//!   generator).
+//!
+//! # Invariants
+//!
+//! * The HTTP side never runs the model and never waits on the loop; the
+//!   loop never waits on a client.
+//! * Every request ends with exactly one `Done` or `Failed` event, or its
+//!   client is gone; either way its sequence is freed in the step it ends.
+//! * Requests of different API keys or `cache_salt`s never share KV: each
+//!   pair is its own prefix-index namespace.
+
+#![deny(missing_docs)]
+
+pub mod api;
+pub mod client;
+pub mod error;
+pub mod http;
+pub mod metrics;
+pub mod sched;
+
+use std::future::Future;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, mpsc};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kvforge_engine::{Engine, ReuseConfig};
+
+pub use api::Limits;
+pub use error::ApiError;
+pub use sched::{Fault, SchedConfig};
+
+/// How to run a server.
+#[derive(Clone)]
+pub struct ServerConfig {
+    /// The scheduler's knobs.
+    pub sched: SchedConfig,
+    /// Prefix reuse (on by default: stateless chats resend their history).
+    pub reuse: ReuseConfig,
+    /// Accepted API keys (empty: none needed).
+    pub api_keys: Vec<String>,
+    /// The id `/v1/models` lists.
+    pub model_id: String,
+    /// Largest request body in bytes.
+    pub max_body_bytes: usize,
+    /// `max_tokens` when a request gives none.
+    pub default_max_tokens: usize,
+    /// How long a shutdown lets running requests finish.
+    pub grace: Duration,
+    /// A test's hook into sampling (see [`Fault`]).
+    pub fault: Option<Fault>,
+    /// The coordinator checks all its invariants after every call (tests;
+    /// slow).
+    pub check_invariants: bool,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            sched: SchedConfig::default(),
+            reuse: ReuseConfig::default(),
+            api_keys: Vec::new(),
+            model_id: "kvforge".into(),
+            max_body_bytes: 4 << 20,
+            default_max_tokens: 512,
+            grace: sched::DEFAULT_GRACE,
+            fault: None,
+            check_invariants: false,
+        }
+    }
+}
+
+/// A running engine loop and the routes in front of it.
+pub struct Server {
+    app: Arc<http::App>,
+    tx: mpsc::Sender<Msg>,
+    grace: Duration,
+    engine_loop: JoinHandle<()>,
+}
+
+use sched::Msg;
+
+impl Server {
+    /// Configures `engine`'s cache for reuse and starts the engine loop.
+    pub fn start(mut engine: Engine, cfg: ServerConfig) -> Result<Self, String> {
+        if cfg.sched.max_batch == 0 || cfg.sched.max_step_tokens == 0 || cfg.sched.max_waiting == 0
+        {
+            return Err(
+                "--max-batch, --max-step-tokens and --max-waiting must be at least 1".into(),
+            );
+        }
+        cfg.reuse
+            .apply(&mut engine.cache)
+            .map_err(|e| e.to_string())?;
+        engine.cache.check_every_call(cfg.check_invariants);
+        let stats = engine.cache.stats();
+        let hot = stats.tiers.first().map(|t| t.pool);
+        let max_kv_tokens = (engine.cache.grows_only_hot())
+            .then(|| {
+                hot.map(|h| {
+                    let by_budget = stats.budget_bytes / h.block_bytes.max(1);
+                    (h.max_blocks as u64).min(by_budget) as usize * stats.block_size
+                })
+            })
+            .flatten();
+        let limits = Limits {
+            model_id: cfg.model_id.clone(),
+            max_ctx: engine.model.cfg.max_ctx,
+            vocab: engine.model.cfg.vocab,
+            default_max_tokens: cfg.default_max_tokens,
+            max_kv_tokens,
+        };
+        let tokenizer = engine.tokenizer.clone();
+        let shared = Arc::new(sched::Shared::default());
+        let (tx, rx) = mpsc::channel();
+        let sched = sched::Scheduler::new(
+            Arc::new(engine),
+            cfg.sched.clone(),
+            shared.clone(),
+            cfg.fault.clone(),
+        );
+        let engine_loop = std::thread::Builder::new()
+            .name("kvforge-engine".into())
+            .spawn(move || sched.run(rx))
+            .map_err(|e| format!("cannot start the engine loop: {e}"))?;
+        let app = Arc::new(http::App::new(
+            limits,
+            tokenizer,
+            cfg.api_keys.clone(),
+            cfg.max_body_bytes,
+            cfg.sched.max_waiting,
+            tx.clone(),
+            shared,
+        ));
+        Ok(Server {
+            app,
+            tx,
+            grace: cfg.grace,
+            engine_loop,
+        })
+    }
+
+    /// The routes (for a caller that serves them itself).
+    pub fn router(&self) -> axum::Router {
+        http::router(self.app.clone())
+    }
+
+    /// What the loop and the routes share (counters, the queue).
+    pub fn shared(&self) -> Arc<sched::Shared> {
+        self.app.shared.clone()
+    }
+
+    /// Serves on `listener` until `shutdown` resolves; then takes no new
+    /// request, lets running ones finish for the grace period, cancels the
+    /// rest, and returns once the engine loop has stopped.
+    pub async fn serve(
+        self,
+        listener: tokio::net::TcpListener,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> std::io::Result<()> {
+        let app = self.app.clone();
+        let tx = self.tx.clone();
+        let grace = self.grace;
+        let stop = async move {
+            shutdown.await;
+            app.shared.closing.store(true, Ordering::SeqCst);
+            let _ = tx.send(Msg::Shutdown(Instant::now() + grace));
+        };
+        let router = http::router(self.app.clone());
+        let served = axum::serve(listener, router)
+            .with_graceful_shutdown(stop)
+            .await;
+        // No handler holds a sender any more once the app is dropped.
+        drop(self.app);
+        drop(self.tx);
+        let lp = self.engine_loop;
+        let joined = tokio::task::spawn_blocking(move || lp.join())
+            .await
+            .map_err(std::io::Error::other)?;
+        if joined.is_err() {
+            return Err(std::io::Error::other("the engine loop panicked"));
+        }
+        served
+    }
+}

@@ -1,0 +1,381 @@
+//! `GET /metrics`: the server's counters and histograms in Prometheus'
+//! text format, named after vLLM's (`kvforge:` instead of `vllm:`), and
+//! the cache's own series derived from the coordinator's counters.
+//!
+//! Counters end in `_total`; latencies are histograms with buckets (not
+//! summaries), so that a dashboard can aggregate them across instances.
+
+use std::fmt::Write;
+
+use kvforge_engine::cache::CacheStats;
+
+/// Bucket upper bounds in seconds for time to first token and request
+/// latency (vLLM's, cut to what a CPU server sees).
+const LATENCY_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0, 160.0,
+];
+/// Bucket upper bounds for the time between two tokens of a stream.
+const ITL_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+    2.5, 5.0,
+];
+
+/// A cumulative histogram.
+#[derive(Clone, Debug)]
+pub struct Histogram {
+    bounds: &'static [f64],
+    /// Observations at or below each bound (not cumulative; summed when
+    /// rendered).
+    counts: Vec<u64>,
+    sum: f64,
+    count: u64,
+}
+
+impl Histogram {
+    fn new(bounds: &'static [f64]) -> Self {
+        Histogram {
+            bounds,
+            counts: vec![0; bounds.len()],
+            sum: 0.0,
+            count: 0,
+        }
+    }
+
+    /// Records one observation.
+    pub fn observe(&mut self, v: f64) {
+        if let Some(i) = self.bounds.iter().position(|&b| v <= b) {
+            self.counts[i] += 1;
+        }
+        self.sum += v;
+        self.count += 1;
+    }
+
+    /// Observations so far.
+    pub fn count(&self) -> u64 {
+        self.count
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let mut acc = 0;
+        for (b, c) in self.bounds.iter().zip(&self.counts) {
+            acc += c;
+            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {acc}");
+        }
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", self.count);
+        let _ = writeln!(out, "{name}_sum {}", self.sum);
+        let _ = writeln!(out, "{name}_count {}", self.count);
+    }
+}
+
+/// How a request ended, for `kvforge:request_success_total` and the
+/// aborted / failed counters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ended {
+    /// eos or a stop string.
+    Stop,
+    /// `max_tokens`, the context, or the KV budget.
+    Length,
+    /// The client went away.
+    Aborted,
+    /// The request failed (its generation panicked or erred).
+    Failed,
+}
+
+/// What the engine loop counts.
+#[derive(Clone, Debug)]
+pub struct ServeMetrics {
+    /// Requests decoding or prefilling now.
+    pub running: usize,
+    /// Requests waiting to be admitted (new and preempted).
+    pub waiting: usize,
+    /// Seconds from arrival to the first token.
+    pub ttft: Histogram,
+    /// Seconds between two tokens of one request.
+    pub itl: Histogram,
+    /// Seconds from arrival to the last token.
+    pub e2e: Histogram,
+    /// Prompt tokens of admitted requests.
+    pub prompt_tokens: u64,
+    /// Tokens generated.
+    pub generation_tokens: u64,
+    /// Prompt tokens looked up in the prefix cache (first admission only).
+    pub prefix_queries: u64,
+    /// Of those, tokens whose KV was found there.
+    pub prefix_hits: u64,
+    /// Running requests released to make room (recomputed later).
+    pub preemptions: u64,
+    /// Finished with `stop`.
+    pub finished_stop: u64,
+    /// Finished with `length`.
+    pub finished_length: u64,
+    /// Ended because the client disconnected.
+    pub aborted: u64,
+    /// Failed inside the server.
+    pub failed: u64,
+    /// Engine steps run.
+    pub steps: u64,
+}
+
+impl Default for ServeMetrics {
+    fn default() -> Self {
+        ServeMetrics {
+            running: 0,
+            waiting: 0,
+            ttft: Histogram::new(LATENCY_BUCKETS),
+            itl: Histogram::new(ITL_BUCKETS),
+            e2e: Histogram::new(LATENCY_BUCKETS),
+            prompt_tokens: 0,
+            generation_tokens: 0,
+            prefix_queries: 0,
+            prefix_hits: 0,
+            preemptions: 0,
+            finished_stop: 0,
+            finished_length: 0,
+            aborted: 0,
+            failed: 0,
+            steps: 0,
+        }
+    }
+}
+
+impl ServeMetrics {
+    /// Counts a request that ended.
+    pub fn ended(&mut self, how: Ended) {
+        match how {
+            Ended::Stop => self.finished_stop += 1,
+            Ended::Length => self.finished_length += 1,
+            Ended::Aborted => self.aborted += 1,
+            Ended::Failed => self.failed += 1,
+        }
+    }
+}
+
+/// A series: name, help, type, and its rows (labels, value).
+type Series<'a> = (&'a str, &'a str, &'a str, Vec<(String, f64)>);
+
+fn one(v: f64) -> Vec<(String, f64)> {
+    vec![(String::new(), v)]
+}
+
+fn per_tier(cache: &CacheStats, f: impl Fn(&kvforge_pool::PoolStats) -> u64) -> Vec<(String, f64)> {
+    cache
+        .tiers
+        .iter()
+        .map(|t| (format!("{{tier=\"{}\"}}", t.name), f(&t.pool) as f64))
+        .collect()
+}
+
+/// The text `/metrics` answers: the server's series, then the cache's
+/// (bytes and blocks per tier, what the policies did).
+pub fn render(m: &ServeMetrics, cache: &CacheStats) -> String {
+    let mut out = String::new();
+    write_series(&mut out, server_series(m));
+    write_series(&mut out, cache_series(cache));
+    m.ttft.render(
+        &mut out,
+        "kvforge:time_to_first_token_seconds",
+        "Seconds from arrival to the first token.",
+    );
+    m.itl.render(
+        &mut out,
+        "kvforge:inter_token_latency_seconds",
+        "Seconds between two tokens of a request.",
+    );
+    m.e2e.render(
+        &mut out,
+        "kvforge:e2e_request_latency_seconds",
+        "Seconds from arrival to the last token.",
+    );
+    out
+}
+
+fn write_series(out: &mut String, series: Vec<Series>) {
+    for (name, help, kind, rows) in series {
+        let _ = writeln!(
+            out,
+            "# HELP kvforge:{name} {help}\n# TYPE kvforge:{name} {kind}"
+        );
+        for (labels, v) in rows {
+            let _ = writeln!(out, "kvforge:{name}{labels} {v}");
+        }
+    }
+}
+
+fn c(v: u64) -> Vec<(String, f64)> {
+    one(v as f64)
+}
+
+/// The scheduler's series, with vLLM's names.
+fn server_series<'a>(m: &ServeMetrics) -> Vec<Series<'a>> {
+    let success = vec![
+        (
+            "{finished_reason=\"stop\"}".to_string(),
+            m.finished_stop as f64,
+        ),
+        (
+            "{finished_reason=\"length\"}".to_string(),
+            m.finished_length as f64,
+        ),
+    ];
+    vec![
+        (
+            "num_requests_running",
+            "Requests in the running batch.",
+            "gauge",
+            one(m.running as f64),
+        ),
+        (
+            "num_requests_waiting",
+            "Requests waiting to be admitted.",
+            "gauge",
+            one(m.waiting as f64),
+        ),
+        (
+            "prefix_cache_queries_total",
+            "Prompt tokens looked up in the prefix cache.",
+            "counter",
+            c(m.prefix_queries),
+        ),
+        (
+            "prefix_cache_hits_total",
+            "Prompt tokens found in the prefix cache.",
+            "counter",
+            c(m.prefix_hits),
+        ),
+        (
+            "prompt_tokens_total",
+            "Prompt tokens of admitted requests.",
+            "counter",
+            c(m.prompt_tokens),
+        ),
+        (
+            "generation_tokens_total",
+            "Tokens generated.",
+            "counter",
+            c(m.generation_tokens),
+        ),
+        (
+            "num_preemptions_total",
+            "Running requests released for room, recomputed later.",
+            "counter",
+            c(m.preemptions),
+        ),
+        (
+            "request_success_total",
+            "Requests finished, by finish reason.",
+            "counter",
+            success,
+        ),
+        (
+            "request_aborted_total",
+            "Requests whose client disconnected.",
+            "counter",
+            c(m.aborted),
+        ),
+        (
+            "request_failed_total",
+            "Requests that failed inside the server.",
+            "counter",
+            c(m.failed),
+        ),
+        (
+            "engine_steps_total",
+            "Engine loop steps that ran the model.",
+            "counter",
+            c(m.steps),
+        ),
+    ]
+}
+
+/// The cache's series, from the coordinator's counters.
+fn cache_series<'a>(cache: &CacheStats) -> Vec<Series<'a>> {
+    let usage = if cache.budget_bytes > 0 {
+        cache.bytes_in_use as f64 / cache.budget_bytes as f64
+    } else {
+        0.0
+    };
+    let p = &cache.policies;
+    let ix = cache.index.unwrap_or_default();
+    vec![
+        (
+            "kv_cache_usage_perc",
+            "KV bytes in use over the byte budget (1 = full).",
+            "gauge",
+            one(usage),
+        ),
+        (
+            "kv_budget_bytes",
+            "Bytes all KV tiers may hold in use.",
+            "gauge",
+            one(cache.budget_bytes as f64),
+        ),
+        (
+            "kv_bytes_in_use",
+            "Bytes of KV blocks in use, per tier.",
+            "gauge",
+            per_tier(cache, |t| t.in_use_bytes),
+        ),
+        (
+            "kv_blocks_in_use",
+            "KV blocks in use, per tier.",
+            "gauge",
+            per_tier(cache, |t| t.in_use as u64),
+        ),
+        (
+            "kv_blocks_cached_free",
+            "Free KV blocks still holding cached prefixes, per tier.",
+            "gauge",
+            per_tier(cache, |t| t.cached_free as u64),
+        ),
+        (
+            "evicted_entries_total",
+            "KV entries dropped by the eviction policy.",
+            "counter",
+            c(p.evicted_entries),
+        ),
+        (
+            "evicted_idle_entries_total",
+            "Of those, entries taken from idle sequences for another's step.",
+            "counter",
+            c(p.evicted_idle_entries),
+        ),
+        (
+            "evicted_tokens_total",
+            "Tokens dropped by token-level eviction.",
+            "counter",
+            c(p.evicted_tokens),
+        ),
+        (
+            "demoted_blocks_total",
+            "Hot blocks moved to the quantized cold tier.",
+            "counter",
+            c(p.demoted_blocks),
+        ),
+        (
+            "lifecycle_dropped_entries_total",
+            "KV entries the context lifecycle dropped.",
+            "counter",
+            c(p.lifecycle_dropped_entries),
+        ),
+        (
+            "shared_blocks_total",
+            "Cold blocks stored once for several holders.",
+            "counter",
+            c(cache.sharing.map_or(0, |s| s.shared)),
+        ),
+        (
+            "prefix_index_hit_blocks_total",
+            "Blocks the prefix index returned.",
+            "counter",
+            c(ix.hit_blocks),
+        ),
+        (
+            "prefix_index_inserted_blocks_total",
+            "Blocks registered in the prefix index.",
+            "counter",
+            c(ix.inserted_blocks),
+        ),
+    ]
+}

@@ -1,0 +1,352 @@
+//! The engine loop: continuous batching on a thread of its own.
+//!
+//! The HTTP side hands in [`Job`]s through a channel and gets [`Event`]s
+//! back on each job's own channel; it never waits on the loop. Each step
+//! the loop
+//!
+//! 1. takes new jobs in and drops those whose client has gone (its blocks
+//!    go back within the step);
+//! 2. admits waiting requests, oldest first, up to `max_batch` running:
+//!    each opens a sequence in the coordinator with the longest cached
+//!    prefix of its prompt (the prefix index, namespaced per API key and
+//!    `cache_salt`);
+//! 3. decodes every request that has its prompt in the cache as one
+//!    batch (`Llama::forward_batch`: the weights are read once per step);
+//! 4. spends what is left of the step's token budget (`max_step_tokens`)
+//!    on prompt chunks (chunked prefill: a long prompt takes several steps
+//!    and never stalls the running decodes);
+//! 5. streams each new token to its client and, when a request ends,
+//!    registers its KV in the prefix index and frees its sequence at once.
+//!
+//! When a step does not fit the coordinator's byte budget, the configured
+//! mechanisms have already acted inside the coordinator (cold tier,
+//! eviction across idle sequences); then the newest running request is
+//! preempted: its KV is registered in the prefix index and freed, and it
+//! goes back to the front of the queue, to be recomputed (mostly found in
+//! the prefix cache) when there is room. No new request is admitted until
+//! one finishes. A request that does not fit even alone ends: with
+//! `finish_reason: length` if it has produced tokens, else with a 400.
+//!
+//! A panic in one request's work (its sampling, its prompt chunk) fails
+//! that request only; a batched decode that fails or panics is run again
+//! one request at a time, so that only the one at fault fails.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::{Duration, Instant};
+
+use kvforge_engine::cache::CacheStats;
+use kvforge_engine::{Engine, Sampler, SamplingParams, Sequence};
+use kvforge_prefix::ExtraKeys;
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::error::ApiError;
+use crate::metrics::{Ended, ServeMetrics};
+
+mod step;
+#[cfg(test)]
+mod tests;
+mod text;
+
+/// The scheduler's knobs.
+#[derive(Clone, Debug)]
+pub struct SchedConfig {
+    /// Requests in the running batch at most.
+    pub max_batch: usize,
+    /// Tokens one step computes at most (decodes count one each; prompt
+    /// chunks fill the rest).
+    pub max_step_tokens: usize,
+    /// Requests waiting at most; more are refused with 429.
+    pub max_waiting: usize,
+}
+
+impl Default for SchedConfig {
+    fn default() -> Self {
+        SchedConfig {
+            max_batch: 16,
+            max_step_tokens: 256,
+            max_waiting: 256,
+        }
+    }
+}
+
+/// A test's hook, called before each token of a request is sampled, with
+/// the request's `user`; a panic there fails that request only.
+pub type Fault = Arc<dyn Fn(Option<&str>) + Send + Sync>;
+
+/// One request for the loop.
+pub struct Job {
+    /// The prompt's token ids.
+    pub prompt: Vec<u32>,
+    /// Sampling and the token limit.
+    pub params: SamplingParams,
+    /// Stop strings.
+    pub stop: Vec<String>,
+    /// The prefix index's namespace (API key and `cache_salt`).
+    pub namespace: String,
+    /// The request's `user`.
+    pub user: Option<String>,
+    /// Where its events go; dropping the receiver aborts the request.
+    pub events: UnboundedSender<Event>,
+    /// When it arrived.
+    pub arrived: Instant,
+}
+
+/// What a request receives, in order: tokens, then one `Done` or `Failed`.
+#[derive(Debug)]
+pub enum Event {
+    /// A token was generated; the text it adds (may be empty).
+    Token(String),
+    /// The request ended.
+    Done(Outcome),
+    /// The request failed or was refused.
+    Failed(ApiError),
+}
+
+/// How a request ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Outcome {
+    /// `true`: `finish_reason: stop` (eos or a stop string); else `length`.
+    pub stopped: bool,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Tokens generated.
+    pub completion_tokens: usize,
+    /// Prompt tokens whose KV came from the prefix cache.
+    pub cached_tokens: usize,
+}
+
+/// What the HTTP side and the loop share.
+#[derive(Default)]
+pub struct Shared {
+    /// Jobs submitted and not yet admitted (for the 429 check).
+    pub queued: AtomicUsize,
+    /// No new request is taken.
+    pub closing: AtomicBool,
+    /// The loop's counters.
+    pub metrics: Mutex<ServeMetrics>,
+    /// The cache's counters after the latest step.
+    pub cache: Mutex<Option<CacheStats>>,
+}
+
+/// Locks `m`, whatever a panicking holder left (plain counters).
+pub fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Messages into the loop.
+pub enum Msg {
+    /// A new request.
+    Submit(Job),
+    /// Stop: finish what runs until the deadline, then cancel the rest.
+    Shutdown(Instant),
+}
+
+/// A request in the loop, waiting or running.
+struct Req {
+    job: Job,
+    /// What the sequence must hold before the next sample: the prompt and
+    /// every token generated so far.
+    context: Vec<u32>,
+    /// Tokens generated.
+    generated: Vec<u32>,
+    seq: Sequence,
+    sampler: Sampler,
+    reply: text::Reply,
+    /// Prompt tokens found in the prefix cache at first admission
+    /// (`None`: never admitted).
+    cached: Option<usize>,
+    /// Order of admission (the newest is preempted first).
+    admitted: u64,
+    last_token: Option<Instant>,
+    /// Set when the request has ended in this step.
+    end: Option<End>,
+}
+
+#[derive(Debug)]
+enum End {
+    Finished {
+        stopped: bool,
+    },
+    /// Released for room; back to the queue.
+    Preempted,
+    Aborted,
+    Failed(ApiError),
+}
+
+/// The loop's state.
+pub struct Scheduler {
+    engine: Arc<Engine>,
+    cfg: SchedConfig,
+    shared: Arc<Shared>,
+    fault: Option<Fault>,
+    waiting: VecDeque<Req>,
+    running: Vec<Req>,
+    admissions: u64,
+    /// A step did not fit: admit nothing until a request finishes.
+    pressure: bool,
+    deadline: Option<Instant>,
+}
+
+impl Scheduler {
+    /// A loop over `engine` (whose cache has prefix reuse configured).
+    pub fn new(
+        engine: Arc<Engine>,
+        cfg: SchedConfig,
+        shared: Arc<Shared>,
+        fault: Option<Fault>,
+    ) -> Self {
+        Scheduler {
+            engine,
+            cfg,
+            shared,
+            fault,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            admissions: 0,
+            pressure: false,
+            deadline: None,
+        }
+    }
+
+    /// Runs until the channel closes or a shutdown's work is done.
+    pub fn run(mut self, rx: mpsc::Receiver<Msg>) {
+        loop {
+            if self.idle() {
+                if self.deadline.is_some() {
+                    break;
+                }
+                self.publish();
+                match rx.recv() {
+                    Ok(m) => self.take(m),
+                    Err(_) => break,
+                }
+            }
+            while let Ok(m) = rx.try_recv() {
+                self.take(m);
+            }
+            if self.deadline.is_some_and(|d| Instant::now() >= d) {
+                self.cancel_all();
+            }
+            self.tick();
+        }
+        self.publish();
+    }
+
+    /// One step: drop the requests whose client is gone, admit, run the
+    /// model, end what ended, publish the counters.
+    fn tick(&mut self) {
+        self.drop_gone();
+        self.admit();
+        self.step();
+        self.sweep();
+        self.publish();
+    }
+
+    fn idle(&self) -> bool {
+        self.waiting.is_empty() && self.running.is_empty()
+    }
+
+    fn take(&mut self, m: Msg) {
+        match m {
+            Msg::Submit(job) => {
+                let sampler = match Sampler::new(job.params.clone()) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        self.shared.queued.fetch_sub(1, Ordering::SeqCst);
+                        let _ = job
+                            .events
+                            .send(Event::Failed(ApiError::invalid(e.detail())));
+                        return;
+                    }
+                };
+                self.waiting.push_back(Req {
+                    context: job.prompt.clone(),
+                    job,
+                    generated: Vec::new(),
+                    seq: Sequence::default(),
+                    sampler,
+                    reply: text::Reply::default(),
+                    cached: None,
+                    admitted: 0,
+                    last_token: None,
+                    end: None,
+                });
+            }
+            Msg::Shutdown(at) => self.deadline = Some(at),
+        }
+    }
+
+    /// Requests whose client went away end now, waiting or running.
+    fn drop_gone(&mut self) {
+        let before = self.waiting.len();
+        self.waiting.retain(|r| !r.job.events.is_closed());
+        let gone = before - self.waiting.len();
+        if gone > 0 {
+            self.shared.queued.fetch_sub(gone, Ordering::SeqCst);
+            lock(&self.shared.metrics).aborted += gone as u64;
+        }
+        for r in &mut self.running {
+            if r.job.events.is_closed() && r.end.is_none() {
+                r.end = Some(End::Aborted);
+            }
+        }
+        self.sweep();
+    }
+
+    fn cancel_all(&mut self) {
+        for r in self.waiting.drain(..) {
+            self.shared.queued.fetch_sub(1, Ordering::SeqCst);
+            let _ = r.job.events.send(Event::Failed(ApiError::shutting_down()));
+        }
+        for r in &mut self.running {
+            r.end.get_or_insert(End::Failed(ApiError::shutting_down()));
+        }
+        self.sweep();
+    }
+
+    /// Admits waiting requests, oldest (and preempted) first.
+    fn admit(&mut self) {
+        while !self.pressure && self.running.len() < self.cfg.max_batch {
+            let Some(mut r) = self.waiting.pop_front() else {
+                break;
+            };
+            self.shared.queued.fetch_sub(1, Ordering::SeqCst);
+            let extra = ExtraKeys::namespace(&r.job.namespace);
+            match self.engine.cache.open(&r.context, &extra) {
+                Ok(seq) => r.seq = seq,
+                Err(e) => {
+                    let _ = r
+                        .job
+                        .events
+                        .send(Event::Failed(ApiError::internal(e.to_string())));
+                    lock(&self.shared.metrics).ended(Ended::Failed);
+                    continue;
+                }
+            }
+            if r.cached.is_none() {
+                let mut m = lock(&self.shared.metrics);
+                m.prefix_queries += r.job.prompt.len() as u64;
+                m.prefix_hits += r.seq.len() as u64;
+                m.prompt_tokens += r.job.prompt.len() as u64;
+                r.cached = Some(r.seq.len());
+            }
+            self.admissions += 1;
+            r.admitted = self.admissions;
+            self.running.push(r);
+        }
+    }
+
+    /// Publishes the gauges and the cache's counters.
+    fn publish(&self) {
+        let stats = self.engine.cache.stats();
+        *lock(&self.shared.cache) = Some(stats);
+        let mut m = lock(&self.shared.metrics);
+        m.running = self.running.len();
+        m.waiting = self.shared.queued.load(Ordering::SeqCst);
+    }
+}
+
+/// How long a shutdown waits for running requests by default.
+pub const DEFAULT_GRACE: Duration = Duration::from_secs(30);

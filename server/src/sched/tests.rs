@@ -1,0 +1,89 @@
+//! The loop step by step: a request whose client has gone gives its
+//! blocks back in the next step, whether it runs or waits.
+
+#![allow(clippy::unwrap_used)]
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvforge_engine::gguf::GgufFile;
+use kvforge_engine::{
+    Device, Engine, EngineConfig, Kind, Llama, LlamaConfig, ReuseConfig, SamplingParams, Tokenizer,
+};
+use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
+
+use super::{Event, Job, Msg, SchedConfig, Scheduler, Shared};
+
+fn scheduler(max_batch: usize) -> Scheduler {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let g = GgufFile::open(&root.join("models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+        .expect("the model: run `cargo xtask setup`");
+    let tok = Tokenizer::from_gguf(&g).unwrap();
+    let mc = LlamaConfig {
+        vocab: tok.vocab,
+        max_ctx: 1024,
+        ..LlamaConfig::tiny()
+    };
+    let model = Llama::random(mc, 3, Device::Cpu, Kind::Float).unwrap();
+    let mut engine = Engine::new(model, tok, &EngineConfig::default()).unwrap();
+    ReuseConfig::default().apply(&mut engine.cache).unwrap();
+    engine.cache.check_every_call(true);
+    let cfg = SchedConfig {
+        max_batch,
+        ..SchedConfig::default()
+    };
+    Scheduler::new(Arc::new(engine), cfg, Arc::new(Shared::default()), None)
+}
+
+fn submit(s: &mut Scheduler, prompt_len: usize) -> UnboundedReceiver<Event> {
+    let (tx, rx) = unbounded_channel();
+    s.shared
+        .queued
+        .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    s.take(Msg::Submit(Job {
+        prompt: (1..=prompt_len as u32).collect(),
+        params: SamplingParams {
+            max_tokens: 500,
+            ignore_eos: true,
+            ..SamplingParams::default()
+        },
+        stop: Vec::new(),
+        namespace: "t".into(),
+        user: None,
+        events: tx,
+        arrived: Instant::now(),
+    }));
+    rx
+}
+
+fn hot_in_use(s: &Scheduler) -> usize {
+    s.engine.cache.tier_stats()[0].pool.in_use
+}
+
+#[test]
+fn a_gone_client_frees_its_blocks_in_the_next_step() {
+    let mut s = scheduler(1);
+    let mut running = submit(&mut s, 40);
+    let waiting = submit(&mut s, 8);
+    for _ in 0..3 {
+        s.tick();
+    }
+    assert!(matches!(running.try_recv(), Ok(Event::Token(_))));
+    assert_eq!(s.running.len(), 1);
+    assert_eq!(s.waiting.len(), 1);
+    assert!(hot_in_use(&s) > 0);
+    // The waiting one's client goes: gone from the queue at the next step.
+    drop(waiting);
+    s.tick();
+    assert!(s.waiting.is_empty());
+    assert_eq!(s.shared.queued.load(std::sync::atomic::Ordering::SeqCst), 0);
+    // The running one's: its sequence is freed at the next step, its KV
+    // left in the prefix cache (free, cached).
+    drop(running);
+    s.tick();
+    assert!(s.running.is_empty());
+    assert_eq!(hot_in_use(&s), 0);
+    assert!(s.engine.cache.tier_stats()[0].pool.cached_free > 0);
+    assert_eq!(super::lock(&s.shared.metrics).aborted, 2);
+}

@@ -1,0 +1,110 @@
+//! The `kvforge-serve` binary: bad flags and files are one line and a
+//! non-zero exit; SIGTERM lets a running stream finish and exits 0. On
+//! the real model (`cargo xtask setup` installs it).
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvforge_server::client;
+use serde_json::json;
+
+const BIN: &str = env!("CARGO_BIN_EXE_kvforge-serve");
+
+fn fails(args: &[&str], code: i32, words: &str) {
+    let out = Command::new(BIN)
+        .args(args)
+        .args(["--port", "0"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(code), "{args:?}: {err}");
+    assert_eq!(err.trim().lines().count(), 1, "{args:?}: one line: {err}");
+    assert!(err.contains(words), "{args:?}: {err}");
+}
+
+#[test]
+fn bad_flags_and_files_are_one_line_and_a_nonzero_exit() {
+    let model = common::model_path();
+    let model = model.to_str().unwrap();
+    fails(&["--max-batch", "many"], 2, "invalid value");
+    fails(&["--no-such-flag"], 2, "--no-such-flag");
+    fails(&["--model", "/no/such/model.gguf"], 1, "not found");
+    fails(
+        &["--model", model, "--config", "/no/such.toml"],
+        1,
+        "/no/such.toml",
+    );
+    let dir = std::env::temp_dir().join(format!("kvforge-serve-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bad = dir.join("bad.toml");
+    std::fs::write(&bad, "cold = { format = \"int3\" }\n").unwrap();
+    fails(
+        &["--model", model, "--config", bad.to_str().unwrap()],
+        1,
+        "int3",
+    );
+    fails(&["--model", model, "--threads", "999"], 1, "--threads");
+    fails(&["--model", model, "--max-batch", "0"], 1, "--max-batch");
+    fails(&["--model", model, "--device", "tpu"], 1, "tpu");
+    fails(
+        &["--model", model, "--host", "256.0.0.1"],
+        1,
+        "cannot listen",
+    );
+    fails(&["--model", model, "--api-key", ""], 1, "--api-key");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn sigterm_lets_the_running_stream_finish_then_exits_zero() {
+    let model = common::model_path();
+    let mut child = Command::new(BIN)
+        .args(["--port", "0", "--grace-secs", "60", "--model"])
+        .arg(&model)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    let addr = first
+        .split("http://")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no address in {first:?}"))
+        .to_string();
+    let body = json!({
+        "model": "SmolLM2-135M-Instruct.Q4_1",
+        "messages": [{"role": "user", "content": "Count from one to fifty."}],
+        "max_tokens": 24, "temperature": 0, "ignore_eos": true, "stream": true,
+    });
+    let r = client::post_json(&addr, "/v1/chat/completions", &[], &body, common::TIMEOUT).unwrap();
+    assert_eq!(r.status, 200);
+    let mut events = r.events();
+    events.next().unwrap().unwrap();
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let rest: Vec<String> = events.map(Result::unwrap).collect();
+    assert_eq!(rest.last().map(String::as_str), Some("[DONE]"), "{rest:?}");
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "still running after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status:?}");
+    let said: Vec<String> = lines.map(Result::unwrap).collect();
+    assert!(said.iter().any(|l| l.contains("stopping")), "{said:?}");
+}

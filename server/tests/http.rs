@@ -1,0 +1,547 @@
+//! The server over HTTP on a loopback port: replies, streaming, prefix
+//! reuse and its namespaces, and every error path with OpenAI's error
+//! shape. A tiny random-weight model keeps each test to seconds.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{MODEL, TestServer, chat, error_of, metric, tiny_engine};
+use kvforge_engine::EngineConfig;
+use kvforge_server::ServerConfig;
+use kvforge_server::client;
+use kvforge_server::sched::SchedConfig;
+use serde_json::{Value, json};
+
+const CHAT: &str = "/v1/chat/completions";
+const COMPLETIONS: &str = "/v1/completions";
+
+fn text_of(v: &Value) -> String {
+    let c = &v["choices"][0];
+    c["message"]["content"]
+        .as_str()
+        .or(c["text"].as_str())
+        .unwrap()
+        .to_string()
+}
+
+#[test]
+fn chat_replies_and_a_repeated_prefix_is_reused_within_its_namespace_only() {
+    let s = TestServer::tiny(ServerConfig::default());
+    let long = "Tell me about the history of the city and its old harbour, in detail.";
+    let a = s.post(CHAT, &chat(long, 12)).json().unwrap();
+    assert_eq!(a["object"], "chat.completion");
+    assert_eq!(a["model"], MODEL);
+    let u = &a["usage"];
+    assert_eq!(u["completion_tokens"], 12);
+    assert_eq!(a["choices"][0]["finish_reason"], "length");
+    assert_eq!(a["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(u["prompt_tokens_details"]["cached_tokens"], 0, "{a}");
+    let prompt = u["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(u["total_tokens"].as_u64().unwrap(), prompt + 12);
+    // The same prompt again: its full blocks come from the prefix cache.
+    let b = s.post(CHAT, &chat(long, 12)).json().unwrap();
+    let cached = b["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached > 0 && cached < prompt, "{b}");
+    // Another cache_salt is another namespace: nothing shared.
+    let mut salted = chat(long, 12);
+    salted["cache_salt"] = json!("tenant-b");
+    let c = s.post(CHAT, &salted).json().unwrap();
+    assert_eq!(
+        c["usage"]["prompt_tokens_details"]["cached_tokens"], 0,
+        "{c}"
+    );
+    let d = s.post(CHAT, &salted).json().unwrap();
+    assert!(
+        d["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
+    // Greedy, same namespace path: the same text.
+    assert_eq!(text_of(&c), text_of(&a));
+    let m = s.metrics();
+    assert!(metric(&m, "kvforge:prefix_cache_hits_total") >= (2 * cached) as f64);
+    assert_eq!(
+        metric(&m, "kvforge:prefix_cache_queries_total"),
+        (4 * prompt) as f64
+    );
+    assert_eq!(metric(&m, "kvforge:generation_tokens_total"), 48.0);
+}
+
+#[test]
+fn api_keys_are_checked_and_each_key_is_its_own_namespace() {
+    let s = TestServer::tiny(ServerConfig {
+        api_keys: vec!["k1".into(), "k2".into()],
+        ..ServerConfig::default()
+    });
+    let body = chat(
+        "A question that is long enough to fill a few blocks of KV.",
+        4,
+    );
+    let (msg, _, code) = error_of(s.post(CHAT, &body), 401);
+    assert!(msg.contains("Authorization"), "{msg}");
+    assert_eq!(code.as_deref(), Some("invalid_api_key"));
+    let (_, _, code) = error_of(
+        s.post_with(CHAT, &[("Authorization", "Bearer nope")], &body),
+        401,
+    );
+    assert_eq!(code.as_deref(), Some("invalid_api_key"));
+    assert_eq!(s.get("/v1/models").status, 401);
+    assert_eq!(s.get("/health").status, 200);
+    let k1 = [("Authorization", "Bearer k1")];
+    let k2 = [("Authorization", "Bearer k2")];
+    let cached = |h: &[(&str, &str)]| {
+        let v = s.post_with(CHAT, h, &body).json().unwrap();
+        v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    assert_eq!(cached(&k1), 0);
+    assert!(cached(&k1) > 0);
+    assert_eq!(cached(&k2), 0, "another key never sees k1's KV");
+}
+
+#[test]
+fn streaming_sends_chunks_the_finish_reason_usage_and_done() {
+    let s = TestServer::tiny(ServerConfig::default());
+    let mut body = chat("Stream a reply, please.", 10);
+    let whole = text_of(&s.post(CHAT, &body).json().unwrap());
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    body["cache_salt"] = json!("fresh"); // the same computation as the first
+    let r = s.post(CHAT, &body);
+    assert_eq!(r.status, 200);
+    assert!(
+        r.header("content-type")
+            .unwrap()
+            .starts_with("text/event-stream")
+    );
+    let events: Vec<String> = r.events().map(Result::unwrap).collect();
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let mut text = String::new();
+    for c in &chunks {
+        assert_eq!(c["object"], "chat.completion.chunk");
+        if let Some(t) = c["choices"][0]["delta"]["content"].as_str() {
+            text.push_str(t);
+        }
+    }
+    assert_eq!(text, whole, "the stream's pieces make the whole reply");
+    let fin = &chunks[chunks.len() - 2];
+    assert_eq!(fin["choices"][0]["finish_reason"], "length");
+    let usage = &chunks[chunks.len() - 1];
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"]["completion_tokens"], 10);
+    assert!(chunks[0]["usage"].is_null() && chunks[0].get("usage").is_some());
+}
+
+#[test]
+fn completions_take_text_or_token_ids_and_stop_strings_end_the_reply() {
+    let s = TestServer::tiny(ServerConfig::default());
+    let ask = |prompt: Value, extra: Value| {
+        let mut b = json!({"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        s.post(COMPLETIONS, &b).json().unwrap()
+    };
+    let a = ask(json!("Once upon a time"), json!({"cache_salt": "a"}));
+    assert_eq!(a["object"], "text_completion");
+    let text = text_of(&a);
+    let ids = json!([19842, 2462, 253, 655]);
+    let b = ask(ids, json!({}));
+    assert_eq!(b["usage"]["prompt_tokens"], 4);
+    // A stop string taken from the middle of the reply ends it there.
+    let chars: Vec<char> = text.chars().collect();
+    assert!(chars.len() > 8, "{text:?}");
+    let stop: String = chars[4..7].iter().collect();
+    let at = text.find(&stop).unwrap();
+    let c = ask(
+        json!("Once upon a time"),
+        json!({"cache_salt": "b", "stop": [stop]}),
+    );
+    assert_eq!(text_of(&c), text[..at]);
+    assert_eq!(c["choices"][0]["finish_reason"], "stop");
+    // Streamed with a stop string: the same text.
+    let r = s.post(
+        COMPLETIONS,
+        &json!({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0,
+                "cache_salt": "c", "stop": stop, "stream": true}),
+    );
+    let mut streamed = String::new();
+    for e in r.events() {
+        let e = e.unwrap();
+        if e == "[DONE]" {
+            break;
+        }
+        let v: Value = serde_json::from_str(&e).unwrap();
+        streamed.push_str(v["choices"][0]["text"].as_str().unwrap());
+    }
+    assert_eq!(streamed, text[..at]);
+}
+
+#[test]
+fn bad_requests_get_a_400_in_openais_shape_naming_the_field() {
+    let s = TestServer::tiny(ServerConfig::default());
+    let r = s.raw("POST", CHAT, &[], b"{\"model\": ");
+    let (msg, _, _) = error_of(r, 400);
+    assert!(msg.starts_with("malformed JSON"), "{msg}");
+    let cases: Vec<(Value, &str, &str)> = vec![
+        (json!([1, 2]), "", "JSON object"),
+        (json!({"model": MODEL}), "messages", "missing field"),
+        (
+            json!({"model": MODEL, "messages": [], "max_tokens": 3}),
+            "messages",
+            "at least one",
+        ),
+        (
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}),
+            "",
+            "invalid type",
+        ),
+        (
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 3}),
+            "temperature",
+            "between 0 and 2",
+        ),
+        (
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_p": 0}),
+            "top_p",
+            "top_p",
+        ),
+        (
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}),
+            "n",
+            "n must be 1",
+        ),
+        (
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}),
+            "max_tokens",
+            "at least 1",
+        ),
+        (
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": []}),
+            "tools",
+            "unrecognized request argument",
+        ),
+        (
+            json!({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}),
+            "messages[0].role",
+            "not supported",
+        ),
+        (
+            json!({"model": MODEL, "messages": [{"role": "user", "content": 5}]}),
+            "messages[0].content",
+            "string",
+        ),
+        (
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": [1]}),
+            "stop[0]",
+            "strings",
+        ),
+        (
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": ["a","b","c","d","e"]}),
+            "stop",
+            "at most 4",
+        ),
+        (
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": true}}),
+            "stream_options",
+            "stream: true",
+        ),
+        (
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 1}),
+            "presence_penalty",
+            "not supported",
+        ),
+    ];
+    for (body, param, words) in cases {
+        let (msg, p, _) = error_of(s.post(CHAT, &body), 400);
+        assert!(msg.contains(words), "{body}: {msg}");
+        if !param.is_empty() {
+            assert_eq!(p.as_deref(), Some(param), "{body}: {msg}");
+        }
+    }
+    let comp: Vec<(Value, &str)> = vec![
+        (json!({"model": MODEL, "prompt": ["a", "b"]}), "prompt"),
+        (
+            json!({"model": MODEL, "prompt": [1, 99999999]}),
+            "prompt[1]",
+        ),
+        (json!({"model": MODEL, "prompt": ""}), "prompt"),
+        (json!({"model": MODEL, "prompt": "x", "echo": true}), "echo"),
+        (json!({"model": MODEL, "prompt": {"a": 1}}), "prompt"),
+    ];
+    for (body, param) in comp {
+        let (msg, p, _) = error_of(s.post(COMPLETIONS, &body), 400);
+        assert_eq!(p.as_deref(), Some(param), "{body}: {msg}");
+    }
+    // Longer than the model's context.
+    let long = "word ".repeat(1500);
+    let (msg, _, code) = error_of(s.post(CHAT, &chat(&long, 4)), 400);
+    assert_eq!(code.as_deref(), Some("context_length_exceeded"), "{msg}");
+    // Unknown model: 404 model_not_found, as OpenAI and vLLM answer.
+    let mut b = chat("hi", 2);
+    b["model"] = json!("gpt-5");
+    let (msg, p, code) = error_of(s.post(CHAT, &b), 404);
+    assert!(msg.contains("gpt-5") && msg.contains(MODEL), "{msg}");
+    assert_eq!(
+        (p.as_deref(), code.as_deref()),
+        (Some("model"), Some("model_not_found"))
+    );
+    // No such endpoint.
+    error_of(s.get("/v1/embeddings"), 404);
+    // After all of it the server still answers.
+    assert_eq!(s.post(CHAT, &chat("hi", 2)).status, 200);
+    s.until("the running gauge to fall to 0", |s| {
+        metric(&s.metrics(), "kvforge:num_requests_running") == 0.0
+    });
+}
+
+#[test]
+fn a_prompt_over_the_kv_budget_is_refused_and_a_body_over_the_limit_is_413() {
+    let cfg = EngineConfig {
+        block_size: 4,
+        kv_tokens: 64,
+        ..EngineConfig::default()
+    };
+    let s = TestServer::start(
+        tiny_engine(&cfg, 1024),
+        ServerConfig {
+            max_body_bytes: 2000,
+            ..ServerConfig::default()
+        },
+    );
+    let (msg, _, code) = error_of(s.post(CHAT, &chat(&"word ".repeat(100), 4)), 400);
+    assert_eq!(code.as_deref(), Some("kv_budget_exceeded"), "{msg}");
+    let (msg, _, code) = error_of(s.post(CHAT, &chat(&"x".repeat(3000), 4)), 413);
+    assert!(msg.contains("2000"), "{msg}");
+    assert_eq!(code.as_deref(), Some("request_too_large"));
+    assert_eq!(s.post(CHAT, &chat("short", 4)).status, 200);
+}
+
+fn endless(salt: &str) -> Value {
+    json!({
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Go on forever."}],
+        "max_tokens": 900,
+        "temperature": 0,
+        "ignore_eos": true,
+        "stream": true,
+        "cache_salt": salt,
+    })
+}
+
+#[test]
+fn a_full_queue_gets_429_with_retry_after_and_a_gone_client_frees_its_blocks() {
+    let s = TestServer::tiny(ServerConfig {
+        sched: SchedConfig {
+            max_batch: 1,
+            max_waiting: 1,
+            ..SchedConfig::default()
+        },
+        ..ServerConfig::default()
+    });
+    // One running (its first token seen), one waiting behind it.
+    let mut first = s.post(CHAT, &endless("a")).events();
+    first.next().unwrap().unwrap();
+    let addr = s.addr.clone();
+    let waiter = std::thread::spawn(move || {
+        client::post_json(&addr, CHAT, &[], &chat("Then me.", 3), common::TIMEOUT)
+            .unwrap()
+            .json()
+            .unwrap()
+    });
+    s.until("the second request to wait", |s| {
+        s.shared.queued.load(std::sync::atomic::Ordering::SeqCst) == 1
+    });
+    let r = s.post(CHAT, &chat("And me.", 3));
+    assert_eq!(r.header("retry-after"), Some("1"));
+    let (_, _, code) = error_of(r, 429);
+    assert_eq!(code.as_deref(), Some("queue_full"));
+    // The running client goes away mid-stream: its sequence ends, and the
+    // waiting request runs.
+    first.close();
+    let second = waiter.join().unwrap();
+    assert_eq!(second["usage"]["completion_tokens"], 3, "{second}");
+    s.until("the hot blocks to come back", |s| {
+        let m = s.metrics();
+        metric(&m, "kvforge:kv_blocks_in_use") == 0.0
+            && metric(&m, "kvforge:num_requests_running") == 0.0
+    });
+    assert_eq!(metric(&s.metrics(), "kvforge:request_aborted_total"), 1.0);
+}
+
+#[test]
+fn a_disconnect_mid_stream_returns_the_blocks_within_a_step_or_two() {
+    let s = TestServer::tiny(ServerConfig::default());
+    let mut ev = s.post(CHAT, &endless("d")).events();
+    for _ in 0..3 {
+        ev.next().unwrap().unwrap();
+    }
+    let steps_before = metric(&s.metrics(), "kvforge:engine_steps_total");
+    ev.close();
+    s.until("the aborted request's blocks", |s| {
+        metric(&s.metrics(), "kvforge:kv_blocks_in_use") == 0.0
+    });
+    let m = s.metrics();
+    assert_eq!(metric(&m, "kvforge:request_aborted_total"), 1.0);
+    // How soon the loop learns of it depends on when a write finds the
+    // socket closed (the step after that frees it: sched's own test); here,
+    // long before the request would have ended.
+    let steps = metric(&m, "kvforge:engine_steps_total") - steps_before;
+    assert!(steps < 300.0, "{steps} steps after the disconnect");
+    assert!(metric(&m, "kvforge:generation_tokens_total") < 900.0);
+}
+
+#[test]
+fn a_panic_in_one_request_fails_that_request_only() {
+    let fault: kvforge_server::Fault = Arc::new(|user: Option<&str>| {
+        if user == Some("boom") {
+            panic!("injected fault");
+        }
+    });
+    let s = TestServer::tiny(ServerConfig {
+        fault: Some(fault),
+        ..ServerConfig::default()
+    });
+    let mut ok = s.post(CHAT, &endless("ok")).events();
+    ok.next().unwrap().unwrap();
+    let mut bad = chat("Explode.", 5);
+    bad["user"] = json!("boom");
+    let (msg, _, _) = error_of(s.post(CHAT, &bad), 500);
+    assert!(msg.contains("injected fault"), "{msg}");
+    // The other stream goes on.
+    for _ in 0..5 {
+        let e = ok.next().unwrap().unwrap();
+        assert!(e.contains("chat.completion.chunk"), "{e}");
+    }
+    ok.close();
+    let v = s.post(CHAT, &chat("Still there?", 3)).json().unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 3);
+    assert_eq!(metric(&s.metrics(), "kvforge:request_failed_total"), 1.0);
+}
+
+#[test]
+fn requests_over_the_budget_together_are_preempted_and_all_complete() {
+    let cfg = EngineConfig {
+        block_size: 4,
+        kv_tokens: 96,
+        ..EngineConfig::default()
+    };
+    let s = TestServer::start(
+        tiny_engine(&cfg, 1024),
+        ServerConfig {
+            sched: SchedConfig {
+                max_batch: 6,
+                max_step_tokens: 16,
+                ..SchedConfig::default()
+            },
+            ..ServerConfig::default()
+        },
+    );
+    let threads: Vec<_> = (0..6)
+        .map(|i| {
+            let addr = s.addr.clone();
+            std::thread::spawn(move || {
+                let mut b = chat(&format!("Request number {i} here."), 40);
+                b["ignore_eos"] = json!(true);
+                client::post_json(&addr, CHAT, &[], &b, common::TIMEOUT)
+                    .unwrap()
+                    .json()
+                    .unwrap()
+            })
+        })
+        .collect();
+    for t in threads {
+        let v: Value = t.join().unwrap();
+        assert_eq!(v["usage"]["completion_tokens"], 40, "{v}");
+        assert_eq!(v["choices"][0]["finish_reason"], "length");
+    }
+    let m = s.metrics();
+    assert!(metric(&m, "kvforge:num_preemptions_total") > 0.0, "{m}");
+    // The gauges are published after the step that sent the last reply.
+    s.until("the blocks to come back", |s| {
+        metric(&s.metrics(), "kvforge:kv_blocks_in_use") == 0.0
+    });
+}
+
+#[test]
+fn metrics_have_vllms_names_counters_and_histograms() {
+    let s = TestServer::tiny(ServerConfig::default());
+    s.post(CHAT, &chat("Count me.", 5));
+    let m = s.metrics();
+    for name in [
+        "kvforge:num_requests_running",
+        "kvforge:num_requests_waiting",
+        "kvforge:kv_cache_usage_perc",
+        "kvforge:prefix_cache_queries_total",
+        "kvforge:prefix_cache_hits_total",
+        "kvforge:prompt_tokens_total",
+        "kvforge:generation_tokens_total",
+        "kvforge:evicted_entries_total",
+        "kvforge:demoted_blocks_total",
+        "kvforge:shared_blocks_total",
+        "kvforge:lifecycle_dropped_entries_total",
+    ] {
+        metric(&m, name);
+    }
+    for h in [
+        "kvforge:time_to_first_token_seconds",
+        "kvforge:inter_token_latency_seconds",
+        "kvforge:e2e_request_latency_seconds",
+    ] {
+        assert!(m.contains(&format!("# TYPE {h} histogram")), "{h}");
+        assert!(m.contains(&format!("{h}_bucket{{le=\"+Inf\"}}")), "{h}");
+        metric(&m, &format!("{h}_count"));
+    }
+    assert_eq!(metric(&m, "kvforge:time_to_first_token_seconds_count"), 1.0);
+    assert_eq!(metric(&m, "kvforge:inter_token_latency_seconds_count"), 4.0);
+    assert_eq!(metric(&m, "kvforge:generation_tokens_total"), 5.0);
+    for line in m
+        .lines()
+        .filter(|l| l.starts_with("# TYPE") && l.ends_with("counter"))
+    {
+        assert!(
+            line.split(' ').nth(2).unwrap().ends_with("_total"),
+            "{line}"
+        );
+    }
+    let models = s.get("/v1/models").json().unwrap();
+    assert_eq!(models["data"][0]["id"], MODEL);
+}
+
+#[test]
+fn stopping_lets_running_requests_finish_and_refuses_new_ones() {
+    let s = TestServer::tiny(ServerConfig {
+        grace: Duration::from_secs(30),
+        ..ServerConfig::default()
+    });
+    let addr = s.addr.clone();
+    let mut body = endless("s");
+    body["max_tokens"] = json!(60);
+    let mut ev = s.post(CHAT, &body).events();
+    ev.next().unwrap().unwrap();
+    let shared = s.shared.clone();
+    let stopper = std::thread::spawn(move || s.stop());
+    while !shared.closing.load(std::sync::atomic::Ordering::SeqCst) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // New requests are refused (503) or find the listener closed.
+    if let Ok(r) = client::post_json(&addr, CHAT, &[], &chat("late", 2), common::TIMEOUT) {
+        assert_eq!(r.status, 503);
+    }
+    let rest: Vec<String> = ev.map(Result::unwrap).collect();
+    assert_eq!(rest.last().map(String::as_str), Some("[DONE]"), "{rest:?}");
+    stopper.join().unwrap().unwrap();
+}
