@@ -18,6 +18,8 @@ pub mod ablate;
 pub mod output;
 pub mod plot;
 pub mod sealing;
+#[cfg(feature = "engine")]
+pub mod serve_load;
 
 use anyhow::{Context, bail};
 use kvforge_pool::{BlockId, KvLayout, StorageFormat};

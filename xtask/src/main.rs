@@ -75,6 +75,27 @@ fn run() -> Result<()> {
         Some("ablate") => run_after_setup(&root, "kvforge-bench", "ablate", &args[1..]),
         Some("kvforge") => run_after_setup(&root, "kvforge-engine", "kvforge", &args[1..]),
         Some("serve") => run_after_setup(&root, "kvforge-server", "kvforge-serve", &args[1..]),
+        Some("serve-load") => {
+            // The load generator starts the release server (and, for
+            // `single`, the release CLI) itself.
+            setup::setup(&root, false)?;
+            let mut build = cargo();
+            build.current_dir(&root).args([
+                "build",
+                "--quiet",
+                "--release",
+                "-p",
+                "kvforge-server",
+                "-p",
+                "kvforge-engine",
+                "--bins",
+            ]);
+            step(
+                "cargo build --release -p kvforge-server -p kvforge-engine",
+                build,
+            )?;
+            run_after_setup(&root, "kvforge-bench", "serve_load", &args[1..])
+        }
         Some("prefix-bench") => run_after_setup(&root, "kvforge-bench", "prefix_bench", &args[1..]),
         Some("pressure") => run_after_setup(&root, "kvforge-bench", "pressure", &args[1..]),
         Some("lifecycle") => run_after_setup(&root, "kvforge-bench", "lifecycle", &args[1..]),

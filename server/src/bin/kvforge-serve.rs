@@ -56,6 +56,11 @@ struct Args {
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
+    /// Hot KV capacity in tokens, shared by all requests (0: the model's
+    /// context). The mechanisms file's budget_mib caps the bytes of all
+    /// tiers on top.
+    #[arg(long, default_value_t = 0)]
+    kv_tokens: usize,
     /// A mechanisms file (the TOML of `kvforge --config` and the
     /// ablation's `[[config]]`): cold tier, eviction, sharing, budget;
     /// its `prefix` table sets reuse (absent: reuse off, as everywhere).
@@ -119,6 +124,7 @@ fn engine(a: &Args) -> Result<(Engine, ReuseConfig), String> {
             .map_err(e)?,
         kv_kind: Some(parse_dtype(&a.kv_dtype).map_err(e)?),
         block_size: a.block_size,
+        kv_tokens: a.kv_tokens,
         attention: Attention::Fused,
         ..EngineConfig::default()
     };
