@@ -54,7 +54,7 @@ pub fn budget(
         "--kv-tokens".into(),
         "65536".into(),
     ]);
-    let server = full.start(&out.dir().join("kvforge-full.log"))?;
+    let server = full.start(&c.log("kvforge-full.log"))?;
     let mut probe = client::post_json(
         &server.addr,
         "/v1/completions",
@@ -147,7 +147,7 @@ pub fn budget(
             "--kv-tokens".into(),
             "65536".into(),
         ]);
-        let server = spec.start(&out.dir().join(format!(
+        let server = spec.start(&c.log(&format!(
             "{}.log",
             if cold { "kvforge-int4" } else { "kvforge-hot" }
         )))?;
@@ -163,7 +163,7 @@ pub fn budget(
     }
     if let Some(l) = llama {
         let ctx = (budget_bytes / per_token).floor() as usize;
-        let server = l.start(concurrency, ctx, &out.dir().join("llama-budget.log"))?;
+        let server = l.start(concurrency, ctx, &c.log("llama-budget.log"))?;
         warm_up(&server);
         let s = measure(&server, &convs, concurrency, &load, &|_| false);
         server.stop();
@@ -239,9 +239,7 @@ pub fn single(
                 csv.row([rep.to_string(), "kvforge bench".into(), format!("{r:.3}")]);
                 direct.push(r);
             } else {
-                let server = c
-                    .kvforge(&[])
-                    .start(&out.dir().join(format!("single-{rep}.log")))?;
+                let server = c.kvforge(&[]).start(&c.log(&format!("single-{rep}.log")))?;
                 warm_up(&server);
                 let r = stream_rate(&server.addr, &server.model_id, &ids, c.max_tokens)?;
                 server.stop();

@@ -48,6 +48,14 @@ impl Common {
         crate::load_chats(&self.data, self.turns, n, self.turns..=usize::MAX)
     }
 
+    /// Where a server's log goes: `target/serve-load/logs/NAME` (not
+    /// beside the report).
+    pub fn log(&self, name: &str) -> PathBuf {
+        let dir = PathBuf::from("target/serve-load/logs");
+        let _ = std::fs::create_dir_all(&dir);
+        dir.join(name)
+    }
+
     /// kvforge-serve with `extra` flags (and `--config`, if given).
     pub fn kvforge(&self, extra: &[String]) -> KvforgeSpec {
         let mut args = extra.to_vec();

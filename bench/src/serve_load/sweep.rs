@@ -94,7 +94,7 @@ pub fn sweep(c: &Common, sw: &Sweep, llama: Option<&LlamaSpec>, out: &mut Output
                 order.reverse();
             }
             for name in order {
-                let log = out.dir().join(format!("{name}-c{level}-r{rep}.log"));
+                let log = c.log(&format!("{name}-c{level}-r{rep}.log"));
                 let server = match (name, llama) {
                     ("llama-server", Some(l)) => l.start(level, sw.ctx_per_slot * level, &log)?,
                     _ => c
@@ -240,7 +240,7 @@ pub fn soak(c: &Common, sk: &Soak, out: &mut Output) -> Result<()> {
         bail!("--leave takes a share in [0, 1)");
     }
     let pool = c.chats(400)?;
-    let log = out.dir().join("kvforge-soak.log");
+    let log = c.log("kvforge-soak.log");
     let server = c
         .kvforge(&[
             "--max-batch".into(),
