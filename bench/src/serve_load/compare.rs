@@ -32,6 +32,13 @@ fn block_bytes(metrics: &str) -> Result<f64> {
     }
 }
 
+/// kvforge's count of preempted requests.
+fn preemptions(metrics: &str) -> f64 {
+    series(metrics, "kvforge:num_preemptions_total")
+        .first()
+        .map_or(0.0, |r| r.1)
+}
+
 /// Runs the half-budget comparison; writes `budget.csv` and `report.md`.
 pub fn budget(
     c: &Common,
@@ -45,9 +52,9 @@ pub fn budget(
         ignore_eos: c.ignore_eos,
         disconnect_after: None,
     };
-    // Pass 1: the full KV of the conversations, with reuse off so that each
-    // holds its own blocks; one request holds a sequence while the clients
-    // replay, so size a block off a long single request first.
+    // Pass 1: no budget. A block's bytes are read off the metrics while one
+    // long request holds blocks; the conversations' full KV is what their
+    // last turns hold (prompt and reply), counted in whole blocks.
     let full = c.kvforge(&[
         "--max-batch".into(),
         concurrency.to_string(),
@@ -68,6 +75,7 @@ pub fn budget(
     let per_block = block_bytes(&server.metrics())?;
     probe.close();
     let s_full = measure(&server, &convs, concurrency, &load, &|_| false);
+    let full_preempted = preemptions(&server.metrics());
     server.stop();
     if !s_full.errors.is_empty() {
         bail!("the unconstrained run failed: {:?}", s_full.errors.first());
@@ -95,11 +103,22 @@ pub fn budget(
         "errors",
         "tok_s",
         "ttft_p50_ms",
+        "peak_hot_mib",
+        "peak_cold_mib",
+        "preemptions",
         "first_error",
     ]);
     let mut lines = String::new();
-    let mut record = |name: &str, s: &Summary, csv: &mut Csv| {
+    let mib = |b: f64| b / f64::from(1u32 << 20);
+    let mut record = |name: &str, s: &Summary, preempted: Option<f64>, csv: &mut Csv| {
         let first = s.errors.first().cloned().unwrap_or_default();
+        let cold: f64 = s
+            .peak_bytes
+            .iter()
+            .filter(|p| p.0 != "hot")
+            .map(|p| p.1)
+            .sum();
+        let pre = preempted.map_or_else(|| "–".to_string(), |p| format!("{p:.0}"));
         csv.row([
             name.to_string(),
             budget_mib.to_string(),
@@ -108,15 +127,20 @@ pub fn budget(
             s.errors.len().to_string(),
             format!("{:.2}", s.tok_s()),
             format!("{:.0}", s.ttft_ms(0.5)),
+            format!("{:.1}", mib(s.peak("hot"))),
+            format!("{:.1}", mib(cold)),
+            pre.clone(),
             first.clone(),
         ]);
         let _ = writeln!(
             lines,
-            "| {name} | {}/{concurrency} | {} | {:.1} | {:.0} | {} |",
+            "| {name} | {}/{concurrency} | {} | {:.1} | {:.0} | {:.1} + {:.1} | {pre} | {} |",
             s.completed,
             s.errors.len(),
             s.tok_s(),
             s.ttft_ms(0.5),
+            mib(s.peak("hot")),
+            mib(cold),
             first
                 .chars()
                 .take(120)
@@ -124,7 +148,12 @@ pub fn budget(
                 .replace('|', "/")
         );
     };
-    record("kvforge, full budget", &s_full, &mut csv);
+    record(
+        "kvforge, full budget",
+        &s_full,
+        Some(full_preempted),
+        &mut csv,
+    );
     for (name, cold) in [
         ("kvforge, INT4 cold tier", true),
         ("kvforge, hot only", false),
@@ -153,13 +182,14 @@ pub fn budget(
         )))?;
         warm_up(&server);
         let s = measure(&server, &convs, concurrency, &load, &|_| false);
+        let preempted = preemptions(&server.metrics());
         server.stop();
         progress(&format!(
             "{name}: {}/{concurrency} conversations complete, {} errors",
             s.completed,
             s.errors.len()
         ));
-        record(name, &s, &mut csv);
+        record(name, &s, Some(preempted), &mut csv);
     }
     if let Some(l) = llama {
         let ctx = (budget_bytes / per_token).floor() as usize;
@@ -174,6 +204,7 @@ pub fn budget(
         record(
             &format!("llama-server, -c {ctx} (-np {concurrency})"),
             &s,
+            None,
             &mut csv,
         );
     }
@@ -183,7 +214,7 @@ pub fn budget(
          most {} tokens, every turn resending the history. Their KV at the end (kvforge's f16 hot blocks of {per_block:.0} \
          bytes, {} tokens in all) is {:.1} MiB; the budget is half of it, {budget_mib} MiB. llama-server gets the \
          same memory as its context: budget / {per_token:.0} bytes per token, split over {concurrency} slots.\n\n\
-         | server | conversations completed | errors | tok/s | TTFT p50 ms | first error |\n|---|---:|---:|---:|---:|---|\n{lines}",
+         | server | conversations completed | errors | tok/s | TTFT p50 ms | peak KV MiB (hot + cold) | preemptions | first error |\n|---|---:|---:|---:|---:|---:|---:|---|\n{lines}",
         c.turns,
         c.max_tokens,
         final_tokens.iter().sum::<usize>(),

@@ -184,16 +184,24 @@ pub fn sweep(c: &Common, sw: &Sweep, llama: Option<&LlamaSpec>, out: &mut Output
         "# kvforge serve under load\n\nEach client replays a chitchat conversation turn by turn, resending the whole \
          history every turn and streaming a reply of at most {} tokens (greedy; ignore_eos {}); {} runs per server and level, the \
          servers interleaved, a fresh server per run; medians below (every run in `sweep.csv`).\n\n\
-         | concurrency | server | tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | prefix hit | errors |\n\
-         |---:|---|---:|---:|---:|---:|---:|---:|---:|\n",
+         | concurrency | server | tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | prefix hit | peak KV MiB (hot + cold) | errors |\n\
+         |---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         c.max_tokens, c.ignore_eos, sw.reps
     );
     for &l in &sw.levels {
         for &n in &names {
             let errs = med(n, l, &|s: &Summary| s.errors.len() as f64);
+            let kv = med(n, l, &|s: &Summary| {
+                s.peak_bytes.iter().map(|p| p.1).sum::<f64>()
+            });
+            let kv = if kv > 0.0 {
+                format!("{:.1}", kv / f64::from(1u32 << 20))
+            } else {
+                "–".into()
+            };
             let _ = writeln!(
                 md,
-                "| {l} | {n} | {:.1} | {:.0} | {:.0} | {:.1} | {:.1} | {:.1}% | {errs:.0} |",
+                "| {l} | {n} | {:.1} | {:.0} | {:.0} | {:.1} | {:.1} | {:.1}% | {kv} | {errs:.0} |",
                 med(n, l, &|s| s.tok_s()),
                 med(n, l, &|s| s.ttft_ms(0.5)),
                 med(n, l, &|s| s.ttft_ms(0.99)),
@@ -207,7 +215,7 @@ pub fn sweep(c: &Common, sw: &Sweep, llama: Option<&LlamaSpec>, out: &mut Output
                 |f: &dyn Fn(&Summary) -> f64| med("kvforge", l, f) / med("llama-server", l, f);
             let _ = writeln!(
                 md,
-                "| {l} | kvforge / llama-server | {:.2}× | {:.2}× | {:.2}× | {:.2}× | {:.2}× | | |",
+                "| {l} | kvforge / llama-server | {:.2}× | {:.2}× | {:.2}× | {:.2}× | {:.2}× | | | |",
                 ratio(&|s| s.tok_s()),
                 ratio(&|s| s.ttft_ms(0.5)),
                 ratio(&|s| s.ttft_ms(0.99)),

@@ -225,6 +225,9 @@ async fn generate(
             return Err(ApiError::shutting_down());
         }
         let first = match rx.recv().await {
+            None if app.shared.closing.load(Ordering::SeqCst) => {
+                return Err(ApiError::shutting_down());
+            }
             None => return Err(ApiError::internal("the engine loop stopped")),
             Some(Event::Failed(e)) => return Err(e),
             Some(e) => e,

@@ -81,9 +81,10 @@ impl TestServer {
         }
     }
 
-    /// The default: a tiny engine with a 1024-token context.
+    /// The default: a tiny engine with a 4096-token context (room for a
+    /// long stream that outlasts what a test does meanwhile).
     pub fn tiny(cfg: ServerConfig) -> TestServer {
-        Self::start(tiny_engine(&EngineConfig::default(), 1024), cfg)
+        Self::start(tiny_engine(&EngineConfig::default(), 4096), cfg)
     }
 
     pub fn post(&self, path: &str, body: &Value) -> Response {
