@@ -112,12 +112,7 @@ pub fn budget(
     let mib = |b: f64| b / f64::from(1u32 << 20);
     let mut record = |name: &str, s: &Summary, preempted: Option<f64>, csv: &mut Csv| {
         let first = s.errors.first().cloned().unwrap_or_default();
-        let cold: f64 = s
-            .peak_bytes
-            .iter()
-            .filter(|p| p.0 != "hot")
-            .map(|p| p.1)
-            .sum();
+        let cold = s.cold_peak();
         let pre = preempted.map_or_else(|| "–".to_string(), |p| format!("{p:.0}"));
         csv.row([
             name.to_string(),

@@ -54,6 +54,13 @@ impl Summary {
     pub fn hit_share(&self) -> f64 {
         self.cached_tokens as f64 / self.prompt_tokens.max(1) as f64
     }
+    /// Peak bytes of the cold tiers together (0 if none).
+    pub fn cold_peak(&self) -> f64 {
+        self.peak_bytes
+            .iter()
+            .filter(|p| p.0 != "hot")
+            .fold(0.0, |a, p| a + p.1)
+    }
     /// Peak bytes of one tier (0 if unknown).
     pub fn peak(&self, tier: &str) -> f64 {
         self.peak_bytes

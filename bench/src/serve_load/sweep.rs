@@ -59,14 +59,7 @@ fn row(csv: &mut Csv, server: &str, c: usize, rep: usize, s: &Summary) {
         format!("{:.2}", s.tok_s()),
         format!("{:.4}", s.hit_share()),
         format!("{:.0}", s.peak("hot")),
-        format!(
-            "{:.0}",
-            s.peak_bytes
-                .iter()
-                .filter(|p| p.0 != "hot")
-                .map(|p| p.1)
-                .sum::<f64>()
-        ),
+        format!("{:.0}", s.cold_peak()),
         format!("{:.2}", s.wall),
     ]);
 }
