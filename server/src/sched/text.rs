@@ -41,9 +41,8 @@ impl Reply {
         let found = stop
             .iter()
             .filter_map(|s| {
-                text.get(from.saturating_sub(s.len())..)
-                    .and_then(|t| t.find(s.as_str()))
-                    .map(|i| i + from.saturating_sub(s.len()))
+                let start = floor_boundary(text, from.saturating_sub(s.len()));
+                text[start..].find(s.as_str()).map(|i| i + start)
             })
             .min();
         if let Some(at) = found {
@@ -60,7 +59,7 @@ impl Reply {
             if let Some(t) = text.strip_suffix('\u{fffd}') {
                 end = t.len();
             }
-            end = end.min(text.len() - held_back(&text[..end], stop));
+            end -= held_back(&text[..end], stop);
         }
         let end = end.max(from);
         let out = text.get(from..end).unwrap_or_default().to_string();
@@ -70,6 +69,15 @@ impl Reply {
             stopped: false,
         }
     }
+}
+
+/// The largest character boundary of `text` at or below `i`.
+fn floor_boundary(text: &str, i: usize) -> usize {
+    let mut i = i.min(text.len());
+    while !text.is_char_boundary(i) {
+        i -= 1;
+    }
+    i
 }
 
 /// Bytes at the end of `text` that begin some stop string (they might
@@ -125,6 +133,24 @@ mod tests {
             ("one ".into(), true)
         );
         assert_eq!(run(&["Stop"], &["Stop"]), (String::new(), true));
+        // Multi-byte characters: a stop string after or made of them.
+        assert_eq!(
+            run(&["日本", "語です", "ね"], &["です"]),
+            ("日本語".into(), true)
+        );
+        assert_eq!(run(&["ééé", "x", "yz"], &["xy"]), ("ééé".into(), true));
+        assert_eq!(run(&["aé", "bé"], &["éb"]), ("a".into(), true));
+    }
+
+    #[test]
+    fn a_stop_prefix_before_an_unfinished_character_is_held_back() {
+        let stop = vec!["ab".to_string()];
+        let mut r = Reply::default();
+        let p = r.cut("xa\u{fffd}", &stop, false);
+        assert_eq!(p.text, "x");
+        let p = r.cut("xab", &stop, false);
+        assert!(p.stopped);
+        assert_eq!(p.text, "");
     }
 
     #[test]
