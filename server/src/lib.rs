@@ -95,10 +95,14 @@ use sched::Msg;
 impl Server {
     /// Configures `engine`'s cache for reuse and starts the engine loop.
     pub fn start(mut engine: Engine, cfg: ServerConfig) -> Result<Self, String> {
-        if cfg.sched.max_batch == 0 || cfg.sched.max_step_tokens == 0 || cfg.sched.max_waiting == 0
+        if cfg.sched.max_batch == 0
+            || cfg.sched.max_step_tokens == 0
+            || cfg.sched.max_waiting == 0
+            || cfg.default_max_tokens == 0
         {
             return Err(
-                "--max-batch, --max-step-tokens and --max-waiting must be at least 1".into(),
+                "--max-batch, --max-step-tokens, --max-waiting and --default-max-tokens must be at least 1"
+                    .into(),
             );
         }
         cfg.reuse
@@ -173,15 +177,29 @@ impl Server {
         let app = self.app.clone();
         let tx = self.tx.clone();
         let grace = self.grace;
+        let (began, begun) = tokio::sync::oneshot::channel::<()>();
         let stop = async move {
             shutdown.await;
             app.shared.closing.store(true, Ordering::SeqCst);
-            let _ = tx.send(Msg::Shutdown(Instant::now() + grace));
+            let far = Instant::now() + Duration::from_secs(86_400 * 365);
+            let deadline = Instant::now().checked_add(grace).unwrap_or(far);
+            let _ = tx.send(Msg::Shutdown(deadline));
+            let _ = began.send(());
         };
         let router = http::router(self.app.clone());
-        let served = axum::serve(listener, router)
-            .with_graceful_shutdown(stop)
-            .await;
+        let serving = axum::serve(listener, router).with_graceful_shutdown(stop);
+        // A client that stops reading keeps its connection open forever:
+        // once stopping, wait the grace period and a little more, no longer.
+        let bounded = async move {
+            if begun.await.is_err() {
+                std::future::pending::<()>().await;
+            }
+            tokio::time::sleep(grace.saturating_add(Duration::from_secs(5))).await;
+        };
+        let served = tokio::select! {
+            r = serving => r,
+            () = bounded => Ok(()),
+        };
         // No handler holds a sender any more once the app is dropped.
         drop(self.app);
         drop(self.tx);

@@ -545,3 +545,28 @@ fn stopping_lets_running_requests_finish_and_refuses_new_ones() {
     assert_eq!(rest.last().map(String::as_str), Some("[DONE]"), "{rest:?}");
     stopper.join().unwrap().unwrap();
 }
+
+#[test]
+fn without_a_seed_two_sampled_replies_differ_and_with_one_they_repeat() {
+    let s = TestServer::tiny(ServerConfig::default());
+    // Each request in its own namespace: the same computation from scratch.
+    let n = std::sync::atomic::AtomicU32::new(0);
+    let ask = |seed: Option<u64>| {
+        let mut b = chat("Say anything.", 12);
+        b["temperature"] = json!(1.0);
+        b["cache_salt"] = json!(format!(
+            "seed-{}",
+            n.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ));
+        if let Some(x) = seed {
+            b["seed"] = json!(x);
+        }
+        text_of(&s.post(CHAT, &b).json().unwrap())
+    };
+    assert_ne!(
+        ask(None),
+        ask(None),
+        "a fresh seed per request, as OpenAI samples"
+    );
+    assert_eq!(ask(Some(5)), ask(Some(5)));
+}

@@ -120,11 +120,22 @@ impl Common {
             temperature,
             top_k,
             top_p,
-            seed: self.seed.unwrap_or(0),
+            seed: self.seed.unwrap_or_else(fresh_seed),
             max_tokens,
             ignore_eos: self.ignore_eos.unwrap_or(false),
         })
     }
+}
+
+/// A seed for a request that gives none: OpenAI and vLLM sample a new
+/// one each time, so two such requests do not repeat each other.
+fn fresh_seed() -> u64 {
+    static COUNT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = COUNT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    (t ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15)).rotate_left(17)
 }
 
 fn stop_strings(v: Option<&Value>) -> Result<Vec<String>, ApiError> {

@@ -118,7 +118,11 @@ impl App {
         let given = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
+            .and_then(|v| {
+                v.get(..7)
+                    .filter(|p| p.eq_ignore_ascii_case("bearer "))
+                    .map(|_| &v[7..])
+            })
             .map(str::trim);
         match given {
             None => Err(ApiError::unauthorized(
@@ -203,7 +207,11 @@ async fn generate(
     let arrived = Instant::now();
     let run = async {
         let key = app.authorize(&headers)?;
-        let p = app.parse(body, ep)?;
+        // JSON and tokenization of a large body off the async workers.
+        let parsing = app.clone();
+        let p = tokio::task::spawn_blocking(move || parsing.parse(body, ep))
+            .await
+            .map_err(|e| ApiError::internal(format!("parsing the request failed: {e}")))??;
         app.reserve()?;
         let (tx, mut rx) = unbounded_channel();
         let mut namespace = format!("key{key}");

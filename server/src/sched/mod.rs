@@ -229,9 +229,36 @@ impl Scheduler {
             if self.deadline.is_some_and(|d| Instant::now() >= d) {
                 self.cancel_all();
             }
-            self.tick();
+            let ticked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.tick()));
+            if let Err(p) = ticked {
+                // A defect outside any one request's work: fail them all,
+                // give their blocks back, and go on serving.
+                let what = p
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| p.downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                tracing::error!("the engine loop's step panicked: {what}");
+                self.fail_all(ApiError::internal(format!(
+                    "the engine step failed: {what}"
+                )));
+            }
         }
         self.publish();
+    }
+
+    /// Ends every request with `e`, waiting or running.
+    fn fail_all(&mut self, e: ApiError) {
+        for r in self.waiting.drain(..) {
+            self.shared.queued.fetch_sub(1, Ordering::SeqCst);
+            let _ = r.job.events.send(Event::Failed(e.clone()));
+            lock(&self.shared.metrics).ended(Ended::Failed);
+        }
+        for r in &mut self.running {
+            r.end = Some(End::Failed(e.clone()));
+        }
+        self.sweep();
+        self.pressure = false;
     }
 
     /// One step: drop the requests whose client is gone, admit, run the
@@ -296,14 +323,7 @@ impl Scheduler {
     }
 
     fn cancel_all(&mut self) {
-        for r in self.waiting.drain(..) {
-            self.shared.queued.fetch_sub(1, Ordering::SeqCst);
-            let _ = r.job.events.send(Event::Failed(ApiError::shutting_down()));
-        }
-        for r in &mut self.running {
-            r.end.get_or_insert(End::Failed(ApiError::shutting_down()));
-        }
-        self.sweep();
+        self.fail_all(ApiError::shutting_down());
     }
 
     /// Admits waiting requests, oldest (and preempted) first.

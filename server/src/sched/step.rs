@@ -108,8 +108,18 @@ impl Scheduler {
                 false
             }
             // Something in the batch failed: run each alone, so that only
-            // the one at fault fails.
-            _ => ready.iter().all(|&i| self.prefill(i, 1)),
+            // the one at fault fails. A request whose step was committed
+            // before the failure lost its logits: it fails.
+            _ => ready.iter().all(|&i| {
+                let r = &mut self.running[i];
+                if r.context.len() != r.seq.len() + 1 {
+                    r.end = Some(End::Failed(ApiError::internal(
+                        "a batched decode step failed after this request's KV was written",
+                    )));
+                    return true;
+                }
+                self.prefill(i, 1)
+            }),
         }
     }
 
@@ -119,7 +129,13 @@ impl Scheduler {
         let engine = Arc::clone(&self.engine);
         let r = &mut self.running[i];
         let start = r.seq.len();
-        let chunk = r.context[start..start + n].to_vec();
+        let Some(chunk) = r.context.get(start..start + n).map(<[u32]>::to_vec) else {
+            r.end = Some(End::Failed(ApiError::internal(format!(
+                "the sequence holds {start} positions of a {}-token context",
+                r.context.len()
+            ))));
+            return true;
+        };
         let reaches_end = start + n == r.context.len();
         let seq = &mut r.seq;
         let out = catch_unwind(AssertUnwindSafe(|| {
@@ -276,6 +292,14 @@ impl Scheduler {
                     continue;
                 }
                 End::Finished { stopped } => {
+                    // Text held back for a stop string or an unfinished
+                    // character goes out now (a reply the budget ended).
+                    let tok = &self.engine.tokenizer;
+                    if let Ok(p) = r.reply.piece(tok, &r.generated, &r.job.stop, true) {
+                        if !p.text.is_empty() {
+                            let _ = r.job.events.send(Event::Token(p.text));
+                        }
+                    }
                     self.release(&mut r, true);
                     let _ = r.job.events.send(Event::Done(Outcome {
                         stopped,
