@@ -98,32 +98,14 @@ pub(crate) fn setup(root: &Path, reference: bool) -> Result<Env> {
                 .args(["-m", "venv", ".venv"]),
         )?;
     }
-    let torch_ok = Command::new(&py)
-        .args([
-            "-c",
-            &format!(
-                "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '{TORCH_VERSION}')"
-            ),
-        ])
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false);
-    if !torch_ok {
-        say(&format!(
-            "setup: pip install torch=={TORCH_VERSION} (about 4.6 GB)"
-        ));
-        run(
-            "pip install torch",
-            Command::new(&py).args([
-                "-m",
-                "pip",
-                "install",
-                "-q",
-                "--disable-pip-version-check",
-                &format!("torch=={TORCH_VERSION}"),
-            ]),
-        )?;
-    }
+    ensure(
+        &py,
+        &format!(
+            "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '{TORCH_VERSION}')"
+        ),
+        &format!("torch=={TORCH_VERSION} (about 4.6 GB)"),
+        &[&format!("torch=={TORCH_VERSION}")],
+    )?;
     let torch_dir = run(
         "locate torch",
         Command::new(&py).args([
@@ -153,33 +135,15 @@ pub(crate) fn setup(root: &Path, reference: bool) -> Result<Env> {
             bail!("{}: sha256 {got}, expected {MODEL_SHA256}", model.display());
         }
     }
-    let client_ok = Command::new(&py)
-        .args([
-            "-c",
-            &format!(
-                "import sys, openai; sys.exit(openai.__version__ != '{}')",
-                CLIENT_PACKAGE.trim_start_matches("openai==")
-            ),
-        ])
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false);
-    if !client_ok {
-        say(&format!(
-            "setup: pip install {CLIENT_PACKAGE} (the server's client tests)"
-        ));
-        run(
-            "pip install openai",
-            Command::new(&py).args([
-                "-m",
-                "pip",
-                "install",
-                "-q",
-                "--disable-pip-version-check",
-                CLIENT_PACKAGE,
-            ]),
-        )?;
-    }
+    ensure(
+        &py,
+        &format!(
+            "import sys, openai; sys.exit(openai.__version__ != '{}')",
+            CLIENT_PACKAGE.trim_start_matches("openai==")
+        ),
+        &format!("{CLIENT_PACKAGE} (the server's client tests)"),
+        &[CLIENT_PACKAGE],
+    )?;
     for (spec, dest, patterns) in DATA {
         let marker = root.join(dest).join(".complete");
         if !marker.exists() {
@@ -190,25 +154,32 @@ pub(crate) fn setup(root: &Path, reference: bool) -> Result<Env> {
         }
     }
     if reference {
-        let ok = Command::new(&py)
-            .args([
-                "-c",
-                "import transformers, gguf, accelerate, kvpress, matplotlib",
-            ])
-            .output()
-            .map(|o| o.status.success())
-            .unwrap_or(false);
-        if !ok {
-            say(
-                "setup: pip install the reference packages (transformers, gguf, accelerate, kvpress, matplotlib)",
-            );
-            let mut cmd = Command::new(&py);
-            cmd.args(["-m", "pip", "install", "-q", "--disable-pip-version-check"]);
-            cmd.args(REFERENCE_PACKAGES);
-            run("pip install reference packages", &mut cmd)?;
-        }
+        ensure(
+            &py,
+            "import transformers, gguf, accelerate, kvpress, matplotlib",
+            "the reference packages (transformers, gguf, accelerate, kvpress, matplotlib)",
+            REFERENCE_PACKAGES,
+        )?;
     }
     Ok(Env { python: py })
+}
+
+/// Runs `check` in the venv's python; when it fails, pip-installs
+/// `packages` (announced as `what`).
+fn ensure(py: &Path, check: &str, what: &str, packages: &[&str]) -> Result<()> {
+    let ok = Command::new(py)
+        .args(["-c", check])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    if !ok {
+        say(&format!("setup: pip install {what}"));
+        let mut cmd = Command::new(py);
+        cmd.args(["-m", "pip", "install", "-q", "--disable-pip-version-check"]);
+        cmd.args(packages);
+        run(&format!("pip install {}", packages.join(" ")), &mut cmd)?;
+    }
+    Ok(())
 }
 
 fn fetch(root: &Path, py: &Path, spec: &str, dest: &str, patterns: &[&str]) -> Result<()> {
