@@ -233,11 +233,7 @@ impl Scheduler {
             if let Err(p) = ticked {
                 // A defect outside any one request's work: fail them all,
                 // give their blocks back, and go on serving.
-                let what = p
-                    .downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| p.downcast_ref::<String>().cloned())
-                    .unwrap_or_default();
+                let what = step::panic_text(&*p);
                 tracing::error!("the engine loop's step panicked: {what}");
                 self.fail_all(ApiError::internal(format!(
                     "the engine step failed: {what}"

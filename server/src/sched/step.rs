@@ -21,13 +21,16 @@ fn row(logits: &Tensor, i: usize) -> Result<Vec<f32>, EngineError> {
     Vec::<f32>::try_from(r).map_err(EngineError::from)
 }
 
-fn panic_message(p: &(dyn Any + Send)) -> String {
-    let what = p
-        .downcast_ref::<&str>()
+/// What a panic said (its `&str` or `String` payload).
+pub(super) fn panic_text(p: &(dyn Any + Send)) -> String {
+    p.downcast_ref::<&str>()
         .map(|s| s.to_string())
         .or_else(|| p.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "a panic".into());
-    format!("the generation failed inside the server: {what}")
+        .unwrap_or_else(|| "a panic".into())
+}
+
+fn panic_message(p: &(dyn Any + Send)) -> String {
+    format!("the generation failed inside the server: {}", panic_text(p))
 }
 
 fn failure(e: &EngineError) -> ApiError {
