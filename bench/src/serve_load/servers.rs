@@ -68,38 +68,39 @@ fn wait_healthy(addr: &str, child: &mut Child, limit: Duration) -> Result<()> {
     }
 }
 
+/// Starts `cmd` with `--host 127.0.0.1 --port P` (a free port; both
+/// servers take these flags), stderr to `log`, and waits until it is
+/// healthy.
+fn spawn(mut cmd: Command, log: &Path, name: &'static str, model_id: String) -> Result<Spawned> {
+    let port = free_port()?;
+    let logf = std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
+    cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()]);
+    let what = format!("starting {}", cmd.get_program().to_string_lossy());
+    let mut child = cmd
+        .stdout(Stdio::null())
+        .stderr(logf)
+        .spawn()
+        .context(what)?;
+    let addr = format!("127.0.0.1:{port}");
+    wait_healthy(&addr, &mut child, Duration::from_secs(120))?;
+    Ok(Spawned {
+        name,
+        addr,
+        model_id,
+        child,
+    })
+}
+
 impl KvforgeSpec {
     /// Starts it on a free port; its stderr goes to `log`.
     pub fn start(&self, log: &Path) -> Result<Spawned> {
-        let port = free_port()?;
-        let logf =
-            std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
-        let mut child = Command::new(&self.bin)
-            .args([
-                "--host",
-                "127.0.0.1",
-                "--port",
-                &port.to_string(),
-                "--model",
-            ])
-            .arg(&self.model)
-            .args(&self.args)
-            .stdout(Stdio::null())
-            .stderr(logf)
-            .spawn()
-            .with_context(|| format!("starting {}", self.bin.display()))?;
-        let addr = format!("127.0.0.1:{port}");
-        wait_healthy(&addr, &mut child, Duration::from_secs(120))?;
+        let mut cmd = Command::new(&self.bin);
+        cmd.arg("--model").arg(&self.model).args(&self.args);
         let model_id = self
             .model
             .file_stem()
             .map_or_else(|| "kvforge".into(), |s| s.to_string_lossy().into_owned());
-        Ok(Spawned {
-            name: "kvforge",
-            addr,
-            model_id,
-            child,
-        })
+        spawn(cmd, log, "kvforge", model_id)
     }
 }
 
@@ -107,27 +108,12 @@ impl LlamaSpec {
     /// Starts it with `slots` parallel slots over `ctx` tokens in all (its
     /// prompt cache on, as by default), on a free port.
     pub fn start(&self, slots: usize, ctx: usize, log: &Path) -> Result<Spawned> {
-        let port = free_port()?;
-        let logf =
-            std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
-        let mut child = Command::new(&self.bin)
-            .arg("-m")
+        let mut cmd = Command::new(&self.bin);
+        cmd.arg("-m")
             .arg(&self.model)
-            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
             .args(["-np", &slots.to_string(), "-c", &ctx.to_string()])
-            .args(["-t", &self.threads.to_string(), "--cache-reuse", "16"])
-            .stdout(Stdio::null())
-            .stderr(logf)
-            .spawn()
-            .with_context(|| format!("starting {}", self.bin.display()))?;
-        let addr = format!("127.0.0.1:{port}");
-        wait_healthy(&addr, &mut child, Duration::from_secs(120))?;
-        Ok(Spawned {
-            name: "llama-server",
-            addr,
-            model_id: "model".into(),
-            child,
-        })
+            .args(["-t", &self.threads.to_string(), "--cache-reuse", "16"]);
+        spawn(cmd, log, "llama-server", "model".into())
     }
 }
 
