@@ -1,0 +1,284 @@
+//! kvforge's shared KV tier on Redis, Valkey or Redis Cluster.
+//!
+//! [`RedisTier`] implements [`kvforge_remote::RemoteTier`] with the `redis`
+//! crate: one node through its [`ConnectionManager`] (multiplexed, and
+//! reconnecting by itself after a failure), or a cluster through its
+//! cluster client (each key routed to its slot's node). A batch is one
+//! pipeline on one node, or one command per key sent together on a
+//! cluster. Writes are `SET key value NX PX ttl`: set-if-absent, so two
+//! instances writing the same block cannot interleave, and every key
+//! expires.
+//!
+//! Every call is bounded by the configured deadline: a store that is
+//! down, paused or slow answers [`ErrorKind::Timeout`] or
+//! [`ErrorKind::Connection`] within it, which the
+//! [`RemoteCache`](kvforge_remote::RemoteCache) above counts as a miss.
+//! The tier runs its own small tokio runtime, so it can be called from any
+//! thread, inside another runtime or not.
+//!
+//! [`ConnectionManager`]: redis::aio::ConnectionManager
+
+mod server;
+
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use futures_util::future::{BoxFuture, try_join_all};
+use kvforge_remote::{ErrorKind, RemoteError, RemoteKey, RemoteTier};
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
+use redis::{RedisError, Value};
+use tokio::sync::Mutex;
+
+pub use server::{RedisCluster, RedisServer, redis_server_binary};
+
+/// Where the store is and how long to wait for it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RedisConfig {
+    /// `redis://host:port[/db]` of the node, or of the cluster's seed
+    /// nodes (at least one).
+    pub urls: Vec<String>,
+    /// Talk to a Redis Cluster.
+    pub cluster: bool,
+    /// Keys expire after this (`None`: never; the store's eviction
+    /// policy then bounds its memory).
+    pub ttl: Option<Duration>,
+    /// Every call answers within this, or fails as a timeout.
+    pub deadline: Duration,
+}
+
+enum Conn {
+    Node(ConnectionManager),
+    Cluster {
+        client: Box<ClusterClient>,
+        conn: Mutex<Option<ClusterConnection>>,
+    },
+}
+
+/// A [`RemoteTier`] on Redis.
+pub struct RedisTier {
+    cfg: RedisConfig,
+    conn: Arc<Conn>,
+    rt: Option<tokio::runtime::Runtime>,
+}
+
+/// What a call fails with: an error of the store, or none in time.
+fn remote(e: &RedisError) -> RemoteError {
+    let kind = if e.is_timeout() {
+        ErrorKind::Timeout
+    } else if e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.is_io_error()
+        || e.is_unrecoverable_error()
+    {
+        ErrorKind::Connection
+    } else {
+        ErrorKind::Store
+    };
+    RemoteError::new(kind, e.to_string())
+}
+
+impl RedisTier {
+    /// A tier on the store `cfg` names. Nothing is connected yet (the
+    /// first call connects, within its deadline): a store that is down at
+    /// start is a miss per call, not an error here. Errors only on a bad
+    /// configuration (an URL that does not parse, no URL, a zero
+    /// deadline).
+    pub fn new(cfg: RedisConfig) -> Result<Self, String> {
+        if cfg.urls.is_empty() {
+            return Err("remote: no url given".into());
+        }
+        if cfg.deadline.is_zero() {
+            return Err("remote: deadline_ms must be positive".into());
+        }
+        if !cfg.cluster && cfg.urls.len() > 1 {
+            return Err("remote: several urls need cluster = true".into());
+        }
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("kvforge-redis")
+            .enable_all()
+            .build()
+            .map_err(|e| format!("remote: cannot start its runtime: {e}"))?;
+        let bad = |e: RedisError| format!("remote: {}: {e}", cfg.urls.join(","));
+        let conn = if cfg.cluster {
+            let client = ClusterClient::builder(cfg.urls.clone())
+                .connection_timeout(cfg.deadline)
+                .response_timeout(cfg.deadline)
+                .retries(1)
+                .build()
+                .map_err(bad)?;
+            Conn::Cluster {
+                client: Box::new(client),
+                conn: Mutex::new(None),
+            }
+        } else {
+            let client = redis::Client::open(cfg.urls[0].as_str()).map_err(bad)?;
+            let mc = ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(cfg.deadline))
+                .set_response_timeout(Some(cfg.deadline))
+                .set_number_of_retries(1)
+                .set_max_delay(Duration::from_millis(500));
+            let _guard = rt.enter();
+            Conn::Node(ConnectionManager::new_lazy_with_config(client, mc).map_err(bad)?)
+        };
+        Ok(RedisTier {
+            cfg,
+            conn: Arc::new(conn),
+            rt: Some(rt),
+        })
+    }
+
+    /// Runs `op` on the connection on the tier's runtime, waiting at most
+    /// the deadline, from any thread.
+    fn call<T: Send + 'static>(
+        &self,
+        op: impl FnOnce(Arc<Conn>) -> BoxFuture<'static, Result<T, RedisError>> + Send + 'static,
+    ) -> Result<T, RemoteError> {
+        let Some(rt) = &self.rt else {
+            return Err(RemoteError::new(ErrorKind::Connection, "closed"));
+        };
+        let (tx, rx) = mpsc::sync_channel(1);
+        let deadline = self.cfg.deadline;
+        let conn = self.conn.clone();
+        rt.spawn(async move {
+            let r = tokio::time::timeout(deadline, op(conn)).await;
+            let _ = tx.send(r);
+        });
+        let late = || RemoteError::new(ErrorKind::Timeout, format!("no answer in {deadline:?}"));
+        match rx.recv_timeout(deadline + Duration::from_millis(50)) {
+            Ok(Ok(Ok(v))) => Ok(v),
+            Ok(Ok(Err(e))) => Err(remote(&e)),
+            Ok(Err(_)) | Err(_) => Err(late()),
+        }
+    }
+
+    fn texts(keys: &[RemoteKey]) -> Vec<String> {
+        keys.iter().map(RemoteKey::text).collect()
+    }
+}
+
+impl Drop for RedisTier {
+    fn drop(&mut self) {
+        // A runtime may not be dropped inside another's async context.
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+/// One command per key, all sent before any answer is awaited (routed per
+/// key on a cluster; pipelined on one multiplexed node connection).
+async fn each<C: ConnectionLike + Clone + Send + 'static>(
+    conn: C,
+    cmds: Vec<redis::Cmd>,
+) -> Result<Vec<Value>, RedisError> {
+    try_join_all(cmds.into_iter().map(|cmd| {
+        let mut c = conn.clone();
+        async move { cmd.query_async::<Value>(&mut c).await }
+    }))
+    .await
+}
+
+/// `cmds` in one round: a pipeline on a node, one command per key on a
+/// cluster (connected on first use).
+async fn batch(conn: Arc<Conn>, cmds: Vec<redis::Cmd>) -> Result<Vec<Value>, RedisError> {
+    match &*conn {
+        Conn::Node(m) => {
+            let mut p = redis::pipe();
+            for c in cmds {
+                p.add_command(c);
+            }
+            let mut m = m.clone();
+            p.query_async::<Vec<Value>>(&mut m).await
+        }
+        Conn::Cluster { client, conn } => {
+            let c = {
+                let mut slot = conn.lock().await;
+                match &*slot {
+                    Some(c) => c.clone(),
+                    None => {
+                        let c = client.get_async_connection().await?;
+                        *slot = Some(c.clone());
+                        c
+                    }
+                }
+            };
+            each(c, cmds).await
+        }
+    }
+}
+
+fn bytes(v: Value) -> Result<Option<Vec<u8>>, RedisError> {
+    match v {
+        Value::Nil => Ok(None),
+        Value::BulkString(b) => Ok(Some(b)),
+        other => Err(RedisError::from((
+            redis::ErrorKind::Parse,
+            "not a string value",
+            format!("{other:?}"),
+        ))),
+    }
+}
+
+impl RemoteTier for RedisTier {
+    fn contains(&self, keys: &[RemoteKey]) -> Result<Vec<bool>, RemoteError> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let cmds = Self::texts(keys)
+            .into_iter()
+            .map(|k| redis::cmd("EXISTS").arg(k).clone())
+            .collect();
+        let v = self.call(move |c| Box::pin(batch(c, cmds)))?;
+        Ok(v.iter()
+            .map(|x| matches!(x, Value::Int(n) if *n > 0))
+            .collect())
+    }
+
+    fn get_many(&self, keys: &[RemoteKey]) -> Result<Vec<Option<Vec<u8>>>, RemoteError> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let cmds = Self::texts(keys)
+            .into_iter()
+            .map(|k| redis::cmd("GET").arg(k).clone())
+            .collect();
+        let v = self.call(move |c| Box::pin(batch(c, cmds)))?;
+        v.into_iter()
+            .map(bytes)
+            .collect::<Result<_, _>>()
+            .map_err(|e| remote(&e))
+    }
+
+    fn put_many(&self, items: &[(RemoteKey, Vec<u8>)]) -> Result<usize, RemoteError> {
+        if items.is_empty() {
+            return Ok(0);
+        }
+        let ttl = self.cfg.ttl.map(|t| t.as_millis().max(1) as u64);
+        let cmds = items
+            .iter()
+            .map(|(k, v)| {
+                let mut c = redis::cmd("SET");
+                c.arg(k.text()).arg(v.as_slice()).arg("NX");
+                if let Some(ms) = ttl {
+                    c.arg("PX").arg(ms);
+                }
+                c
+            })
+            .collect();
+        let v = self.call(move |c| Box::pin(batch(c, cmds)))?;
+        Ok(v.iter().filter(|x| !matches!(x, Value::Nil)).count())
+    }
+
+    fn describe(&self) -> String {
+        let kind = if self.cfg.cluster {
+            "redis cluster "
+        } else {
+            ""
+        };
+        format!("{kind}{}", self.cfg.urls.join(","))
+    }
+}

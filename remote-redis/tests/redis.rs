@@ -1,0 +1,280 @@
+//! The Redis tier against real `redis-server`s started by the tests on
+//! loopback ports: the conformance suite on one node and on a three-node
+//! cluster, and every fault a miss — a killed server, a paused one (within
+//! the deadline, then recovery), a corrupted or foreign value, a tiny
+//! `maxmemory` evicting inside a chain.
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvforge_remote::testing::check_remote_tier;
+use kvforge_remote::{
+    ErrorKind, ExtraKeys, Link, Offer, RemoteCache, RemoteOptions, RemoteTier, Scope,
+};
+use kvforge_remote_redis::{RedisCluster, RedisConfig, RedisServer, RedisTier};
+
+fn tier(urls: Vec<String>, cluster: bool, deadline_ms: u64) -> RedisTier {
+    RedisTier::new(RedisConfig {
+        urls,
+        cluster,
+        ttl: Some(Duration::from_secs(600)),
+        deadline: Duration::from_millis(deadline_ms),
+    })
+    .unwrap()
+}
+
+fn scope() -> Scope {
+    Scope {
+        seed: 7,
+        model: 0xabc,
+        layers: 2,
+        kv_heads: 2,
+        head_dim: 8,
+        block_size: 4,
+        format: "f16".into(),
+        payload_bytes: 2 * 2 * 2 * 8 * 4 * 2,
+    }
+}
+
+fn payload(i: usize) -> Vec<u8> {
+    (0..scope().payload_bytes as usize)
+        .map(|j| (i * 13 + j) as u8)
+        .collect()
+}
+
+fn tokens(n: usize) -> Vec<u32> {
+    (0..n as u32).map(|t| 1000 + t * 3).collect()
+}
+
+/// Writes the first `n` blocks of `t` through `c` and waits for them.
+fn write(c: &RemoteCache, t: &[u32], n: usize) -> Vec<Link> {
+    let links = c.chain(t, &ExtraKeys::default());
+    for (i, l) in links.iter().take(n).enumerate() {
+        assert_eq!(
+            c.offer(*l, &t[i * 4..(i + 1) * 4], &payload(i)),
+            Offer::Queued
+        );
+    }
+    assert!(c.flush(Duration::from_secs(10)));
+    assert_eq!(c.stats().put_failed, 0);
+    links
+}
+
+#[test]
+fn one_node_passes_the_conformance_suite_and_shares_chains() {
+    let r = RedisServer::start(&[]).unwrap();
+    let t = Arc::new(tier(vec![r.url()], false, 2000));
+    check_remote_tier(&*t, 1).unwrap();
+    let a = RemoteCache::new(t.clone(), scope(), RemoteOptions::default());
+    let tok = tokens(32);
+    let links = write(&a, &tok, 8);
+    let b = RemoteCache::new(
+        Arc::new(tier(vec![r.url()], false, 2000)),
+        scope(),
+        RemoteOptions::default(),
+    );
+    assert_eq!(
+        b.fetch(&links, &tok),
+        (0..8).map(payload).collect::<Vec<_>>()
+    );
+    let ttl = r.command(&["PTTL", &links[0].key.text()]).unwrap();
+    assert!(
+        matches!(ttl, redis::Value::Int(ms) if ms > 500_000 && ms <= 600_000),
+        "{ttl:?}"
+    );
+    // Another seed or model: no hit.
+    for other in [
+        Scope { seed: 8, ..scope() },
+        Scope {
+            model: 1,
+            ..scope()
+        },
+    ] {
+        let c = RemoteCache::new(t.clone(), other, RemoteOptions::default());
+        let l = c.chain(&tok, &ExtraKeys::default());
+        assert!(c.fetch(&l, &tok).is_empty());
+        assert_eq!(c.stats().miss_blocks, 8);
+    }
+}
+
+#[test]
+fn a_three_node_cluster_passes_the_conformance_suite_and_shares_chains() {
+    let cl = RedisCluster::start().unwrap();
+    let t = Arc::new(tier(cl.urls(), true, 3000));
+    check_remote_tier(&*t, 2).unwrap();
+    let a = RemoteCache::new(t.clone(), scope(), RemoteOptions::default());
+    let tok = tokens(64);
+    let links = write(&a, &tok, 16);
+    let b = RemoteCache::new(
+        Arc::new(tier(cl.urls()[1..].to_vec(), true, 3000)),
+        scope(),
+        RemoteOptions::default(),
+    );
+    assert_eq!(b.fetch(&links, &tok).len(), 16);
+    // The blocks are spread over the nodes.
+    let held: Vec<i64> = cl
+        .nodes
+        .iter()
+        .map(|n| match n.command(&["DBSIZE"]) {
+            Ok(redis::Value::Int(k)) => k,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert!(held.iter().filter(|&&k| k > 0).count() >= 2, "{held:?}");
+}
+
+#[test]
+fn a_killed_server_leaves_every_key_absent_or_verifying() {
+    // Persisted on every write, so the restarted server holds what the
+    // killed one had written, up to the kill.
+    let mut r = RedisServer::start(&["--appendonly", "yes", "--appendfsync", "always"]).unwrap();
+    let t = Arc::new(tier(vec![r.url()], false, 500));
+    let c = RemoteCache::new(
+        t.clone(),
+        scope(),
+        RemoteOptions {
+            batch: 8,
+            ..RemoteOptions::default()
+        },
+    );
+    let tok = tokens(4 * 200);
+    let links = c.chain(&tok, &ExtraKeys::default());
+    for (i, l) in links.iter().enumerate() {
+        c.offer(*l, &tok[i * 4..(i + 1) * 4], &payload(i));
+        if i == 60 {
+            // Mid-stream, once something was written: the writer is still
+            // busy with the queue.
+            let t0 = Instant::now();
+            while c.stats().put_blocks == 0 && t0.elapsed() < Duration::from_secs(10) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            r.kill().unwrap();
+        }
+    }
+    c.flush(Duration::from_secs(30));
+    let st = c.stats();
+    assert!(st.put_failed > 0, "{st:?}");
+    // Lookups against the dead server: misses within the deadline.
+    let t0 = Instant::now();
+    assert!(c.fetch(&links, &tok).is_empty());
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    assert!(c.stats().errors_connection + c.stats().errors_timeout > 0);
+    r.restart().unwrap();
+    let fresh = tier(vec![r.url()], false, 2000);
+    let keys: Vec<_> = links.iter().map(|l| l.key).collect();
+    let values = fresh.get_many(&keys).unwrap();
+    let mut held = 0;
+    for (i, v) in values.iter().enumerate() {
+        if let Some(v) = v {
+            let p = kvforge_remote::blob::open(v, &scope(), links[i], &tok[i * 4..(i + 1) * 4]);
+            assert_eq!(p, Ok(&payload(i)[..]), "block {i}");
+            held += 1;
+        }
+    }
+    assert!(
+        held > 0 && held < links.len(),
+        "{held} of {} blocks survived",
+        links.len()
+    );
+}
+
+#[test]
+fn a_paused_server_times_out_within_the_deadline_then_recovers() {
+    let r = RedisServer::start(&[]).unwrap();
+    let t = Arc::new(tier(vec![r.url()], false, 300));
+    let c = RemoteCache::new(t.clone(), scope(), RemoteOptions::default());
+    let tok = tokens(16);
+    let links = write(&c, &tok, 4);
+    r.pause().unwrap();
+    let t0 = Instant::now();
+    assert!(c.fetch(&links, &tok).is_empty());
+    let waited = t0.elapsed();
+    assert!(waited < Duration::from_millis(800), "{waited:?}");
+    assert_eq!(
+        t.get_many(&[links[0].key]).unwrap_err().kind,
+        ErrorKind::Timeout
+    );
+    r.resume().unwrap();
+    let t0 = Instant::now();
+    loop {
+        if c.fetch(&links, &tok).len() == 4 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "no recovery: {:?}",
+            c.stats()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn corrupt_truncated_and_foreign_values_are_misses() {
+    let r = RedisServer::start(&[]).unwrap();
+    let c = RemoteCache::new(
+        Arc::new(tier(vec![r.url()], false, 2000)),
+        scope(),
+        RemoteOptions::default(),
+    );
+    let tok = tokens(20);
+    let links = write(&c, &tok, 5);
+    // SETRANGE one byte of block 3's payload.
+    let k3 = links[3].key.text();
+    r.command(&["SETRANGE", &k3, "200", "X"]).unwrap();
+    assert_eq!(c.fetch(&links, &tok).len(), 3);
+    // Truncate block 2 (rewrite it shorter).
+    let v = match r.command(&["GET", &links[2].key.text()]).unwrap() {
+        redis::Value::BulkString(b) => b,
+        other => panic!("{other:?}"),
+    };
+    r.command_bytes(&[b"SET", links[2].key.text().as_bytes(), &v[..v.len() / 2]])
+        .unwrap();
+    assert_eq!(c.fetch(&links, &tok).len(), 2);
+    // Block 1 holds block 4's blob (a value written under another key).
+    let v4 = match r.command(&["GET", &links[4].key.text()]).unwrap() {
+        redis::Value::BulkString(b) => b,
+        other => panic!("{other:?}"),
+    };
+    r.command_bytes(&[b"SET", links[1].key.text().as_bytes(), &v4])
+        .unwrap();
+    assert_eq!(c.fetch(&links, &tok).len(), 1);
+    // Not a string at all.
+    r.command(&["DEL", &links[0].key.text()]).unwrap();
+    r.command(&["LPUSH", &links[0].key.text(), "x"]).unwrap();
+    assert!(c.fetch(&links, &tok).is_empty());
+    let st = c.stats();
+    assert_eq!(st.invalid_blocks, 3, "{st:?}");
+    assert_eq!(st.errors_store, 1, "{st:?}");
+}
+
+#[test]
+fn a_tiny_maxmemory_evicting_inside_a_chain_gives_only_the_leading_blocks() {
+    let r =
+        RedisServer::start(&["--maxmemory", "2mb", "--maxmemory-policy", "allkeys-lru"]).unwrap();
+    let big = Scope {
+        payload_bytes: 64 << 10,
+        ..scope()
+    };
+    let c2 = RemoteCache::new(
+        Arc::new(tier(vec![r.url()], false, 2000)),
+        big.clone(),
+        RemoteOptions::default(),
+    );
+    let tok = tokens(4 * 60);
+    let links = c2.chain(&tok, &ExtraKeys::default());
+    let p = vec![7u8; big.payload_bytes as usize];
+    for (i, l) in links.iter().enumerate() {
+        c2.offer(*l, &tok[i * 4..(i + 1) * 4], &p);
+        // One at a time, so the store evicts between writes.
+        assert!(c2.flush(Duration::from_secs(10)));
+    }
+    let got = c2.fetch(&links, &tok);
+    let keys: Vec<_> = links.iter().map(|l| l.key).collect();
+    let present = tier(vec![r.url()], false, 2000).contains(&keys).unwrap();
+    assert!(present.iter().any(|p| !p), "maxmemory evicted nothing");
+    let lead = present.iter().take_while(|p| **p).count();
+    assert_eq!(got.len(), lead, "{present:?}");
+    assert!(got.iter().all(|g| *g == p));
+}

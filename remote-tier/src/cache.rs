@@ -1,0 +1,238 @@
+//! [`RemoteCache`]: what an engine holds — the scope, the store, the
+//! write-behind queue, the counters — and the two operations it needs:
+//! the verified leading blocks of a chain ([`fetch`](RemoteCache::fetch)),
+//! and a block offered for writing ([`offer`](RemoteCache::offer)).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvforge_prefix::ExtraKeys;
+
+use crate::blob;
+use crate::stats::Counters;
+use crate::writer::WriteBehind;
+use crate::{Link, RemoteKey, RemoteStats, RemoteTier, Scope};
+
+/// Bounds of a [`RemoteCache`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RemoteOptions {
+    /// Blobs the write-behind queue holds at most.
+    pub queue_blocks: usize,
+    /// Bytes the write-behind queue holds at most.
+    pub queue_bytes: usize,
+    /// Blobs per batched write.
+    pub batch: usize,
+    /// Blocks one lookup asks for at most.
+    pub max_lookup_blocks: usize,
+    /// Keys remembered as stored (not offered again), at most.
+    pub remember: usize,
+    /// How long a key is remembered as stored (the store may expire or
+    /// evict it: after this it is written again, set-if-absent).
+    pub remember_for: Duration,
+}
+
+impl Default for RemoteOptions {
+    fn default() -> Self {
+        RemoteOptions {
+            queue_blocks: 1024,
+            queue_bytes: 256 << 20,
+            batch: 32,
+            max_lookup_blocks: 1024,
+            remember: 1 << 16,
+            remember_for: Duration::from_secs(600),
+        }
+    }
+}
+
+/// What became of an offered block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Offer {
+    /// Queued for writing.
+    Queued,
+    /// The queue was full: not written (counted).
+    Dropped,
+    /// Stored (or queued) recently: nothing to do.
+    Known,
+}
+
+/// Keys stored or queued recently, oldest first (bounded).
+pub(crate) struct Known {
+    at: HashMap<RemoteKey, Instant>,
+    order: VecDeque<RemoteKey>,
+    cap: usize,
+    ttl: Duration,
+}
+
+impl Known {
+    fn fresh(&self, key: RemoteKey) -> bool {
+        self.at.get(&key).is_some_and(|t| t.elapsed() < self.ttl)
+    }
+
+    fn insert(&mut self, key: RemoteKey) {
+        if self.at.insert(key, Instant::now()).is_none() {
+            self.order.push_back(key);
+        }
+        while self.order.len() > self.cap {
+            if let Some(old) = self.order.pop_front() {
+                self.at.remove(&old);
+            }
+        }
+    }
+
+    pub(crate) fn forget(&mut self, key: RemoteKey) {
+        if self.at.remove(&key).is_some() {
+            self.order.retain(|k| *k != key);
+        }
+    }
+}
+
+/// A [`RemoteTier`] with its scope: verified reads, write-behind writes,
+/// counters. Every failure is a miss.
+pub struct RemoteCache {
+    store: Arc<dyn RemoteTier>,
+    scope: Scope,
+    opts: RemoteOptions,
+    counters: Arc<Counters>,
+    known: Arc<Mutex<Known>>,
+    writer: WriteBehind,
+}
+
+impl RemoteCache {
+    /// A cache of blocks in `scope` on `store`.
+    pub fn new(store: Arc<dyn RemoteTier>, scope: Scope, opts: RemoteOptions) -> Self {
+        let counters = Arc::new(Counters::default());
+        let known = Arc::new(Mutex::new(Known {
+            at: HashMap::new(),
+            order: VecDeque::new(),
+            cap: opts.remember,
+            ttl: opts.remember_for,
+        }));
+        let writer = WriteBehind::spawn(
+            store.clone(),
+            counters.clone(),
+            known.clone(),
+            opts.queue_blocks,
+            opts.queue_bytes,
+            opts.batch,
+        );
+        RemoteCache {
+            store,
+            scope,
+            opts,
+            counters,
+            known,
+            writer,
+        }
+    }
+
+    /// The scope its keys cover.
+    pub fn scope(&self) -> &Scope {
+        &self.scope
+    }
+
+    /// The store, described.
+    pub fn describe(&self) -> String {
+        self.store.describe()
+    }
+
+    /// The links of every full block of `tokens`.
+    pub fn chain(&self, tokens: &[u32], extra: &ExtraKeys) -> Vec<Link> {
+        self.scope.chain(tokens, extra)
+    }
+
+    fn known(&self) -> std::sync::MutexGuard<'_, Known> {
+        self.known.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The payloads of the leading blocks of `links` that the store holds
+    /// and that verify, in one round; `tokens` are the blocks' tokens
+    /// (`links.len()` whole blocks, or fewer: then only as many links are
+    /// asked for). Stops at the first block absent or invalid; a store
+    /// error is a miss of all.
+    pub fn fetch(&self, links: &[Link], tokens: &[u32]) -> Vec<Vec<u8>> {
+        let bs = self.scope.block_size as usize;
+        let n = links
+            .len()
+            .min(tokens.len() / bs.max(1))
+            .min(self.opts.max_lookup_blocks);
+        if n == 0 {
+            return Vec::new();
+        }
+        let c = &*self.counters;
+        Counters::add(&c.lookups, 1);
+        Counters::add(&c.lookup_blocks, n);
+        let keys: Vec<RemoteKey> = links[..n].iter().map(|l| l.key).collect();
+        let t0 = Instant::now();
+        let got = self.store.get_many(&keys);
+        c.get_latency.record(t0.elapsed());
+        let values = match got {
+            Ok(v) => v,
+            Err(e) => {
+                c.error(e.kind);
+                Counters::add(&c.miss_blocks, n);
+                return Vec::new();
+            }
+        };
+        let mut out = Vec::new();
+        for (i, v) in values.iter().enumerate().take(n) {
+            let Some(v) = v else { break };
+            Counters::add(&c.bytes_in, v.len());
+            match blob::open(v, &self.scope, links[i], &tokens[i * bs..(i + 1) * bs]) {
+                Ok(p) => out.push(p.to_vec()),
+                Err(_) => {
+                    Counters::add(&c.invalid_blocks, 1);
+                    break;
+                }
+            }
+        }
+        Counters::add(&c.hit_blocks, out.len());
+        Counters::add(&c.hit_tokens, out.len() * bs);
+        Counters::add(&c.miss_blocks, n - out.len());
+        let mut k = self.known();
+        for l in &links[..out.len()] {
+            k.insert(l.key);
+        }
+        out
+    }
+
+    /// Whether a block at `key` should be offered (it was not stored or
+    /// queued recently): ask before copying its content out.
+    pub fn wants(&self, key: RemoteKey) -> bool {
+        !self.known().fresh(key)
+    }
+
+    /// Offers the block at `link` holding `tokens`, whose KV is `payload`
+    /// (in the scope's format), for writing behind.
+    pub fn offer(&self, link: Link, tokens: &[u32], payload: &[u8]) -> Offer {
+        if !self.wants(link.key) {
+            return Offer::Known;
+        }
+        let blob = blob::seal(&self.scope, link, tokens, payload);
+        // Known before it is queued: the writer forgets it if the write fails.
+        self.known().insert(link.key);
+        if self.writer.offer(link.key, blob) {
+            Offer::Queued
+        } else {
+            self.known().forget(link.key);
+            Counters::add(&self.counters.put_dropped, 1);
+            Offer::Dropped
+        }
+    }
+
+    /// Waits, at most `timeout`, until everything queued was written;
+    /// whether it was.
+    pub fn flush(&self, timeout: Duration) -> bool {
+        self.writer.flush(timeout)
+    }
+
+    /// Blobs waiting to be written.
+    pub fn pending(&self) -> usize {
+        self.writer.pending()
+    }
+
+    /// The counters now.
+    pub fn stats(&self) -> RemoteStats {
+        self.counters.read()
+    }
+}

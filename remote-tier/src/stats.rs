@@ -1,0 +1,151 @@
+//! Counters of a [`RemoteCache`](crate::RemoteCache): lookups, hits,
+//! misses, errors by kind, bytes, latency histograms.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
+
+use crate::ErrorKind;
+
+/// Upper bounds of the latency buckets, microseconds (a last bucket holds
+/// the rest).
+pub(crate) const LATENCY_BOUNDS_US: [u64; 12] = [
+    250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 500_000, 1_000_000,
+];
+
+/// A latency histogram: `counts[i]` calls took at most `bounds_us[i]`
+/// (and more than the bound before); the last count is the rest.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+pub struct Histogram {
+    /// Bucket upper bounds, microseconds.
+    pub bounds_us: Vec<u64>,
+    /// Calls per bucket (one more than `bounds_us`).
+    pub counts: Vec<u64>,
+    /// Sum of all latencies, microseconds.
+    pub sum_us: u64,
+}
+
+/// A reading of a [`RemoteCache`](crate::RemoteCache)'s counters.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+pub struct RemoteStats {
+    /// Lookup rounds (one per prompt that asked the store).
+    pub lookups: u64,
+    /// Blocks asked for.
+    pub lookup_blocks: u64,
+    /// Blocks found and verified (handed to the engine).
+    pub hit_blocks: u64,
+    /// Tokens those blocks hold.
+    pub hit_tokens: u64,
+    /// Blocks asked for and not used: absent, or after the first block
+    /// that was absent or invalid.
+    pub miss_blocks: u64,
+    /// Values found that failed verification (corrupt, truncated, foreign).
+    pub invalid_blocks: u64,
+    /// Calls that timed out.
+    pub errors_timeout: u64,
+    /// Calls that found no connection.
+    pub errors_connection: u64,
+    /// Calls the store answered with an error.
+    pub errors_store: u64,
+    /// Blocks written (new keys).
+    pub put_blocks: u64,
+    /// Blocks the store already held.
+    pub put_existing: u64,
+    /// Blocks not written because the write-behind queue was full.
+    pub put_dropped: u64,
+    /// Blocks whose write failed (an error of the store).
+    pub put_failed: u64,
+    /// Bytes read from the store.
+    pub bytes_in: u64,
+    /// Bytes written to the store.
+    pub bytes_out: u64,
+    /// Latency of lookups.
+    pub get_latency: Histogram,
+    /// Latency of batched writes.
+    pub put_latency: Histogram,
+}
+
+#[derive(Default)]
+pub(crate) struct AtomicHistogram {
+    counts: [AtomicU64; LATENCY_BOUNDS_US.len() + 1],
+    sum_us: AtomicU64,
+}
+
+impl AtomicHistogram {
+    pub(crate) fn record(&self, d: Duration) {
+        let us = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+        let i = LATENCY_BOUNDS_US
+            .iter()
+            .position(|&b| us <= b)
+            .unwrap_or(LATENCY_BOUNDS_US.len());
+        self.counts[i].fetch_add(1, Relaxed);
+        self.sum_us.fetch_add(us, Relaxed);
+    }
+
+    fn read(&self) -> Histogram {
+        Histogram {
+            bounds_us: LATENCY_BOUNDS_US.to_vec(),
+            counts: self.counts.iter().map(|c| c.load(Relaxed)).collect(),
+            sum_us: self.sum_us.load(Relaxed),
+        }
+    }
+}
+
+/// The live counters, shared by the cache and its writer thread.
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub(crate) lookups: AtomicU64,
+    pub(crate) lookup_blocks: AtomicU64,
+    pub(crate) hit_blocks: AtomicU64,
+    pub(crate) hit_tokens: AtomicU64,
+    pub(crate) miss_blocks: AtomicU64,
+    pub(crate) invalid_blocks: AtomicU64,
+    errors: [AtomicU64; 3],
+    pub(crate) put_blocks: AtomicU64,
+    pub(crate) put_existing: AtomicU64,
+    pub(crate) put_dropped: AtomicU64,
+    pub(crate) put_failed: AtomicU64,
+    pub(crate) bytes_in: AtomicU64,
+    pub(crate) bytes_out: AtomicU64,
+    pub(crate) get_latency: AtomicHistogram,
+    pub(crate) put_latency: AtomicHistogram,
+}
+
+impl Counters {
+    pub(crate) fn add(c: &AtomicU64, n: usize) {
+        c.fetch_add(n as u64, Relaxed);
+    }
+
+    pub(crate) fn error(&self, kind: ErrorKind) {
+        let i = match kind {
+            ErrorKind::Timeout => 0,
+            ErrorKind::Connection => 1,
+            ErrorKind::Store => 2,
+        };
+        self.errors[i].fetch_add(1, Relaxed);
+    }
+
+    pub(crate) fn read(&self) -> RemoteStats {
+        let l = |c: &AtomicU64| c.load(Relaxed);
+        RemoteStats {
+            lookups: l(&self.lookups),
+            lookup_blocks: l(&self.lookup_blocks),
+            hit_blocks: l(&self.hit_blocks),
+            hit_tokens: l(&self.hit_tokens),
+            miss_blocks: l(&self.miss_blocks),
+            invalid_blocks: l(&self.invalid_blocks),
+            errors_timeout: l(&self.errors[0]),
+            errors_connection: l(&self.errors[1]),
+            errors_store: l(&self.errors[2]),
+            put_blocks: l(&self.put_blocks),
+            put_existing: l(&self.put_existing),
+            put_dropped: l(&self.put_dropped),
+            put_failed: l(&self.put_failed),
+            bytes_in: l(&self.bytes_in),
+            bytes_out: l(&self.bytes_out),
+            get_latency: self.get_latency.read(),
+            put_latency: self.put_latency.read(),
+        }
+    }
+}
