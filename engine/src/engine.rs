@@ -167,6 +167,17 @@ impl Engine {
         Self::new(model, tokenizer, cfg)
     }
 
+    /// A 128-bit fingerprint of the model: its dimensions, every weight's
+    /// bytes and its tokenizer. Two engines share KV through a remote tier
+    /// only under the same fingerprint. Reads every weight once.
+    pub fn fingerprint(&self) -> Result<u128> {
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        h.update(b"kvforge/model/v1\0");
+        self.model.fingerprint(&mut h)?;
+        h.update(self.tokenizer.to_json()?.as_bytes());
+        Ok(h.digest128())
+    }
+
     /// Wraps a model and tokenizer with a fresh cache.
     pub fn new(model: Llama, tokenizer: Tokenizer, cfg: &EngineConfig) -> Result<Self> {
         let model = match cfg.weight_kind {

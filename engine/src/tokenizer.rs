@@ -167,6 +167,14 @@ impl Tokenizer {
         Ok(Self::with_plain(inner, eos, vocab))
     }
 
+    /// The tokenizer as Hugging Face JSON (vocabulary, merges, specials):
+    /// what a model fingerprint covers.
+    pub fn to_json(&self) -> Result<String> {
+        self.inner
+            .to_string(false)
+            .map_err(|e| EngineError::Tokenizer(e.to_string()))
+    }
+
     /// Writes the tokenizer as a Hugging Face `tokenizer.json`.
     pub fn save(&self, path: &Path) -> Result<()> {
         self.inner

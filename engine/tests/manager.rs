@@ -13,7 +13,7 @@ use kvforge_pool::BlockAllocator;
 
 use super::{model_path, tiny};
 
-fn tokenizer() -> Tokenizer {
+pub(super) fn tokenizer() -> Tokenizer {
     Tokenizer::from_gguf(&GgufFile::open(&model_path()).unwrap()).unwrap()
 }
 

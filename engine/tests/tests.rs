@@ -20,6 +20,7 @@ mod fused;
 mod hardening;
 mod lifecycle;
 mod manager;
+mod remote;
 mod seam;
 mod tier;
 

@@ -25,10 +25,12 @@ use crate::policies::Policies;
 use crate::tier::{ColdTier, KvQuant};
 
 mod policies;
+mod remote;
 mod rewrite;
 mod sequences;
 mod step;
 
+pub use remote::RemoteSetup;
 pub use step::PagedSeq;
 
 /// A reading of a cache: what [`PagedKvCache::stats`] returns.
@@ -92,6 +94,8 @@ pub struct PagedKvCache {
     /// A researcher's policy objects, installed in every coordinator the
     /// cache builds.
     policies: Policies,
+    /// The shared remote tier, when there is one.
+    remote: Option<remote::RemoteLink>,
 }
 
 // SAFETY: the tensors are only read concurrently, or written at slots of
@@ -170,6 +174,7 @@ impl PagedKvCache {
             cold: None,
             backend: Box::new(FusedBackend::default()),
             policies: Policies::default(),
+            remote: None,
         })
     }
 
@@ -223,6 +228,7 @@ impl PagedKvCache {
         }
         *self.coord.get_mut().unwrap_or_else(|e| e.into_inner()) = coord;
         self.cold = tier;
+        self.recheck_remote();
         Ok(())
     }
 

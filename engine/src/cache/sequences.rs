@@ -19,22 +19,25 @@ impl PagedKvCache {
     }
 
     /// Opens a sequence for a prompt: with prefix reuse on, it starts with
-    /// the longest cached prefix of `tokens` (all but the last token).
+    /// the longest cached prefix of `tokens` (all but the last token), then
+    /// with a remote tier, the blocks after it that the tier holds.
     pub fn open(&self, tokens: &[u32], extra: &ExtraKeys) -> Result<Sequence> {
         let o = self.coordinator().open(tokens, extra)?;
-        Ok(Sequence {
+        let mut seq = Sequence {
             id: Some(o.seq),
             len: o.reused,
-        })
+        };
+        self.import_remote(&mut seq, tokens, extra);
+        Ok(seq)
     }
 
     /// Registers the completed blocks of `seq`, which holds the KV of
     /// `tokens`, in the prefix index (no-op with reuse off).
     pub fn register(&self, seq: &Sequence, tokens: &[u32], extra: &ExtraKeys) -> Result<usize> {
-        match seq.id {
-            Some(id) => Ok(self.coordinator().register(id, tokens, extra)?),
-            None => Ok(0),
-        }
+        let Some(id) = seq.id else { return Ok(0) };
+        let covered = self.coordinator().register(id, tokens, extra)?;
+        self.export_remote(seq, tokens, extra, covered);
+        Ok(covered)
     }
 
     /// Starts a turn that [`rollback_turn`](Self::rollback_turn) can undo.

@@ -77,6 +77,39 @@ fn rope_tables(
 }
 
 impl Llama {
+    /// Feeds the dimensions and every weight's bytes (as stored: dtype
+    /// included) to `h`: equal for the same model, different for any
+    /// other weights.
+    pub fn fingerprint(&self, h: &mut xxhash_rust::xxh3::Xxh3) -> Result<()> {
+        h.update(format!("{:?}", self.cfg).as_bytes());
+        let layers = self.layers.iter().flat_map(|l| {
+            [
+                &l.attn_norm,
+                &l.wq,
+                &l.wk,
+                &l.wv,
+                &l.wo,
+                &l.ffn_norm,
+                &l.w_gate,
+                &l.w_up,
+                &l.w_down,
+            ]
+        });
+        let mut buf = Vec::new();
+        for t in [&self.embed, &self.norm, &self.lm_head]
+            .into_iter()
+            .chain(layers)
+        {
+            let t = t.f_to_device(Device::Cpu)?.f_contiguous()?;
+            let n = t.numel();
+            buf.resize(n * t.kind().elt_size_in_bytes(), 0);
+            t.f_copy_data_u8(&mut buf, n)?;
+            h.update(format!("{:?}{:?}", t.kind(), t.size()).as_bytes());
+            h.update(&buf);
+        }
+        Ok(())
+    }
+
     /// `x @ w^T`, bridging a weight stored in another dtype.
     fn linear(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
         if w.kind() == x.kind() {

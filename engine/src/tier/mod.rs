@@ -26,63 +26,10 @@ use tch::{Device, Kind, Tensor};
 use crate::error::{EngineError, Result};
 
 mod mirror;
+mod spec;
 
 pub(crate) use mirror::Mirror;
-
-/// How a cache quantizes blocks that leave the hot window.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct KvQuant {
-    /// Bits per element: 8 (symmetric), 4 or 2 (affine).
-    pub bits: u32,
-    /// Elements per group along the head dim (values; per-token keys).
-    /// Per-channel key groups span one block's tokens.
-    pub group_size: usize,
-    /// Newest tokens kept in full precision: a whole number of blocks
-    /// (rejected otherwise).
-    pub window: usize,
-    /// Hadamard-rotate keys before quantizing.
-    pub rotate: bool,
-    /// Key groups per channel (KIVI) or per token. Values are always
-    /// quantized per token.
-    pub key_axis: Axis,
-    /// The first tokens of the sequence kept in full precision (attention
-    /// sinks, as in StreamingLLM): a whole number of blocks.
-    pub sink: usize,
-}
-
-impl KvQuant {
-    /// `int4` etc. with defaults: group 32, window 128, per-channel keys,
-    /// no rotation, a 32-token sink.
-    pub fn parse(format: &str) -> Result<Self> {
-        Ok(KvQuant {
-            bits: QuantConfig::parse_bits(format)?,
-            group_size: 32,
-            window: 128,
-            rotate: false,
-            key_axis: Axis::PerChannel,
-            sink: 32,
-        })
-    }
-
-    /// A short label: `int4-g32-w128-kc` (`+rot` when rotated, `-s32`
-    /// with a 32-token sink).
-    pub fn name(&self) -> String {
-        let axis = match self.key_axis {
-            Axis::PerChannel => "kc",
-            Axis::PerToken => "kt",
-        };
-        let rot = if self.rotate { "+rot" } else { "" };
-        let sink = if self.sink > 0 {
-            format!("-s{}", self.sink)
-        } else {
-            String::new()
-        };
-        format!(
-            "int{}-g{}-w{}{sink}-{axis}{rot}",
-            self.bits, self.group_size, self.window
-        )
-    }
-}
+pub use spec::KvQuant;
 
 /// One block of the cold tier: K and V of every layer, quantized.
 #[derive(Clone, Debug, PartialEq)]
@@ -126,6 +73,9 @@ pub(crate) struct ColdTier {
     key_format: StorageFormat,
     value_format: StorageFormat,
     blocks: RwLock<Vec<Option<Arc<ColdBlock>>>>,
+    /// A quantized zero slab of keys and of values: the sizes of every
+    /// slab's codes and group parameters.
+    template: [QuantizedBlock; 2],
     /// The blocks again on the attention device, for the CUDA kernel.
     mirror: Option<RwLock<Mirror>>,
 }
@@ -171,8 +121,10 @@ impl ColdTier {
             Axis::PerToken,
         )?));
         let zeros = vec![0f32; shape.len()];
-        keys.quantize(shape, &zeros)?;
-        values.quantize(shape, &zeros)?;
+        let template = [
+            keys.quantize(shape, &zeros)?,
+            values.quantize(shape, &zeros)?,
+        ];
         let format = |group: usize| -> Result<StorageFormat> {
             let group_size = u32::try_from(group)
                 .map_err(|_| EngineError::Request(format!("group size {group} is too large")))?;
@@ -190,6 +142,7 @@ impl ColdTier {
             key_format: format(key_group)?,
             value_format: format(spec.group_size)?,
             blocks: RwLock::new(Vec::new()),
+            template,
             mirror: None,
         })
     }
@@ -239,6 +192,51 @@ impl ColdTier {
                 *b = None;
             }
         }
+    }
+
+    /// A block of `layers` layers back from its [`ColdBlock::content`]
+    /// bytes (as a remote tier stores them); errors on a wrong length.
+    pub(crate) fn from_content(&self, layers: usize, bytes: &[u8]) -> Result<ColdBlock> {
+        let sizes = |t: &QuantizedBlock| (t.packed.len(), t.scales.len(), t.mins.len());
+        let need = layers * self.template.iter().map(|t| t.bytes()).sum::<usize>();
+        if bytes.len() != need {
+            return Err(EngineError::Request(format!(
+                "a cold block of {layers} layers is {need} bytes, not {}",
+                bytes.len()
+            )));
+        }
+        let half = |b: &[u8]| -> Vec<half::f16> {
+            b.chunks_exact(2)
+                .map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])))
+                .collect()
+        };
+        let (mut at, mut slabs) = (0, Vec::with_capacity(2 * layers));
+        for t in self
+            .template
+            .iter()
+            .flat_map(|t| std::iter::repeat_n(t, layers))
+        {
+            let (p, s, m) = sizes(t);
+            let mut take = |n: usize| {
+                at += n;
+                &bytes[at - n..at]
+            };
+            let packed = take(p).to_vec();
+            let (scales, mins) = (half(take(2 * s)), half(take(2 * m)));
+            slabs.push(QuantizedBlock {
+                packed,
+                scales,
+                mins,
+                ..t.clone()
+            });
+        }
+        let v = slabs.split_off(layers);
+        Ok(ColdBlock { k: slabs, v })
+    }
+
+    /// Bytes of one block's [`ColdBlock::content`] for `layers` layers.
+    pub(crate) fn content_bytes(&self, layers: usize) -> usize {
+        layers * self.template.iter().map(|t| t.bytes()).sum::<usize>()
     }
 
     /// Bytes of stored blocks (held, cached, or not yet freed).

@@ -15,6 +15,7 @@
 //! * `signals.rs` — attention mass and key novelty for eviction, blocks
 //!   offered for sharing;
 //! * `prefix.rs` — opening on a cached prefix, registering in the index;
+//! * `import.rs` — blocks whose KV the engine brings from elsewhere;
 //! * `turns.rs` — turns and rollback, forks, the lifecycle, closing;
 //! * `invariants.rs` — every invariant, checked on the whole state.
 
@@ -35,6 +36,7 @@ mod budget;
 mod construct;
 mod demote;
 mod evict;
+mod import;
 mod invariants;
 mod pack;
 mod prefix;

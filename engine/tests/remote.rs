@@ -1,0 +1,135 @@
+//! A remote tier shared by two engines (an in-memory store standing in
+//! for Redis): the second one imports the first one's blocks, hot or cold,
+//! and answers as a local prefix hit would; another model or seed gets no
+//! hit; a failing store is a recompute.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvforge_engine::cache::RemoteSetup;
+use kvforge_engine::{
+    CacheManager, Engine, EngineConfig, KvQuant, Llama, LlamaConfig, ReuseConfig, SamplingParams,
+};
+use kvforge_remote::{ErrorKind, MemoryTier, RemoteOptions, RemoteStats};
+use tch::{Device, Kind};
+
+use super::manager::tokenizer;
+
+fn engine(weights: i64, cold: bool) -> Engine {
+    let cfg = EngineConfig {
+        block_size: 4,
+        kv_tokens: 512,
+        kv_quant: cold.then(|| KvQuant {
+            window: 8,
+            sink: 0,
+            group_size: 8,
+            ..KvQuant::parse("int4").unwrap()
+        }),
+        ..Default::default()
+    };
+    let model = Llama::random(LlamaConfig::tiny(), weights, Device::Cpu, Kind::Float).unwrap();
+    Engine::new(model, tokenizer(), &cfg).unwrap()
+}
+
+/// An engine of random weights `weights` sharing through `store` under
+/// hash seed `seed`, blocks as cold bytes when `cold`.
+fn manager(store: &Arc<MemoryTier>, weights: i64, seed: u64, cold: bool) -> CacheManager {
+    let mut e = engine(weights, cold);
+    let model = e.fingerprint().unwrap();
+    e.cache
+        .set_remote(Some(RemoteSetup {
+            store: store.clone(),
+            seed,
+            model,
+            cold,
+            options: RemoteOptions::default(),
+        }))
+        .unwrap();
+    let m = CacheManager::new(e, ReuseConfig::default()).unwrap();
+    m.engine().cache.check_every_call(true);
+    m
+}
+
+fn greedy(m: &CacheManager, prompt: &[u32]) -> (Vec<u32>, usize) {
+    let p = SamplingParams {
+        max_tokens: 6,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let r = m.complete(prompt, "", &p, &mut |_, _| true).unwrap();
+    (r.generation.tokens, r.reused_tokens)
+}
+
+fn stats(m: &CacheManager) -> RemoteStats {
+    m.engine().cache.remote_stats().unwrap()
+}
+
+fn prompt() -> Vec<u32> {
+    (0..37).map(|i| 3 + (i * 11 % 90)).collect()
+}
+
+#[test]
+fn a_second_engine_answers_from_the_first_ones_blocks_as_a_local_hit_would() {
+    for cold in [false, true] {
+        let store = Arc::new(MemoryTier::new());
+        let a = manager(&store, 7, 1, cold);
+        let (first, reused) = greedy(&a, &prompt());
+        assert_eq!(reused, 0);
+        assert!(a.engine().cache.remote_flush(Duration::from_secs(10)));
+        // 37 prompt tokens + 5 generated held: 10 full blocks written.
+        assert_eq!(stats(&a).put_blocks, 10, "cold {cold}");
+        let b = manager(&store, 7, 1, cold);
+        let (remote, reused) = greedy(&b, &prompt());
+        assert_eq!(reused, 36, "cold {cold}: every full block of the prompt");
+        let s = stats(&b);
+        assert_eq!((s.lookups, s.hit_blocks, s.invalid_blocks), (1, 9, 0));
+        if !cold {
+            // Bit for bit the first engine's KV: the same tokens as its own
+            // local prefix hit (the same computation).
+            let (local, reused) = greedy(&a, &prompt());
+            assert_eq!(reused, 36);
+            assert_eq!(remote, local);
+        }
+        assert_eq!(first.len(), remote.len());
+        // Imported blocks are indexed: a third request is a local hit.
+        let (again, reused) = greedy(&b, &prompt());
+        assert_eq!((again, reused), (remote, 36));
+        assert_eq!(stats(&b).lookups, 1, "no second remote round");
+    }
+}
+
+#[test]
+fn another_model_or_seed_gets_no_hit() {
+    let store = Arc::new(MemoryTier::new());
+    let a = manager(&store, 7, 1, false);
+    greedy(&a, &prompt());
+    assert!(a.engine().cache.remote_flush(Duration::from_secs(10)));
+    for (weights, seed) in [(8, 1), (7, 2)] {
+        let b = manager(&store, weights, seed, false);
+        assert_eq!(greedy(&b, &prompt()).1, 0);
+        assert_eq!(stats(&b).hit_blocks, 0);
+        assert_eq!(stats(&b).miss_blocks, 9);
+    }
+}
+
+#[test]
+fn a_failing_store_is_a_recompute_with_the_same_tokens() {
+    let store = Arc::new(MemoryTier::new());
+    let a = manager(&store, 7, 1, false);
+    let (first, _) = greedy(&a, &prompt());
+    assert!(a.engine().cache.remote_flush(Duration::from_secs(10)));
+    store.fail_with(Some(ErrorKind::Timeout));
+    let b = manager(&store, 7, 1, false);
+    let (tokens, reused) = greedy(&b, &prompt());
+    assert_eq!(reused, 0);
+    assert_eq!(
+        tokens, first,
+        "a fresh engine computing everything, like the first"
+    );
+    assert!(b.engine().cache.remote_flush(Duration::from_secs(10)));
+    let s = stats(&b);
+    // The lookup, and each write-behind batch, timed out.
+    assert_eq!((s.lookups, s.put_failed), (1, 10));
+    assert!(s.errors_timeout >= 2, "{s:?}");
+    assert_eq!(b.engine().cache.bytes_in_use(), 0);
+}
