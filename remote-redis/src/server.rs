@@ -184,7 +184,7 @@ impl Drop for RedisServer {
 }
 
 /// Three `redis-server`s in cluster mode on loopback, their slots assigned
-/// (`CLUSTER ADDSLOTSRANGE`, `CLUSTER MEET`) and waited for until the
+/// (`CLUSTER ADDSLOTS`, `CLUSTER MEET`) and waited for until the
 /// cluster says `ok`.
 pub struct RedisCluster {
     /// The nodes.
@@ -206,7 +206,11 @@ impl RedisCluster {
         }
         let ranges = [(0, 5460), (5461, 10922), (10923, 16383)];
         for (n, (a, b)) in nodes.iter().zip(ranges) {
-            n.command(&["CLUSTER", "ADDSLOTSRANGE", &a.to_string(), &b.to_string()])?;
+            // ADDSLOTS, not ADDSLOTSRANGE: that one needs Redis 7.
+            let slots: Vec<String> = (a..=b).map(|s: u32| s.to_string()).collect();
+            let mut args = vec!["CLUSTER", "ADDSLOTS"];
+            args.extend(slots.iter().map(String::as_str));
+            n.command(&args)?;
         }
         for n in &nodes[1..] {
             nodes[0].command(&["CLUSTER", "MEET", "127.0.0.1", &n.port().to_string()])?;

@@ -28,6 +28,7 @@ pub mod client;
 pub mod error;
 pub mod http;
 pub mod metrics;
+pub mod remote;
 pub mod sched;
 
 use std::future::Future;
@@ -36,6 +37,7 @@ use std::sync::{Arc, mpsc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use kvforge_engine::cache::RemoteSetup;
 use kvforge_engine::{Engine, ReuseConfig};
 
 pub use api::Limits;
@@ -64,6 +66,8 @@ pub struct ServerConfig {
     /// The coordinator checks all its invariants after every call (tests;
     /// slow).
     pub check_invariants: bool,
+    /// A remote tier shared with other instances ([`remote::connect`]).
+    pub remote: Option<RemoteSetup>,
 }
 
 impl Default for ServerConfig {
@@ -78,6 +82,7 @@ impl Default for ServerConfig {
             grace: sched::DEFAULT_GRACE,
             fault: None,
             check_invariants: false,
+            remote: None,
         }
     }
 }
@@ -107,6 +112,10 @@ impl Server {
         }
         cfg.reuse
             .apply(&mut engine.cache)
+            .map_err(|e| e.to_string())?;
+        engine
+            .cache
+            .set_remote(cfg.remote.clone())
             .map_err(|e| e.to_string())?;
         engine.cache.check_every_call(cfg.check_invariants);
         let stats = engine.cache.stats();

@@ -219,7 +219,7 @@ fn step(name: &str, mut cmd: Command) -> Result<()> {
 }
 
 fn ci(root: &Path) -> Result<()> {
-    setup::setup(root, false)?;
+    let env = setup::setup(root, false)?;
     let mut fmt = cargo();
     fmt.current_dir(root).args(["fmt", "--all", "--check"]);
     step("cargo fmt --check", fmt)?;
@@ -243,6 +243,7 @@ fn ci(root: &Path) -> Result<()> {
     test.current_dir(root)
         .env("LD_LIBRARY_PATH", prepend_path(&nvrtc, "LD_LIBRARY_PATH"))
         .env("KVFORGE_REQUIRE_NVRTC", "1")
+        .env("KVFORGE_REDIS_SERVER", &env.redis_server)
         .args(["test", "--workspace"]);
     step("cargo test --workspace", test)?;
 

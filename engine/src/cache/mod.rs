@@ -50,6 +50,8 @@ pub struct CacheStats {
     pub sharing: Option<kvforge_coordinator::ShareStats>,
     /// What the policies did.
     pub policies: kvforge_coordinator::Counters,
+    /// The remote tier's counters, when there is one.
+    pub remote: Option<kvforge_remote::RemoteStats>,
 }
 #[cfg(test)]
 mod tests;
@@ -263,6 +265,7 @@ impl PagedKvCache {
             index: c.index_stats(),
             sharing: c.share_stats(),
             policies: c.counters(),
+            remote: self.remote_stats(),
         }
     }
 

@@ -133,7 +133,9 @@ impl PagedKvCache {
         let filled = blocks.iter().zip(&payloads).try_for_each(|(&b, p)| {
             let slot = TieredPool::slot_of(b) as usize;
             match &self.cold {
-                Some(t) if r.setup.cold => t.put(slot, Arc::new(t.from_content(self.k.len(), p)?)),
+                Some(t) if r.setup.cold => {
+                    t.put(slot, Arc::new(t.block_of_content(self.k.len(), p)?))
+                }
                 _ => self.write_hot(slot, p),
             }
         });

@@ -10,6 +10,7 @@
 //! share = { policy = "exact" }
 //! lifecycle = { policy = "rule", protect = 2, delay = 2 }
 //! budget_mib = 0
+//! remote = { url = "redis://127.0.0.1:6379", seed = 42, ttl_s = 3600, deadline_ms = 250 }
 //! ```
 //!
 //! Each mechanism is off when absent. An eviction policy is named: the
@@ -32,7 +33,10 @@ mod specs;
 mod tests;
 
 pub use registry::{EvictionBuilder, PolicyParams, Registry};
-pub use specs::{IndexName, KeyAxis, LifecycleSpec, PolicySpec, PrefixSpec, ShareSpec, TailName};
+pub use specs::{
+    BlockFormat, IndexName, KeyAxis, LifecycleSpec, PolicySpec, PrefixSpec, RemoteSpec, ShareSpec,
+    TailName,
+};
 
 /// One configuration of the mechanisms (each absent = off).
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]
@@ -56,6 +60,8 @@ pub struct Mechanisms {
     pub budget_mib: u64,
     /// Tokens per KV block (absent: the engine's).
     pub block_size: Option<usize>,
+    /// A remote tier shared across instances (used by `kvforge serve`).
+    pub remote: Option<RemoteSpec>,
 }
 
 /// `cold = { format = "int4", … }` into a [`KvQuant`].
@@ -140,12 +146,18 @@ impl Mechanisms {
         if let Some(msg) = self.lifecycle.and_then(LifecycleSpec::problem) {
             return Err(msg);
         }
+        if let Some(r) = &self.remote {
+            if let Some(msg) = r.problem(self.cold.is_some(), self.prefix.is_some()) {
+                return Err(msg);
+            }
+        }
         Ok(())
     }
 
     /// Sets `cfg`'s mechanisms (the block size too, when named), the
     /// eviction policy built by `registry`; returns the reuse to run with
-    /// (hash seed: the file's, else `seed`).
+    /// (hash seed: the file's, else `seed`). Refuses a `remote` tier, which
+    /// only the server uses (it takes it out first).
     pub fn apply(
         &self,
         cfg: &mut EngineConfig,
@@ -156,6 +168,11 @@ impl Mechanisms {
             cfg.block_size = b;
         }
         self.check(cfg.block_size, registry)?;
+        if self.remote.is_some() {
+            // `kvforge serve` takes it out and connects; elsewhere it would
+            // be silently ignored.
+            return Err("remote = { … } is used by `kvforge serve` only".into());
+        }
         cfg.kv_quant = self.cold;
         cfg.eviction = None;
         cfg.policies.eviction = self
@@ -206,6 +223,14 @@ impl Mechanisms {
         }
         if let Some(b) = self.block_size {
             parts.push(format!("block {b}"));
+        }
+        if let Some(r) = &self.remote {
+            let blocks = if r.cold_blocks(self.cold.is_some()) {
+                "cold"
+            } else {
+                "hot"
+            };
+            parts.push(format!("remote {blocks}"));
         }
         if parts.is_empty() {
             "full cache".into()

@@ -290,3 +290,95 @@ impl LifecycleSpec {
         }
     }
 }
+
+/// A remote tier shared by several instances (`remote = { url, seed, … }`):
+/// read by `kvforge serve`, which connects to the store.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct RemoteSpec {
+    /// `redis://host:port[/db]`; with `cluster`, the seed nodes separated
+    /// by commas.
+    pub url: String,
+    /// A Redis Cluster.
+    #[serde(default)]
+    pub cluster: bool,
+    /// The cluster-wide hash seed: the same on every instance that shares.
+    pub seed: u64,
+    /// Keys expire after this many seconds (0: never).
+    #[serde(default = "RemoteSpec::default_ttl")]
+    pub ttl_s: u64,
+    /// A lookup gives up (a miss) after this many milliseconds.
+    #[serde(default = "RemoteSpec::default_deadline")]
+    pub deadline_ms: u64,
+    /// `cold` (the cold tier's quantized bytes) or `hot` (the KV dtype);
+    /// absent: `cold` when there is a cold tier.
+    pub blocks: Option<BlockFormat>,
+    /// Blocks the write-behind queue holds at most (more are dropped).
+    #[serde(default = "RemoteSpec::default_queue")]
+    pub queue_blocks: usize,
+}
+
+/// The format blocks travel in.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum BlockFormat {
+    /// The KV dtype.
+    Hot,
+    /// The cold tier's quantized bytes.
+    Cold,
+}
+
+impl RemoteSpec {
+    fn default_ttl() -> u64 {
+        3600
+    }
+    fn default_deadline() -> u64 {
+        250
+    }
+    fn default_queue() -> usize {
+        1024
+    }
+
+    /// What cannot work, before anything connects.
+    pub fn problem(&self, cold_tier: bool, prefix: bool) -> Option<String> {
+        let url_ok = self
+            .url
+            .split(',')
+            .all(|u| u.trim().starts_with("redis://") || u.trim().starts_with("rediss://"));
+        if !url_ok {
+            return Some(format!(
+                "remote.url {:?} must be redis://host:port (comma-separated with cluster = true)",
+                self.url
+            ));
+        }
+        if !self.cluster && self.url.contains(',') {
+            return Some("remote.url lists several nodes: set cluster = true".into());
+        }
+        if !(1..=60_000).contains(&self.deadline_ms) {
+            return Some(format!(
+                "remote.deadline_ms must be within 1..=60000, not {}",
+                self.deadline_ms
+            ));
+        }
+        if !(1..=1 << 20).contains(&self.queue_blocks) {
+            return Some(format!(
+                "remote.queue_blocks must be within 1..=1048576, not {}",
+                self.queue_blocks
+            ));
+        }
+        if !prefix {
+            return Some(
+                "remote needs prefix reuse (prefix = { … }): it shares the prefix chain".into(),
+            );
+        }
+        if self.blocks == Some(BlockFormat::Cold) && !cold_tier {
+            return Some("remote.blocks = \"cold\" needs a cold tier (cold = { … })".into());
+        }
+        None
+    }
+
+    /// Whether blocks travel as cold bytes.
+    pub fn cold_blocks(&self, cold_tier: bool) -> bool {
+        self.blocks.map_or(cold_tier, |b| b == BlockFormat::Cold)
+    }
+}

@@ -125,3 +125,71 @@ fn a_registered_policy_is_named_like_a_builtin_and_checked_the_same() {
             .contains("unknown eviction policy \"mine\"")
     );
 }
+
+#[test]
+fn a_remote_tier_is_read_checked_and_refused_outside_the_server() {
+    let m = parse(
+        "prefix = {}\ncold = { format = \"int4\", window = 64, sink = 16 }\n\
+         remote = { url = \"redis://127.0.0.1:6379\", seed = 42 }\n",
+    )
+    .unwrap();
+    let r = m.remote.clone().unwrap();
+    assert_eq!(
+        (r.ttl_s, r.deadline_ms, r.queue_blocks, r.cluster),
+        (3600, 250, 1024, false)
+    );
+    assert!(
+        r.cold_blocks(true),
+        "cold blocks by default with a cold tier"
+    );
+    assert!(
+        m.describe(16, &Registry::builtin())
+            .ends_with("remote cold")
+    );
+    let e = m
+        .apply(&mut EngineConfig::default(), &Registry::builtin(), None)
+        .unwrap_err();
+    assert!(e.contains("kvforge serve"), "{e}");
+    for (src, want) in [
+        (
+            "prefix = {}\nremote = { url = \"redis://h:1\" }",
+            "missing field `seed`",
+        ),
+        (
+            "prefix = {}\nremote = { url = \"redis://h:1\", seed = 1, bogus = 2 }",
+            "unknown field `bogus`",
+        ),
+        (
+            "prefix = {}\nremote = { url = \"http://h:1\", seed = 1 }",
+            "must be redis://",
+        ),
+        (
+            "prefix = {}\nremote = { url = \"redis://a:1,redis://b:2\", seed = 1 }",
+            "cluster = true",
+        ),
+        (
+            "prefix = {}\nremote = { url = \"redis://h:1\", seed = 1, deadline_ms = 0 }",
+            "deadline_ms",
+        ),
+        (
+            "prefix = {}\nremote = { url = \"redis://h:1\", seed = 1, queue_blocks = 0 }",
+            "queue_blocks",
+        ),
+        (
+            "remote = { url = \"redis://h:1\", seed = 1 }",
+            "needs prefix reuse",
+        ),
+        (
+            "prefix = {}\nremote = { url = \"redis://h:1\", seed = 1, blocks = \"cold\" }",
+            "needs a cold tier",
+        ),
+        (
+            "prefix = {}\nremote = { url = \"redis://h:1\", seed = -1 }",
+            "invalid value",
+        ),
+    ] {
+        let e = parse(src).unwrap_err();
+        assert!(e.contains(want), "{src}: {e}");
+        assert!(!e.contains('\n'), "{e}");
+    }
+}

@@ -196,7 +196,7 @@ impl ColdTier {
 
     /// A block of `layers` layers back from its [`ColdBlock::content`]
     /// bytes (as a remote tier stores them); errors on a wrong length.
-    pub(crate) fn from_content(&self, layers: usize, bytes: &[u8]) -> Result<ColdBlock> {
+    pub(crate) fn block_of_content(&self, layers: usize, bytes: &[u8]) -> Result<ColdBlock> {
         let sizes = |t: &QuantizedBlock| (t.packed.len(), t.scales.len(), t.mins.len());
         let need = layers * self.template.iter().map(|t| t.bytes()).sum::<usize>();
         if bytes.len() != need {

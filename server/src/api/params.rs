@@ -60,10 +60,10 @@ impl Common {
                 "stream_options is only allowed with stream: true",
             ));
         }
-        if let Some(salt) = &self.cache_salt {
-            if salt.is_empty() {
-                return Err(bad("cache_salt", "cache_salt must not be empty"));
-            }
+        if let Some(salt) = &self.cache_salt
+            && salt.is_empty()
+        {
+            return Err(bad("cache_salt", "cache_salt must not be empty"));
         }
         Ok(Parsed {
             endpoint,

@@ -14,6 +14,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
+use kvforge_engine::mechanisms::RemoteSpec;
 use kvforge_engine::{
     Attention, Engine, EngineConfig, Mechanisms, Registry, ReuseConfig, parse_device, parse_dtype,
 };
@@ -95,7 +96,10 @@ struct Args {
     grace_secs: u64,
 }
 
-fn engine(a: &Args) -> Result<(Engine, ReuseConfig), String> {
+/// The engine, its reuse, and the remote tier the mechanisms file names.
+type Loaded = (Engine, ReuseConfig, Option<RemoteSpec>);
+
+fn engine(a: &Args) -> Result<Loaded, String> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     if a.threads < 0 || a.threads as usize > cores {
         return Err(format!(
@@ -128,13 +132,14 @@ fn engine(a: &Args) -> Result<(Engine, ReuseConfig), String> {
         attention: Attention::Fused,
         ..EngineConfig::default()
     };
-    let reuse = match &a.config {
+    let (reuse, remote) = match &a.config {
         Some(path) => {
             let registry = Registry::builtin();
-            let m = Mechanisms::load(path, a.block_size, &registry)?;
-            m.apply(&mut cfg, &registry, None)?
+            let mut m = Mechanisms::load(path, a.block_size, &registry)?;
+            let remote = m.remote.take();
+            (m.apply(&mut cfg, &registry, None)?, remote)
         }
-        None => ReuseConfig::default(),
+        None => (ReuseConfig::default(), None),
     };
     if !a.model.exists() {
         return Err(format!(
@@ -142,11 +147,23 @@ fn engine(a: &Args) -> Result<(Engine, ReuseConfig), String> {
             a.model.display()
         ));
     }
-    Ok((Engine::load(&a.model, &cfg).map_err(e)?, reuse))
+    Ok((Engine::load(&a.model, &cfg).map_err(e)?, reuse, remote))
 }
 
 fn run(a: Args) -> Result<(), String> {
-    let (engine, reuse) = engine(&a)?;
+    let (engine, reuse, remote) = engine(&a)?;
+    let remote = match remote {
+        Some(spec) => {
+            let r = kvforge_server::remote::connect(&spec, &engine)?;
+            let blocks = if r.cold { "cold" } else { "hot" };
+            eprintln!(
+                "kvforge-serve: remote tier {} ({blocks} blocks, seed {}, model {:032x})",
+                spec.url, r.seed, r.model
+            );
+            Some(r)
+        }
+        None => None,
+    };
     let model_id = a.served_model_name.clone().unwrap_or_else(|| {
         a.model
             .file_stem()
@@ -166,6 +183,7 @@ fn run(a: Args) -> Result<(), String> {
         grace: Duration::from_secs(a.grace_secs),
         fault: None,
         check_invariants: false,
+        remote,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -207,13 +225,13 @@ async fn stop_signal() {
 }
 
 fn main() -> ExitCode {
-    if let Ok(level) = std::env::var("KVFORGE_LOG") {
-        if let Ok(level) = level.parse::<tracing::Level>() {
-            let _ = tracing_subscriber::fmt()
-                .with_max_level(level)
-                .with_writer(std::io::stderr)
-                .try_init();
-        }
+    if let Ok(level) = std::env::var("KVFORGE_LOG")
+        && let Ok(level) = level.parse::<tracing::Level>()
+    {
+        let _ = tracing_subscriber::fmt()
+            .with_max_level(level)
+            .with_writer(std::io::stderr)
+            .try_init();
     }
     let args = match Args::try_parse() {
         Ok(a) => a,

@@ -168,14 +168,14 @@ impl App {
                 .map_err(|e| api::json_error(&e))?
                 .parse(&self.limits, &self.tokenizer)?,
         };
-        if let Some(kv) = self.limits.max_kv_tokens {
-            if p.prompt.len() + 1 > kv {
-                return Err(ApiError::invalid(format!(
-                    "the prompt is {} tokens, and the server's KV budget holds {kv}",
-                    p.prompt.len()
-                ))
-                .with_code("kv_budget_exceeded"));
-            }
+        if let Some(kv) = self.limits.max_kv_tokens
+            && p.prompt.len() + 1 > kv
+        {
+            return Err(ApiError::invalid(format!(
+                "the prompt is {} tokens, and the server's KV budget holds {kv}",
+                p.prompt.len()
+            ))
+            .with_code("kv_budget_exceeded"));
         }
         Ok(p)
     }

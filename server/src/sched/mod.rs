@@ -210,7 +210,8 @@ impl Scheduler {
         }
     }
 
-    /// Runs until the channel closes or a shutdown's work is done.
+    /// Runs until the channel closes or a shutdown's work is done (then
+    /// waits at most [`REMOTE_FLUSH`] for the remote tier's writes).
     pub fn run(mut self, rx: mpsc::Receiver<Msg>) {
         loop {
             if self.idle() {
@@ -239,6 +240,10 @@ impl Scheduler {
                     "the engine step failed: {what}"
                 )));
             }
+        }
+        // Blocks queued for the remote tier get a short, bounded chance.
+        if !self.engine.cache.remote_flush(REMOTE_FLUSH) {
+            tracing::warn!("stopping with remote writes still queued: they are dropped");
         }
         self.publish();
     }
@@ -366,3 +371,6 @@ impl Scheduler {
 
 /// How long a shutdown waits for running requests by default.
 pub const DEFAULT_GRACE: Duration = Duration::from_secs(30);
+
+/// How long a stopping server waits for its remote writes.
+pub const REMOTE_FLUSH: Duration = Duration::from_secs(3);

@@ -298,10 +298,10 @@ impl Scheduler {
                     // Text held back for a stop string or an unfinished
                     // character goes out now (a reply the budget ended).
                     let tok = &self.engine.tokenizer;
-                    if let Ok(p) = r.reply.piece(tok, &r.generated, &r.job.stop, true) {
-                        if !p.text.is_empty() {
-                            let _ = r.job.events.send(Event::Token(p.text));
-                        }
+                    if let Ok(p) = r.reply.piece(tok, &r.generated, &r.job.stop, true)
+                        && !p.text.is_empty()
+                    {
+                        let _ = r.job.events.send(Event::Token(p.text));
                     }
                     self.release(&mut r, true);
                     let _ = r.job.events.send(Event::Done(Outcome {

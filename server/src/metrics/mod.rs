@@ -9,6 +9,8 @@ use std::fmt::Write;
 
 use kvforge_engine::cache::CacheStats;
 
+mod remote;
+
 /// Bucket upper bounds in seconds for time to first token and request
 /// latency (vLLM's, cut to what a CPU server sees).
 const LATENCY_BUCKETS: &[f64] = &[
@@ -173,6 +175,21 @@ pub fn render(m: &ServeMetrics, cache: &CacheStats) -> String {
     let mut out = String::new();
     write_series(&mut out, server_series(m));
     write_series(&mut out, cache_series(cache));
+    if let Some(r) = &cache.remote {
+        write_series(&mut out, remote::series(r));
+        remote::render_histogram(
+            &mut out,
+            &r.get_latency,
+            "kvforge:remote_lookup_seconds",
+            "Seconds per remote lookup round.",
+        );
+        remote::render_histogram(
+            &mut out,
+            &r.put_latency,
+            "kvforge:remote_put_seconds",
+            "Seconds per batched remote write.",
+        );
+    }
     m.ttft.render(
         &mut out,
         "kvforge:time_to_first_token_seconds",

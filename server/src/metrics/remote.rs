@@ -1,0 +1,115 @@
+//! The remote tier's series: lookups, hits, misses, errors by kind, bytes,
+//! and the latency histograms of its lookups and batched writes.
+
+use std::fmt::Write;
+
+use kvforge_remote::{Histogram, RemoteStats};
+
+use super::{Series, c};
+
+/// The remote tier's counters as series.
+pub(super) fn series<'a>(r: &RemoteStats) -> Vec<Series<'a>> {
+    let errors = [
+        ("timeout", r.errors_timeout),
+        ("connection", r.errors_connection),
+        ("store", r.errors_store),
+    ]
+    .iter()
+    .map(|(k, v)| (format!("{{kind=\"{k}\"}}"), *v as f64))
+    .collect();
+    vec![
+        (
+            "remote_lookups_total",
+            "Remote lookup rounds (one per prompt that asked).",
+            "counter",
+            c(r.lookups),
+        ),
+        (
+            "remote_lookup_blocks_total",
+            "Blocks asked of the remote tier.",
+            "counter",
+            c(r.lookup_blocks),
+        ),
+        (
+            "remote_hit_blocks_total",
+            "Blocks found there and verified.",
+            "counter",
+            c(r.hit_blocks),
+        ),
+        (
+            "remote_hit_tokens_total",
+            "Tokens those blocks hold (not recomputed).",
+            "counter",
+            c(r.hit_tokens),
+        ),
+        (
+            "remote_miss_blocks_total",
+            "Blocks asked for and not used.",
+            "counter",
+            c(r.miss_blocks),
+        ),
+        (
+            "remote_invalid_blocks_total",
+            "Values found that failed verification (corrupt, truncated, foreign).",
+            "counter",
+            c(r.invalid_blocks),
+        ),
+        (
+            "remote_errors_total",
+            "Remote calls that failed, by kind (each a miss).",
+            "counter",
+            errors,
+        ),
+        (
+            "remote_put_blocks_total",
+            "Blocks written to the remote tier.",
+            "counter",
+            c(r.put_blocks),
+        ),
+        (
+            "remote_put_existing_total",
+            "Blocks the remote tier already held.",
+            "counter",
+            c(r.put_existing),
+        ),
+        (
+            "remote_put_dropped_total",
+            "Blocks not written: the write-behind queue was full.",
+            "counter",
+            c(r.put_dropped),
+        ),
+        (
+            "remote_put_failed_total",
+            "Blocks whose write failed.",
+            "counter",
+            c(r.put_failed),
+        ),
+        (
+            "remote_bytes_in_total",
+            "Bytes read from the remote tier.",
+            "counter",
+            c(r.bytes_in),
+        ),
+        (
+            "remote_bytes_out_total",
+            "Bytes written to the remote tier.",
+            "counter",
+            c(r.bytes_out),
+        ),
+    ]
+}
+
+/// A latency histogram of the remote tier in Prometheus' text format
+/// (seconds, cumulative buckets).
+pub(super) fn render_histogram(out: &mut String, h: &Histogram, name: &str, help: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+    let mut acc = 0;
+    for (b, n) in h.bounds_us.iter().zip(&h.counts) {
+        acc += n;
+        let _ = writeln!(out, "{name}_bucket{{le=\"{}\"}} {acc}", *b as f64 / 1e6);
+    }
+    let count: u64 = h.counts.iter().sum();
+    let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
+    let _ = writeln!(out, "{name}_sum {}", h.sum_us as f64 / 1e6);
+    let _ = writeln!(out, "{name}_count {count}");
+}
