@@ -22,6 +22,12 @@
 //!   alone, both, StreamingLLM and truncation (`target/lifecycle`).
 //! * `prefix-bench ARGS` — prefix reuse on chitchat conversations (per-turn
 //!   table, block-size sweep, CSV / Markdown / PNG in `target/prefix-bench`).
+//! * `remote-bench ARGS` — the shared remote tier on a redis-server it
+//!   starts: second-instance TTFT, tier throughput, decode speed while
+//!   writing (`target/remote-bench`).
+//! * `route-sim ARGS` — instances behind a round-robin, sticky or
+//!   prefix-aware router, with and without the remote tier, simulated on
+//!   the chitchat replay (`target/route-sim`).
 //! * `quant-sweep ARGS` — tiered KV quantization: streaming perplexity, KV
 //!   bytes and decode speed over hot window × format × rotation at 4k and 8k
 //!   context (CSV / Markdown / Pareto PNG in `target/quant-sweep`).
@@ -54,7 +60,7 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 
 const USAGE: &str = "usage: cargo xtask <setup [--reference] | ci | ablate [--quick | --full | --config FILE] [--resume] | \
-                     bench [FILTER] | fuzz [RUNS] | kvforge ARGS... | serve ARGS... | serve-load ARGS... | prefix-bench ARGS... | pressure ARGS... | lifecycle ARGS... | quant-sweep ARGS... | decode-ab ARGS... | gpu-check | model-check [CASES] | cross-test | kv-stats ARGS... | engine-bench [CONTEXT] [DECODE] | tidy>";
+                     bench [FILTER] | fuzz [RUNS] | kvforge ARGS... | serve ARGS... | serve-load ARGS... | prefix-bench ARGS... | remote-bench ARGS... | route-sim ARGS... | pressure ARGS... | lifecycle ARGS... | quant-sweep ARGS... | decode-ab ARGS... | gpu-check | model-check [CASES] | cross-test | kv-stats ARGS... | engine-bench [CONTEXT] [DECODE] | tidy>";
 
 fn main() {
     if let Err(e) = run() {
@@ -97,6 +103,8 @@ fn run() -> Result<()> {
             run_after_setup(&root, "kvforge-bench", "serve_load", &args[1..])
         }
         Some("prefix-bench") => run_after_setup(&root, "kvforge-bench", "prefix_bench", &args[1..]),
+        Some("remote-bench") => run_after_setup(&root, "kvforge-bench", "remote_bench", &args[1..]),
+        Some("route-sim") => run_after_setup(&root, "kvforge-bench", "route_sim", &args[1..]),
         Some("pressure") => run_after_setup(&root, "kvforge-bench", "pressure", &args[1..]),
         Some("lifecycle") => run_after_setup(&root, "kvforge-bench", "lifecycle", &args[1..]),
         Some("quant-sweep") => run_after_setup(&root, "kvforge-bench", "quant_sweep", &args[1..]),
@@ -176,9 +184,10 @@ fn model_check(root: &Path, cases: u64) -> Result<()> {
 /// Setup, then `cargo run --release` of one binary with `args`; exits with
 /// its status.
 fn run_after_setup(root: &Path, package: &str, bin: &str, args: &[String]) -> Result<()> {
-    setup::setup(root, false)?;
+    let env = setup::setup(root, false)?;
     let mut cmd = cargo();
     cmd.current_dir(root)
+        .env("KVFORGE_REDIS_SERVER", &env.redis_server)
         .args([
             "run",
             "--quiet",

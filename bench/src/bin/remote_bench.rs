@@ -1,0 +1,351 @@
+//! The shared remote tier on a real `redis-server` this program starts on
+//! a loopback port (`cargo xtask remote-bench`):
+//!
+//! 1. **Time to first token** of a `--prompt`-token prompt (default 2048,
+//!    from `--text`) on a second instance whose local cache is empty: its
+//!    prefix imported from Redis ("remote hit") against computing it
+//!    ("recompute", a fresh instance without the tier) and against the
+//!    first instance's own local prefix hit — for blocks at the KV dtype
+//!    (`f16`) and as the INT4 cold tier's bytes. `--rounds` rounds, the
+//!    three arms interleaved in each; medians. Bytes read per token hit.
+//! 2. **Throughput of the tier alone**: `put_many` / `get_many` of
+//!    `--blocks` blobs of each format, in batches of 32, blocks/s and MB/s.
+//! 3. **Decode speed of an instance that writes**: `--requests` requests
+//!    of `--decode` greedy tokens on distinct prompts, on an instance with
+//!    the tier (each request's blocks queued for writing behind while the
+//!    next one decodes) and one without, alternating, `--rounds` rounds;
+//!    median decode tokens/s and their ratio.
+//!
+//! Prints a Markdown report and writes it with `remote.csv` to `--out`
+//! (default `target/remote-bench`).
+
+#![allow(clippy::print_stdout)] // a report printer
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail};
+use kvforge_bench::median;
+use kvforge_bench::output::{Csv, Output};
+use kvforge_engine::cache::RemoteSetup;
+use kvforge_engine::{
+    CacheManager, Engine, EngineConfig, Kind, KvQuant, ReuseConfig, SamplingParams,
+};
+use kvforge_remote::{ExtraKeys, RemoteOptions, RemoteTier, blob};
+use kvforge_remote_redis::{RedisConfig, RedisServer, RedisTier};
+
+struct Args {
+    prompt: usize,
+    rounds: usize,
+    blocks: usize,
+    requests: usize,
+    decode: usize,
+    model: PathBuf,
+    text: PathBuf,
+    out: PathBuf,
+}
+
+fn parse_args() -> Result<Args> {
+    let mut a = Args {
+        prompt: 2048,
+        rounds: 5,
+        blocks: 2048,
+        requests: 4,
+        decode: 64,
+        model: PathBuf::from("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+        text: PathBuf::from("data/exllamav2/wiki.utf8"),
+        out: PathBuf::from("target/remote-bench"),
+    };
+    for (flag, value) in kvforge_bench::flag_pairs()? {
+        let num = || kvforge_bench::positive(&flag, &value);
+        match flag.as_str() {
+            "--prompt" => a.prompt = num()?,
+            "--rounds" => a.rounds = num()?,
+            "--blocks" => a.blocks = num()?,
+            "--requests" => a.requests = num()?,
+            "--decode" => a.decode = num()?,
+            "--model" => a.model = value.into(),
+            "--text" => a.text = value.into(),
+            "--out" => a.out = value.into(),
+            _ => bail!(
+                "unknown flag {flag}; flags: --prompt --rounds --blocks --requests --decode --model --text --out"
+            ),
+        }
+    }
+    Ok(a)
+}
+
+fn main() -> std::process::ExitCode {
+    kvforge_bench::main_with("remote-bench", run)
+}
+
+const SEED: u64 = 42;
+
+/// An instance: the model with an f16 KV cache (INT4 cold tier when
+/// `cold`), prefix reuse on, and the tier on `url` when given.
+fn instance(a: &Args, cold: bool, url: Option<&str>) -> Result<CacheManager> {
+    let cfg = EngineConfig {
+        kv_kind: Some(Kind::Half),
+        kv_tokens: a.prompt + 4 * a.decode + 512,
+        kv_quant: cold.then(|| KvQuant::parse("int4")).transpose()?,
+        ..EngineConfig::default()
+    };
+    let mut e = Engine::load(&a.model, &cfg)?;
+    if let Some(url) = url {
+        let model = e.fingerprint()?;
+        e.cache.set_remote(Some(RemoteSetup {
+            store: Arc::new(tier(url)?),
+            seed: SEED,
+            model,
+            cold,
+            options: RemoteOptions::default(),
+        }))?;
+    }
+    Ok(CacheManager::new(e, ReuseConfig::default())?)
+}
+
+fn tier(url: &str) -> Result<RedisTier> {
+    RedisTier::new(RedisConfig {
+        urls: vec![url.into()],
+        cluster: false,
+        ttl: Some(Duration::from_secs(3600)),
+        deadline: Duration::from_secs(5),
+    })
+    .map_err(|e| anyhow!(e))
+}
+
+/// Greedy `max_tokens` tokens of `prompt`: (ttft s, reused tokens, decode
+/// tokens/s).
+fn complete(m: &CacheManager, prompt: &[u32], max_tokens: usize) -> Result<(f64, usize, f64)> {
+    let p = SamplingParams {
+        max_tokens,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let r = m.complete(prompt, "", &p, &mut |_, _| true)?;
+    let g = &r.generation;
+    let rate = (g.tokens.len().saturating_sub(1)) as f64 / g.decode_secs.max(1e-9);
+    Ok((r.ttft_secs, r.reused_tokens, rate))
+}
+
+/// `n` tokens of the text, from its `skip`-th character on.
+fn tokens(m: &CacheManager, text: &str, skip: usize, n: usize) -> Result<Vec<u32>> {
+    let t: String = text.chars().skip(skip).collect();
+    let ids = m.engine().tokenizer.encode_text(&t)?;
+    if ids.len() < n {
+        bail!("the text gives {} tokens, fewer than {n}", ids.len());
+    }
+    Ok(ids[..n].to_vec())
+}
+
+/// Part 1 for one format: medians of (recompute, remote, local) TTFT and
+/// the bytes read per token hit.
+fn ttft(a: &Args, url: &str, text: &str, cold: bool, csv: &mut Csv) -> Result<[f64; 4]> {
+    let first = instance(a, cold, Some(url))?;
+    let prompt = tokens(&first, text, 0, a.prompt)?;
+    complete(&first, &prompt, 1)?;
+    if !first.engine().cache.remote_flush(Duration::from_secs(60)) {
+        bail!("the first instance's writes did not finish in 60 s");
+    }
+    let (mut re, mut rh, mut lh, mut bytes) = (vec![], vec![], vec![], vec![]);
+    let format = if cold { "int4" } else { "f16" };
+    for round in 0..a.rounds {
+        let cold_start = instance(a, cold, None)?;
+        let (t_re, reused, _) = complete(&cold_start, &prompt, 1)?;
+        drop(cold_start);
+        let second = instance(a, cold, Some(url))?;
+        let (t_rh, got, _) = complete(&second, &prompt, 1)?;
+        let st = second.engine().cache.remote_stats().unwrap_or_default();
+        if reused != 0 || got + 16 < a.prompt {
+            bail!(
+                "round {round}: recompute reused {reused}, remote hit only {got} of {}",
+                a.prompt
+            );
+        }
+        drop(second);
+        let (t_lh, _, _) = complete(&first, &prompt, 1)?;
+        let per_token = st.bytes_in as f64 / st.hit_tokens.max(1) as f64;
+        for (arm, t) in [("recompute", t_re), ("remote", t_rh), ("local", t_lh)] {
+            csv.row([
+                format,
+                arm,
+                &round.to_string(),
+                &format!("{t:.4}"),
+                &format!("{per_token:.0}"),
+            ]);
+        }
+        re.push(t_re);
+        rh.push(t_rh);
+        lh.push(t_lh);
+        bytes.push(per_token);
+    }
+    Ok([median(re), median(rh), median(lh), median(bytes)])
+}
+
+/// Part 2: (put blocks/s, get blocks/s, blob bytes) for blobs of
+/// `payload` bytes.
+fn throughput(url: &str, blocks: usize, payload: u64, format: &str) -> Result<(f64, f64, usize)> {
+    let t = tier(url)?;
+    let scope = kvforge_remote::Scope {
+        seed: SEED,
+        model: 0xbe9c,
+        layers: 30,
+        kv_heads: 3,
+        head_dim: 64,
+        block_size: 16,
+        format: format!("bench-{format}"),
+        payload_bytes: payload,
+    };
+    let toks: Vec<u32> = (0..(blocks * 16) as u32).collect();
+    let links = scope.chain(
+        &toks,
+        &ExtraKeys::namespace(format!("bench-{}", std::process::id())),
+    );
+    let body = vec![0x5au8; payload as usize];
+    let items: Vec<_> = links
+        .iter()
+        .enumerate()
+        .map(|(i, l)| {
+            (
+                l.key,
+                blob::seal(&scope, *l, &toks[i * 16..(i + 1) * 16], &body),
+            )
+        })
+        .collect();
+    let size = items[0].1.len();
+    let t0 = Instant::now();
+    for chunk in items.chunks(32) {
+        t.put_many(chunk).map_err(|e| anyhow!("put: {e}"))?;
+    }
+    let put = blocks as f64 / t0.elapsed().as_secs_f64();
+    let keys: Vec<_> = links.iter().map(|l| l.key).collect();
+    let t0 = Instant::now();
+    for chunk in keys.chunks(32) {
+        let got = t.get_many(chunk).map_err(|e| anyhow!("get: {e}"))?;
+        if got.iter().any(Option::is_none) {
+            bail!("a block written was not read back");
+        }
+    }
+    let get = blocks as f64 / t0.elapsed().as_secs_f64();
+    Ok((put, get, size))
+}
+
+/// Part 3: median decode tokens/s without and with the tier.
+fn decode(a: &Args, url: &str, text: &str, csv: &mut Csv) -> Result<(f64, f64)> {
+    let (off, on) = (instance(a, false, None)?, instance(a, false, Some(url))?);
+    let (mut r_off, mut r_on) = (vec![], vec![]);
+    for round in 0..a.rounds {
+        for (arm, m, rates) in [("off", &off, &mut r_off), ("on", &on, &mut r_on)] {
+            for q in 0..a.requests {
+                // Distinct prompts every round and arm: nothing is a hit.
+                let skip =
+                    20_000 + (round * 2 * a.requests + q) * 3000 + usize::from(arm == "on") * 1500;
+                let prompt = tokens(m, text, skip, 512)?;
+                let (_, _, rate) = complete(m, &prompt, a.decode)?;
+                csv.row(["decode", arm, &round.to_string(), &format!("{rate:.2}"), ""]);
+                rates.push(rate);
+            }
+        }
+    }
+    let st = on.engine().cache.remote_stats().unwrap_or_default();
+    if st.put_blocks == 0 {
+        bail!("the writing instance wrote nothing: {st:?}");
+    }
+    Ok((median(r_off), median(r_on)))
+}
+
+fn run() -> Result<()> {
+    let a = parse_args()?;
+    let mut out = Output::create(&a.out)?;
+    let text = std::fs::read_to_string(&a.text).with_context(|| a.text.display().to_string())?;
+    let redis = RedisServer::start(&[]).map_err(|e| anyhow!(e))?;
+    let url = redis.url();
+    let mut csv = Csv::new(&["experiment", "arm", "round", "value", "bytes_per_token"]);
+    let mut md = String::new();
+    writeln!(md, "# Remote tier on one redis-server (loopback)\n")?;
+    writeln!(
+        md,
+        "## Time to first token, {}-token prompt, second instance\n",
+        a.prompt
+    )?;
+    writeln!(
+        md,
+        "| blocks | recompute s | remote hit s | local hit s | remote / recompute | remote / local | bytes read per token |"
+    )?;
+    writeln!(md, "|---|---:|---:|---:|---:|---:|---:|")?;
+    let mut per_token = Vec::new();
+    for cold in [false, true] {
+        let [re, rh, lh, b] = ttft(&a, &url, &text, cold, &mut csv)?;
+        let name = if cold {
+            "int4 (cold bytes)"
+        } else {
+            "f16 (KV dtype)"
+        };
+        writeln!(
+            md,
+            "| {name} | {re:.3} | {rh:.3} | {lh:.3} | {:.3}× | {:.2}× | {b:.0} |",
+            rh / re,
+            rh / lh
+        )?;
+        per_token.push(b);
+    }
+    writeln!(
+        md,
+        "\nINT4 blocks move {:.2}× fewer bytes per token than f16.\n",
+        per_token[0] / per_token[1].max(1.0)
+    )?;
+    writeln!(
+        md,
+        "## Throughput of the tier alone ({} blocks, batches of 32)\n",
+        a.blocks
+    )?;
+    writeln!(
+        md,
+        "| format | blob bytes | put blocks/s | put MB/s | get blocks/s | get MB/s |\n|---|---:|---:|---:|---:|---:|"
+    )?;
+    // SmolLM2-135M: 30 layers × 3 KV heads × 64 × 16 tokens, K and V.
+    for (format, payload) in [
+        ("f16", 2 * 30 * 3 * 64 * 16 * 2u64),
+        ("int4", int4_payload()),
+    ] {
+        let (put, get, size) = throughput(&url, a.blocks, payload, format)?;
+        let mb = |r: f64| r * size as f64 / 1e6;
+        writeln!(
+            md,
+            "| {format} | {size} | {put:.0} | {:.0} | {get:.0} | {:.0} |",
+            mb(put),
+            mb(get)
+        )?;
+        csv.row(["put", format, "0", &format!("{put:.0}"), ""]);
+        csv.row(["get", format, "0", &format!("{get:.0}"), ""]);
+    }
+    let (off, on) = decode(&a, &url, &text, &mut csv)?;
+    writeln!(
+        md,
+        "\n## Decode speed of the writing instance ({} requests × {} tokens per round)\n",
+        a.requests, a.decode
+    )?;
+    writeln!(
+        md,
+        "| tier off tok/s | tier on tok/s | on / off |\n|---:|---:|---:|\n| {off:.2} | {on:.2} | {:.3}× |",
+        on / off
+    )?;
+    writeln!(md, "\n{}", out.provenance().line())?;
+    out.csv("remote.csv", &csv)?;
+    let path = out.report(&md)?;
+    println!("{md}\nwritten: {}", path.display());
+    Ok(())
+}
+
+/// Bytes of one INT4 cold block of SmolLM2-135M (KIVI keys per channel in
+/// groups of the block, values per token in groups of 32), as the engine
+/// stores it: what the throughput part writes.
+fn int4_payload() -> u64 {
+    let (layers, heads, dim, bs) = (30u64, 3, 64, 16);
+    let codes = heads * dim * bs / 2;
+    let key_groups = heads * dim;
+    let value_groups = bs * heads * dim / 32;
+    layers * (2 * codes + 4 * key_groups + 4 * value_groups)
+}
