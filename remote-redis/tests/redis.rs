@@ -278,3 +278,43 @@ fn a_tiny_maxmemory_evicting_inside_a_chain_gives_only_the_leading_blocks() {
     assert_eq!(got.len(), lead, "{present:?}");
     assert!(got.iter().all(|g| *g == p));
 }
+
+#[test]
+fn a_store_that_is_down_at_start_is_a_miss_per_call_within_the_deadline() {
+    // A port nobody listens on (bound, then released).
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let t = Arc::new(tier(vec![format!("redis://127.0.0.1:{port}")], false, 300));
+    let c = RemoteCache::new(t.clone(), scope(), RemoteOptions::default());
+    let tok = tokens(8);
+    let links = c.chain(&tok, &ExtraKeys::default());
+    let t0 = Instant::now();
+    assert!(c.fetch(&links, &tok).is_empty());
+    assert!(
+        t0.elapsed() < Duration::from_millis(800),
+        "{:?}",
+        t0.elapsed()
+    );
+    let e = t.get_many(&[links[0].key]).unwrap_err();
+    assert!(
+        matches!(e.kind, ErrorKind::Connection | ErrorKind::Timeout),
+        "{e}"
+    );
+    let bad = |urls: Vec<&str>, cluster: bool, ms: u64| {
+        RedisTier::new(RedisConfig {
+            urls: urls.into_iter().map(String::from).collect(),
+            cluster,
+            ttl: None,
+            deadline: Duration::from_millis(ms),
+        })
+        .err()
+        .unwrap_or_default()
+    };
+    assert!(!bad(vec!["not a url"], false, 10).is_empty());
+    assert!(bad(vec![], false, 10).contains("no url"));
+    assert!(bad(vec!["redis://a:1"], false, 0).contains("deadline_ms"));
+    assert!(bad(vec!["redis://a:1", "redis://b:2"], false, 10).contains("cluster"));
+}

@@ -48,6 +48,28 @@ fn bad_flags_and_files_are_one_line_and_a_nonzero_exit() {
         1,
         "int3",
     );
+    for (toml, words) in [
+        (
+            "prefix = {}\nremote = { url = \"http://h:1\", seed = 1 }\n",
+            "must be redis://",
+        ),
+        (
+            "remote = { url = \"redis://h:1\", seed = 1 }\n",
+            "needs prefix reuse",
+        ),
+        ("prefix = {}\nremote = { url = \"redis://h:1\" }\n", "seed"),
+        (
+            "prefix = {}\nremote = { url = \"redis://h:notaport\", seed = 1 }\n",
+            "remote:",
+        ),
+    ] {
+        std::fs::write(&bad, toml).unwrap();
+        fails(
+            &["--model", model, "--config", bad.to_str().unwrap()],
+            1,
+            words,
+        );
+    }
     fails(&["--model", model, "--threads", "999"], 1, "--threads");
     fails(&["--model", model, "--max-batch", "0"], 1, "--max-batch");
     fails(&["--model", model, "--device", "tpu"], 1, "tpu");
