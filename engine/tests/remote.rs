@@ -10,7 +10,8 @@ use kvforge_engine::cache::RemoteSetup;
 use kvforge_engine::{
     CacheManager, Engine, EngineConfig, KvQuant, Llama, LlamaConfig, ReuseConfig, SamplingParams,
 };
-use kvforge_remote::{ErrorKind, MemoryTier, RemoteOptions, RemoteStats};
+use kvforge_pool::Slot;
+use kvforge_remote::{ErrorKind, ExtraKeys, MemoryTier, RemoteOptions, RemoteStats};
 use tch::{Device, Kind};
 
 use super::manager::tokenizer;
@@ -21,7 +22,7 @@ fn engine(weights: i64, cold: bool) -> Engine {
         kv_tokens: 512,
         kv_quant: cold.then(|| KvQuant {
             window: 8,
-            sink: 0,
+            sink: 8,
             group_size: 8,
             ..KvQuant::parse("int4").unwrap()
         }),
@@ -76,13 +77,35 @@ fn a_second_engine_answers_from_the_first_ones_blocks_as_a_local_hit_would() {
         let (first, reused) = greedy(&a, &prompt());
         assert_eq!(reused, 0);
         assert!(a.engine().cache.remote_flush(Duration::from_secs(10)));
-        // 37 prompt tokens + 5 generated held: 10 full blocks written.
+        // 37 prompt tokens + 5 generated held: 10 full blocks written (in
+        // cold mode 2 hot sink blocks and 8 INT4 ones).
         assert_eq!(stats(&a).put_blocks, 10, "cold {cold}");
         let b = manager(&store, 7, 1, cold);
         let (remote, reused) = greedy(&b, &prompt());
         assert_eq!(reused, 36, "cold {cold}: every full block of the prompt");
         let s = stats(&b);
-        assert_eq!((s.lookups, s.hit_blocks, s.invalid_blocks), (1, 9, 0));
+        // Cold mode: the sink's 2 blocks travel hot, the rest as INT4.
+        let rounds = if cold { 2 } else { 1 };
+        assert_eq!((s.lookups, s.hit_blocks, s.invalid_blocks), (rounds, 9, 0));
+        // What an import lays out: the sink hot (full precision) in cold
+        // mode, like a local hit's; every block hot in hot mode.
+        let c = manager(&store, 7, 1, cold);
+        let cache = &c.engine().cache;
+        let mut seq = cache.open(&prompt(), &ExtraKeys::default()).unwrap();
+        assert_eq!(seq.len(), 36);
+        let slots: String = cache
+            .table(&seq)
+            .unwrap()
+            .entries()
+            .iter()
+            .map(|e| match e.slot() {
+                Slot::Hot(_) => 'H',
+                _ => 'C',
+            })
+            .collect();
+        assert_eq!(slots, if cold { "HHCCCCCCC" } else { "HHHHHHHHH" });
+        cache.free(&mut seq).unwrap();
+        assert_eq!(cache.bytes_in_use(), 0);
         if !cold {
             // Bit for bit the first engine's KV: the same tokens as its own
             // local prefix hit (the same computation).
@@ -94,7 +117,7 @@ fn a_second_engine_answers_from_the_first_ones_blocks_as_a_local_hit_would() {
         // Imported blocks are indexed: a third request is a local hit.
         let (again, reused) = greedy(&b, &prompt());
         assert_eq!((again, reused), (remote, 36));
-        assert_eq!(stats(&b).lookups, 1, "no second remote round");
+        assert_eq!(stats(&b).lookups, rounds, "no second remote round");
     }
 }
 

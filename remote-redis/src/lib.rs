@@ -7,7 +7,10 @@
 //! pipeline on one node, or one command per key sent together on a
 //! cluster. Writes are `SET key value NX PX ttl`: set-if-absent, so two
 //! instances writing the same block cannot interleave, and every key
-//! expires.
+//! expires; reads are `GETEX key PX ttl`, so the blocks in use live on. A
+//! key the store refuses alone (a value of another type) comes back as an
+//! empty value, which no blob verifies: the other keys of the batch keep
+//! their answers.
 //!
 //! Every call is bounded by the configured deadline: a store that is
 //! down, paused or slow answers [`ErrorKind::Timeout`] or
@@ -24,7 +27,7 @@ use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::Duration;
 
-use futures_util::future::{BoxFuture, try_join_all};
+use futures_util::future::{BoxFuture, join_all};
 use kvforge_remote::{ErrorKind, RemoteError, RemoteKey, RemoteTier};
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
@@ -155,6 +158,12 @@ impl RedisTier {
         }
     }
 
+    fn ttl_ms(&self) -> Option<u64> {
+        self.cfg
+            .ttl
+            .map(|t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX).max(1))
+    }
+
     fn texts(keys: &[RemoteKey]) -> Vec<String> {
         keys.iter().map(RemoteKey::text).collect()
     }
@@ -169,30 +178,54 @@ impl Drop for RedisTier {
     }
 }
 
+/// One key's answer in a batch: its value, or the store refusing that
+/// key alone (a wrong type, say) while the others were answered.
+enum Item {
+    Value(Value),
+    Refused,
+}
+
 /// One command per key, all sent before any answer is awaited (routed per
-/// key on a cluster; pipelined on one multiplexed node connection).
+/// key on a cluster; pipelined on one multiplexed node connection). A
+/// store error for one key refuses that key only; a lost connection or a
+/// timeout fails the batch.
 async fn each<C: ConnectionLike + Clone + Send + 'static>(
     conn: C,
     cmds: Vec<redis::Cmd>,
-) -> Result<Vec<Value>, RedisError> {
-    try_join_all(cmds.into_iter().map(|cmd| {
+) -> Result<Vec<Item>, RedisError> {
+    let answers = join_all(cmds.into_iter().map(|cmd| {
         let mut c = conn.clone();
         async move { cmd.query_async::<Value>(&mut c).await }
     }))
-    .await
+    .await;
+    answers
+        .into_iter()
+        .map(|a| match a {
+            Ok(v) => Ok(Item::Value(v)),
+            Err(e) if remote(&e).kind == ErrorKind::Store => Ok(Item::Refused),
+            Err(e) => Err(e),
+        })
+        .collect()
 }
 
 /// `cmds` in one round: a pipeline on a node, one command per key on a
 /// cluster (connected on first use).
-async fn batch(conn: Arc<Conn>, cmds: Vec<redis::Cmd>) -> Result<Vec<Value>, RedisError> {
+async fn batch(conn: Arc<Conn>, cmds: Vec<redis::Cmd>) -> Result<Vec<Item>, RedisError> {
     match &*conn {
         Conn::Node(m) => {
             let mut p = redis::pipe();
+            p.ignore_errors();
             for c in cmds {
                 p.add_command(c);
             }
             let mut m = m.clone();
-            p.query_async::<Vec<Value>>(&mut m).await
+            let v = p.query_async::<Vec<Value>>(&mut m).await?;
+            Ok(v.into_iter()
+                .map(|x| match x {
+                    Value::ServerError(_) => Item::Refused,
+                    x => Item::Value(x),
+                })
+                .collect())
         }
         Conn::Cluster { client, conn } => {
             let c = {
@@ -211,15 +244,14 @@ async fn batch(conn: Arc<Conn>, cmds: Vec<redis::Cmd>) -> Result<Vec<Value>, Red
     }
 }
 
-fn bytes(v: Value) -> Result<Option<Vec<u8>>, RedisError> {
-    match v {
-        Value::Nil => Ok(None),
-        Value::BulkString(b) => Ok(Some(b)),
-        other => Err(RedisError::from((
-            redis::ErrorKind::Parse,
-            "not a string value",
-            format!("{other:?}"),
-        ))),
+/// A value as bytes: absent, a byte string, or — a value of another
+/// type, or one the store refused — empty bytes, which no blob verifies
+/// (an invalid block, not a failed lookup).
+fn bytes(item: Item) -> Option<Vec<u8>> {
+    match item {
+        Item::Value(Value::Nil) => None,
+        Item::Value(Value::BulkString(b)) => Some(b),
+        Item::Value(_) | Item::Refused => Some(Vec::new()),
     }
 }
 
@@ -234,30 +266,33 @@ impl RemoteTier for RedisTier {
             .collect();
         let v = self.call(move |c| Box::pin(batch(c, cmds)))?;
         Ok(v.iter()
-            .map(|x| matches!(x, Value::Int(n) if *n > 0))
+            .map(|x| matches!(x, Item::Value(Value::Int(n)) if *n > 0))
             .collect())
     }
 
+    /// With a TTL, `GETEX key PX ttl`: a block read lives another TTL (the
+    /// prefixes in use stay, the others expire).
     fn get_many(&self, keys: &[RemoteKey]) -> Result<Vec<Option<Vec<u8>>>, RemoteError> {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
+        let ttl = self.ttl_ms();
         let cmds = Self::texts(keys)
             .into_iter()
-            .map(|k| redis::cmd("GET").arg(k).clone())
+            .map(|k| match ttl {
+                Some(ms) => redis::cmd("GETEX").arg(k).arg("PX").arg(ms).clone(),
+                None => redis::cmd("GET").arg(k).clone(),
+            })
             .collect();
         let v = self.call(move |c| Box::pin(batch(c, cmds)))?;
-        v.into_iter()
-            .map(bytes)
-            .collect::<Result<_, _>>()
-            .map_err(|e| remote(&e))
+        Ok(v.into_iter().map(bytes).collect())
     }
 
     fn put_many(&self, items: &[(RemoteKey, Vec<u8>)]) -> Result<usize, RemoteError> {
         if items.is_empty() {
             return Ok(0);
         }
-        let ttl = self.cfg.ttl.map(|t| t.as_millis().max(1) as u64);
+        let ttl = self.ttl_ms();
         let cmds = items
             .iter()
             .map(|(k, v)| {
@@ -270,7 +305,9 @@ impl RemoteTier for RedisTier {
             })
             .collect();
         let v = self.call(move |c| Box::pin(batch(c, cmds)))?;
-        Ok(v.iter().filter(|x| !matches!(x, Value::Nil)).count())
+        Ok(v.iter()
+            .filter(|x| matches!(x, Item::Value(Value::Okay)))
+            .count())
     }
 
     fn describe(&self) -> String {

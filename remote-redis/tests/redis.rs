@@ -245,8 +245,55 @@ fn corrupt_truncated_and_foreign_values_are_misses() {
     r.command(&["LPUSH", &links[0].key.text(), "x"]).unwrap();
     assert!(c.fetch(&links, &tok).is_empty());
     let st = c.stats();
-    assert_eq!(st.invalid_blocks, 3, "{st:?}");
-    assert_eq!(st.errors_store, 1, "{st:?}");
+    assert_eq!(st.invalid_blocks, 4, "{st:?}");
+    assert_eq!(st.errors_store, 0, "{st:?}");
+}
+
+#[test]
+fn a_value_of_another_type_refuses_its_key_only() {
+    let r = RedisServer::start(&[]).unwrap();
+    let c = RemoteCache::new(
+        Arc::new(tier(vec![r.url()], false, 2000)),
+        scope(),
+        RemoteOptions::default(),
+    );
+    let tok = tokens(20);
+    let links = write(&c, &tok, 4);
+    r.command(&["LPUSH", &links[4].key.text(), "x"]).unwrap();
+    assert_eq!(
+        c.fetch(&links, &tok).len(),
+        4,
+        "the blocks before it are used"
+    );
+    assert_eq!(c.stats().invalid_blocks, 1);
+}
+
+#[test]
+fn a_read_keeps_a_block_alive_for_another_ttl() {
+    let r = RedisServer::start(&[]).unwrap();
+    let t = RedisTier::new(RedisConfig {
+        urls: vec![r.url()],
+        cluster: false,
+        ttl: Some(Duration::from_millis(1500)),
+        deadline: Duration::from_secs(2),
+    })
+    .unwrap();
+    let c = RemoteCache::new(Arc::new(t), scope(), RemoteOptions::default());
+    let tok = tokens(8);
+    let links = write(&c, &tok, 2);
+    for _ in 0..3 {
+        std::thread::sleep(Duration::from_millis(1000));
+        assert_eq!(
+            c.fetch(&links, &tok).len(),
+            2,
+            "read within its TTL: renewed"
+        );
+    }
+    std::thread::sleep(Duration::from_millis(1700));
+    assert!(
+        c.fetch(&links, &tok).is_empty(),
+        "unread for longer than its TTL: gone"
+    );
 }
 
 #[test]

@@ -25,6 +25,13 @@ pub struct RemoteOptions {
     pub batch: usize,
     /// Blocks one lookup asks for at most.
     pub max_lookup_blocks: usize,
+    /// Payload bytes one lookup asks for at most (a long prompt's rest is
+    /// computed rather than fetched past the deadline).
+    pub max_lookup_bytes: u64,
+    /// After a lookup that timed out or found no connection, lookups are
+    /// skipped (a miss, counted) for this long, so a store that hangs
+    /// costs one deadline per back-off, not one per request.
+    pub backoff: Duration,
     /// Keys remembered as stored (not offered again), at most.
     pub remember: usize,
     /// How long a key is remembered as stored (the store may expire or
@@ -39,6 +46,8 @@ impl Default for RemoteOptions {
             queue_bytes: 256 << 20,
             batch: 32,
             max_lookup_blocks: 1024,
+            max_lookup_bytes: 256 << 20,
+            backoff: Duration::from_secs(1),
             remember: 1 << 16,
             remember_for: Duration::from_secs(600),
         }
@@ -56,10 +65,11 @@ pub enum Offer {
     Known,
 }
 
-/// Keys stored or queued recently, oldest first (bounded).
+/// Keys stored or queued recently, oldest first (bounded). Removal is
+/// lazy: `order` may hold entries `at` no longer has (or has newer).
 pub(crate) struct Known {
     at: HashMap<RemoteKey, Instant>,
-    order: VecDeque<RemoteKey>,
+    order: VecDeque<(RemoteKey, Instant)>,
     cap: usize,
     ttl: Duration,
 }
@@ -70,20 +80,21 @@ impl Known {
     }
 
     fn insert(&mut self, key: RemoteKey) {
-        if self.at.insert(key, Instant::now()).is_none() {
-            self.order.push_back(key);
-        }
-        while self.order.len() > self.cap {
-            if let Some(old) = self.order.pop_front() {
-                self.at.remove(&old);
+        let now = Instant::now();
+        self.at.insert(key, now);
+        self.order.push_back((key, now));
+        while self.at.len() > self.cap || self.order.len() > 2 * self.cap.max(1) {
+            let Some((k, t)) = self.order.pop_front() else {
+                break;
+            };
+            if self.at.get(&k) == Some(&t) {
+                self.at.remove(&k);
             }
         }
     }
 
     pub(crate) fn forget(&mut self, key: RemoteKey) {
-        if self.at.remove(&key).is_some() {
-            self.order.retain(|k| *k != key);
-        }
+        self.at.remove(&key);
     }
 }
 
@@ -95,6 +106,9 @@ pub struct RemoteCache {
     opts: RemoteOptions,
     counters: Arc<Counters>,
     known: Arc<Mutex<Known>>,
+    /// Until when lookups are skipped (after a timeout or a lost
+    /// connection).
+    quiet_until: Mutex<Option<Instant>>,
     writer: WriteBehind,
 }
 
@@ -122,6 +136,7 @@ impl RemoteCache {
             opts,
             counters,
             known,
+            quiet_until: Mutex::new(None),
             writer,
         }
     }
@@ -148,18 +163,28 @@ impl RemoteCache {
     /// The payloads of the leading blocks of `links` that the store holds
     /// and that verify, in one round; `tokens` are the blocks' tokens
     /// (`links.len()` whole blocks, or fewer: then only as many links are
-    /// asked for). Stops at the first block absent or invalid; a store
-    /// error is a miss of all.
+    /// asked for). At most [`RemoteOptions::max_lookup_blocks`] and
+    /// [`RemoteOptions::max_lookup_bytes`]. Stops at the first block absent
+    /// or invalid (the keys of those are forgotten as stored, so they are
+    /// written again); a store error is a miss of all, and a timeout or a
+    /// lost connection skips lookups for [`RemoteOptions::backoff`].
     pub fn fetch(&self, links: &[Link], tokens: &[u32]) -> Vec<Vec<u8>> {
         let bs = self.scope.block_size as usize;
+        let by_bytes = self.opts.max_lookup_bytes / self.scope.payload_bytes.max(1);
         let n = links
             .len()
             .min(tokens.len() / bs.max(1))
-            .min(self.opts.max_lookup_blocks);
+            .min(self.opts.max_lookup_blocks)
+            .min(usize::try_from(by_bytes).unwrap_or(usize::MAX));
         if n == 0 {
             return Vec::new();
         }
         let c = &*self.counters;
+        if self.quiet() {
+            Counters::add(&c.lookups_skipped, 1);
+            Counters::add(&c.miss_blocks, n);
+            return Vec::new();
+        }
         Counters::add(&c.lookups, 1);
         Counters::add(&c.lookup_blocks, n);
         let keys: Vec<RemoteKey> = links[..n].iter().map(|l| l.key).collect();
@@ -170,18 +195,32 @@ impl RemoteCache {
             Ok(v) => v,
             Err(e) => {
                 c.error(e.kind);
+                if e.kind != crate::ErrorKind::Store {
+                    *self.lock_quiet() = Some(Instant::now() + self.opts.backoff);
+                }
                 Counters::add(&c.miss_blocks, n);
                 return Vec::new();
             }
         };
         let mut out = Vec::new();
+        let mut bad = Vec::new();
         for (i, v) in values.iter().enumerate().take(n) {
-            let Some(v) = v else { break };
+            let Some(v) = v else {
+                bad.extend(
+                    values[i..]
+                        .iter()
+                        .zip(&links[i..n])
+                        .filter(|(v, _)| v.is_none())
+                        .map(|(_, l)| l.key),
+                );
+                break;
+            };
             Counters::add(&c.bytes_in, v.len());
             match blob::open(v, &self.scope, links[i], &tokens[i * bs..(i + 1) * bs]) {
                 Ok(p) => out.push(p.to_vec()),
                 Err(_) => {
                     Counters::add(&c.invalid_blocks, 1);
+                    bad.push(links[i].key);
                     break;
                 }
             }
@@ -193,7 +232,27 @@ impl RemoteCache {
         for l in &links[..out.len()] {
             k.insert(l.key);
         }
+        for key in bad {
+            k.forget(key);
+        }
         out
+    }
+
+    fn lock_quiet(&self) -> std::sync::MutexGuard<'_, Option<Instant>> {
+        self.quiet_until.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether lookups are in their back-off.
+    fn quiet(&self) -> bool {
+        let mut q = self.lock_quiet();
+        match *q {
+            Some(t) if Instant::now() < t => true,
+            Some(_) => {
+                *q = None;
+                false
+            }
+            None => false,
+        }
     }
 
     /// Whether a block at `key` should be offered (it was not stored or

@@ -31,6 +31,9 @@ pub struct Histogram {
 pub struct RemoteStats {
     /// Lookup rounds (one per prompt that asked the store).
     pub lookups: u64,
+    /// Lookups skipped in the back-off after a timeout or a lost
+    /// connection (each a miss).
+    pub lookups_skipped: u64,
     /// Blocks asked for.
     pub lookup_blocks: u64,
     /// Blocks found and verified (handed to the engine).
@@ -66,6 +69,44 @@ pub struct RemoteStats {
     pub put_latency: Histogram,
 }
 
+impl Histogram {
+    /// Adds `other`'s calls (the same bounds, or none yet).
+    pub fn add(&mut self, other: &Histogram) {
+        if self.counts.is_empty() {
+            *self = other.clone();
+            return;
+        }
+        for (a, b) in self.counts.iter_mut().zip(&other.counts) {
+            *a += b;
+        }
+        self.sum_us += other.sum_us;
+    }
+}
+
+impl RemoteStats {
+    /// Adds `other`'s counts (two caches of one engine, read as one).
+    pub fn add(&mut self, o: &RemoteStats) {
+        self.lookups += o.lookups;
+        self.lookups_skipped += o.lookups_skipped;
+        self.lookup_blocks += o.lookup_blocks;
+        self.hit_blocks += o.hit_blocks;
+        self.hit_tokens += o.hit_tokens;
+        self.miss_blocks += o.miss_blocks;
+        self.invalid_blocks += o.invalid_blocks;
+        self.errors_timeout += o.errors_timeout;
+        self.errors_connection += o.errors_connection;
+        self.errors_store += o.errors_store;
+        self.put_blocks += o.put_blocks;
+        self.put_existing += o.put_existing;
+        self.put_dropped += o.put_dropped;
+        self.put_failed += o.put_failed;
+        self.bytes_in += o.bytes_in;
+        self.bytes_out += o.bytes_out;
+        self.get_latency.add(&o.get_latency);
+        self.put_latency.add(&o.put_latency);
+    }
+}
+
 #[derive(Default)]
 pub(crate) struct AtomicHistogram {
     counts: [AtomicU64; LATENCY_BOUNDS_US.len() + 1],
@@ -96,6 +137,7 @@ impl AtomicHistogram {
 #[derive(Default)]
 pub(crate) struct Counters {
     pub(crate) lookups: AtomicU64,
+    pub(crate) lookups_skipped: AtomicU64,
     pub(crate) lookup_blocks: AtomicU64,
     pub(crate) hit_blocks: AtomicU64,
     pub(crate) hit_tokens: AtomicU64,
@@ -130,6 +172,7 @@ impl Counters {
         let l = |c: &AtomicU64| c.load(Relaxed);
         RemoteStats {
             lookups: l(&self.lookups),
+            lookups_skipped: l(&self.lookups_skipped),
             lookup_blocks: l(&self.lookup_blocks),
             hit_blocks: l(&self.hit_blocks),
             hit_tokens: l(&self.hit_tokens),

@@ -149,7 +149,14 @@ fn run(s: &Shared, store: &dyn RemoteTier, c: &Counters, known: &Mutex<Known>, b
             items
         };
         let t0 = Instant::now();
-        let r = store.put_many(&items);
+        // A store that panics fails its batch, not the writer.
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| store.put_many(&items)))
+            .unwrap_or_else(|_| {
+                Err(crate::RemoteError::new(
+                    crate::ErrorKind::Store,
+                    "the store panicked",
+                ))
+            });
         c.put_latency.record(t0.elapsed());
         match r {
             Ok(written) => {

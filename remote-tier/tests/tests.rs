@@ -266,7 +266,11 @@ fn only_the_verified_leading_blocks_are_used() {
 #[test]
 fn a_failing_store_is_a_miss_and_a_counter() {
     let store = Arc::new(MemoryTier::new());
-    let c = cache(store.clone(), RemoteOptions::default());
+    let no_backoff = RemoteOptions {
+        backoff: Duration::ZERO,
+        ..RemoteOptions::default()
+    };
+    let c = cache(store.clone(), no_backoff);
     let t = tokens(8);
     let links = write_chain(&c, &t, 2);
     for kind in [ErrorKind::Timeout, ErrorKind::Connection, ErrorKind::Store] {
@@ -359,4 +363,97 @@ fn an_evicting_store_gives_only_the_leading_blocks_it_kept() {
     assert_eq!(store.len(), 3);
     assert!(c.fetch(&links, &t).is_empty(), "the chain's head is gone");
     assert_eq!(c.fetch(&links[2..], &t[8..]).len(), 3);
+}
+
+#[test]
+fn after_a_timeout_lookups_back_off_then_resume() {
+    let store = Arc::new(MemoryTier::new());
+    let opts = RemoteOptions {
+        backoff: Duration::from_millis(300),
+        ..RemoteOptions::default()
+    };
+    let c = cache(store.clone(), opts);
+    let t = tokens(8);
+    let links = write_chain(&c, &t, 2);
+    store.fail_with(Some(ErrorKind::Timeout));
+    assert!(c.fetch(&links, &t).is_empty());
+    store.fail_with(None);
+    // In the back-off: not asked (the store would answer now).
+    for _ in 0..5 {
+        assert!(c.fetch(&links, &t).is_empty());
+    }
+    let st = c.stats();
+    assert_eq!(
+        (st.lookups, st.lookups_skipped, st.errors_timeout),
+        (1, 5, 1)
+    );
+    std::thread::sleep(Duration::from_millis(350));
+    assert_eq!(c.fetch(&links, &t).len(), 2);
+    // A store error (the store answered) does not back off.
+    store.fail_with(Some(ErrorKind::Store));
+    assert!(c.fetch(&links, &t).is_empty());
+    store.fail_with(None);
+    assert_eq!(c.fetch(&links, &t).len(), 2);
+}
+
+#[test]
+fn a_block_found_missing_is_written_again_by_whoever_recomputes_it() {
+    let store = Arc::new(MemoryTier::new());
+    let a = cache(store.clone(), RemoteOptions::default());
+    let b = cache(store.clone(), RemoteOptions::default());
+    let t = tokens(8);
+    let links = write_chain(&a, &t, 2);
+    assert_eq!(b.fetch(&links, &t).len(), 2);
+    assert!(!b.wants(links[0].key), "read: known stored");
+    // The store lets the head go (expiry, eviction).
+    store.raw_set(links[0].key, None);
+    assert!(b.fetch(&links, &t).is_empty());
+    assert!(b.wants(links[0].key), "found missing: offered again");
+    assert!(!b.wants(links[1].key), "still there");
+    assert_eq!(
+        b.offer(links[0], &t[..4], &payload(b.scope(), 0)),
+        Offer::Queued
+    );
+    assert!(b.flush(Duration::from_secs(10)));
+    assert_eq!(a.fetch(&links, &t).len(), 2, "the chain is whole again");
+    // Corrupt values are forgotten too.
+    store.raw_set(links[1].key, Some(b"junk".to_vec()));
+    assert_eq!(b.fetch(&links, &t).len(), 1);
+    assert!(b.wants(links[1].key));
+}
+
+#[test]
+fn a_panicking_store_fails_its_batch_not_the_writer() {
+    struct Panics;
+    impl RemoteTier for Panics {
+        fn contains(&self, _: &[RemoteKey]) -> Result<Vec<bool>, kvforge_remote::RemoteError> {
+            Ok(vec![])
+        }
+        fn get_many(
+            &self,
+            _: &[RemoteKey],
+        ) -> Result<Vec<Option<Vec<u8>>>, kvforge_remote::RemoteError> {
+            Ok(vec![])
+        }
+        fn put_many(
+            &self,
+            _: &[(RemoteKey, Vec<u8>)],
+        ) -> Result<usize, kvforge_remote::RemoteError> {
+            panic!("a store bug")
+        }
+        fn describe(&self) -> String {
+            "panics".into()
+        }
+    }
+    let c = RemoteCache::new(Arc::new(Panics), scope(), RemoteOptions::default());
+    let t = tokens(8);
+    let links = c.chain(&t, &ExtraKeys::default());
+    for i in 0..2 {
+        assert_eq!(
+            c.offer(links[i], &t[i * 4..i * 4 + 4], &payload(c.scope(), i)),
+            Offer::Queued
+        );
+        assert!(c.flush(Duration::from_secs(10)), "the writer lives on");
+    }
+    assert_eq!(c.stats().put_failed, 2);
 }

@@ -58,7 +58,9 @@ fn an_import_is_cut_to_the_budget_and_the_free_blocks() {
         .open(&(0..40).collect::<Vec<_>>(), &ExtraKeys::default())
         .unwrap()
         .seq;
+    assert_eq!(c.import_room(s, HOT), 3, "what an import would take");
     assert_eq!(c.import(s, HOT, 8).unwrap().len(), 3);
+    assert_eq!(c.import_room(s, HOT), 0);
     assert_eq!(c.import(s, HOT, 8).unwrap().len(), 0, "nothing left");
     c.close(s).unwrap();
     let mut c = checked(config(4));
@@ -96,6 +98,7 @@ fn an_import_mid_step_or_after_a_partial_block_is_refused_and_changes_nothing() 
     let mut c = checked(config(16));
     let s = c.open_empty();
     c.plan(s, 6).fits();
+    assert_eq!(c.import_room(s, HOT), 0, "mid-step: no room");
     assert!(matches!(c.import(s, HOT, 1), Err(CoordError::Order { .. })));
     c.commit(s).unwrap();
     let before = c.table(s).unwrap().clone();

@@ -13,9 +13,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvforge_coordinator::{COLD, HOT, TieredPool};
+use kvforge_coordinator::{Coordinator, SeqId};
 use kvforge_pool::{Slot, StorageFormat};
 use kvforge_prefix::ExtraKeys;
-use kvforge_remote::{RemoteCache, RemoteOptions, RemoteStats, RemoteTier, Scope};
+use kvforge_remote::{Link, RemoteCache, RemoteOptions, RemoteStats, RemoteTier, Scope};
 
 use super::*;
 
@@ -35,30 +36,79 @@ pub struct RemoteSetup {
     pub options: RemoteOptions,
 }
 
+/// Which cache a block travels through: the hot dtype, or the cold
+/// tier's bytes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Part {
+    Hot,
+    Cold,
+}
+
 pub(super) struct RemoteLink {
-    pub(super) cache: RemoteCache,
+    /// Blocks at the KV dtype: every block in hot mode; the cold tier's
+    /// sink blocks (kept in full precision) in cold mode.
+    hot: Option<RemoteCache>,
+    /// Blocks as the cold tier's bytes (cold mode).
+    cold: Option<RemoteCache>,
+    /// Blocks before this index travel hot.
+    hot_blocks: usize,
     setup: RemoteSetup,
 }
 
+/// Blocks copied out for the remote tier: how each travels, its link,
+/// the range of its tokens, its payload.
+pub(super) type Outgoing = Vec<(Part, Link, std::ops::Range<usize>, Vec<u8>)>;
+
+impl RemoteLink {
+    fn cache(&self, part: Part) -> Option<&RemoteCache> {
+        match part {
+            Part::Hot => self.hot.as_ref(),
+            Part::Cold => self.cold.as_ref(),
+        }
+    }
+
+    fn caches(&self) -> impl Iterator<Item = &RemoteCache> {
+        self.hot.iter().chain(&self.cold)
+    }
+
+    fn scopes(&self) -> Vec<Scope> {
+        self.caches().map(|c| c.scope().clone()).collect()
+    }
+
+    /// Runs of consecutive blocks of `range` that travel alike.
+    fn runs(&self, range: std::ops::Range<usize>) -> Vec<(Part, std::ops::Range<usize>)> {
+        let cut = self.hot_blocks.clamp(range.start, range.end);
+        [(Part::Hot, range.start..cut), (Part::Cold, cut..range.end)]
+            .into_iter()
+            .filter(|(_, r)| !r.is_empty())
+            .collect()
+    }
+}
+
 impl PagedKvCache {
-    /// The scope of this cache's blocks under `setup`: model, seed,
-    /// layout, and the format blocks travel in.
-    fn remote_scope(&self, setup: &RemoteSetup) -> Result<Scope> {
-        let (format, payload_bytes) = if setup.cold {
-            let t = self.cold.as_ref().ok_or_else(|| {
-                EngineError::Request("a remote tier of cold blocks needs a cold tier".into())
-            })?;
-            (
-                format!("cold-{}", t.spec().content_name()),
-                t.content_bytes(self.k.len()) as u64,
-            )
-        } else {
-            let name = match self.hot_layout.format() {
-                StorageFormat::F32 => "f32",
-                StorageFormat::BF16 => "bf16",
-                _ => "f16",
-            };
-            (name.to_string(), self.hot_layout.block_bytes())
+    /// The scope of this cache's blocks travelling as `part` under `setup`.
+    fn remote_scope(&self, setup: &RemoteSetup, part: Part) -> Result<Scope> {
+        let (format, payload_bytes) = match part {
+            Part::Cold => {
+                let t = self.cold.as_ref().ok_or_else(|| {
+                    EngineError::Request("a remote tier of cold blocks needs a cold tier".into())
+                })?;
+                let name = format!("cold-{}", t.spec().content_name());
+                (name, t.content_bytes(self.k.len()) as u64)
+            }
+            Part::Hot => {
+                let name = match self.hot_layout.format() {
+                    StorageFormat::F32 => "f32",
+                    StorageFormat::BF16 => "bf16",
+                    StorageFormat::F16 => "f16",
+                    other => {
+                        return Err(EngineError::Request(format!(
+                            "a hot tier in {other:?} cannot be shared"
+                        )));
+                    }
+                };
+                (name.to_string(), self.hot_layout.block_bytes())
+            }
         };
         Ok(Scope {
             seed: setup.seed,
@@ -72,43 +122,69 @@ impl PagedKvCache {
         })
     }
 
+    fn remote_link(&self, s: RemoteSetup) -> Result<RemoteLink> {
+        let cache = |part| -> Result<RemoteCache> {
+            Ok(RemoteCache::new(
+                s.store.clone(),
+                self.remote_scope(&s, part)?,
+                s.options,
+            ))
+        };
+        // In cold mode the sink stays in full precision: it travels hot.
+        let sink = match (&self.cold, s.cold) {
+            (Some(t), true) => t.spec().sink / self.block_size,
+            _ => usize::MAX,
+        };
+        Ok(RemoteLink {
+            hot: (sink > 0).then(|| cache(Part::Hot)).transpose()?,
+            cold: s.cold.then(|| cache(Part::Cold)).transpose()?,
+            hot_blocks: sink,
+            setup: s,
+        })
+    }
+
     /// Shares this cache's blocks through `setup`'s store (`None`: stops).
     /// Set it after [`configure`](Self::configure): a reconfiguration that
     /// changes the blocks' format drops the link.
     pub fn set_remote(&mut self, setup: Option<RemoteSetup>) -> Result<()> {
-        self.remote = match setup {
-            Some(s) => Some(RemoteLink {
-                cache: RemoteCache::new(s.store.clone(), self.remote_scope(&s)?, s.options),
-                setup: s,
-            }),
-            None => None,
-        };
+        self.remote = setup.map(|s| self.remote_link(s)).transpose()?;
         Ok(())
     }
 
-    /// Keeps the remote link only if the blocks' scope is unchanged.
+    /// Keeps the remote link only if the blocks' scopes are unchanged.
     pub(super) fn recheck_remote(&mut self) {
         if let Some(r) = self.remote.take() {
-            if self.remote_scope(&r.setup).ok().as_ref() == Some(r.cache.scope()) {
-                self.remote = Some(r);
+            if let Ok(again) = self.remote_link(r.setup.clone()) {
+                if again.scopes() == r.scopes() && again.hot_blocks == r.hot_blocks {
+                    self.remote = Some(r);
+                }
             }
         }
     }
 
     /// The remote tier's counters (`None`: no remote tier).
     pub fn remote_stats(&self) -> Option<RemoteStats> {
-        self.remote.as_ref().map(|r| r.cache.stats())
+        self.remote.as_ref().map(|r| {
+            let mut st = RemoteStats::default();
+            r.caches().for_each(|c| st.add(&c.stats()));
+            st
+        })
     }
 
-    /// Waits, at most `timeout`, until every block queued for the remote
-    /// tier was written; whether it was (true without a remote tier).
+    /// Waits, at most `timeout` each, until every block queued for the
+    /// remote tier was written; whether it was (true without one).
     pub fn remote_flush(&self, timeout: Duration) -> bool {
-        self.remote.as_ref().is_none_or(|r| r.cache.flush(timeout))
+        self.remote
+            .as_ref()
+            .is_none_or(|r| r.caches().all(|c| c.flush(timeout)))
     }
 
     /// After `open`: the full blocks of `tokens[..len - 1]` after the local
     /// hit, from the remote tier, appended to `seq` (its length grows by
-    /// their tokens). Anything that fails leaves `seq` as opened.
+    /// their tokens) — the leading ones that verify and fit the budget,
+    /// asked for only as far as they fit. No store call runs under the
+    /// coordinator's lock; the blocks are filled under it. Anything that
+    /// fails leaves `seq` as opened.
     pub(super) fn import_remote(&self, seq: &mut Sequence, tokens: &[u32], extra: &ExtraKeys) {
         let (Some(r), Some(id)) = (&self.remote, seq.id) else {
             return;
@@ -118,58 +194,76 @@ impl PagedKvCache {
         if seq.len % bs != 0 || seq.len / bs >= full {
             return;
         }
-        let first = seq.len / bs;
-        let links = r.cache.chain(&tokens[..full * bs], extra);
-        let payloads = r
-            .cache
-            .fetch(&links[first..], &tokens[first * bs..full * bs]);
-        if payloads.is_empty() {
-            return;
-        }
-        let tier = if r.setup.cold { COLD } else { HOT };
-        let Ok(blocks) = self.coordinator().import(id, tier, payloads.len()) else {
-            return;
-        };
-        let filled = blocks.iter().zip(&payloads).try_for_each(|(&b, p)| {
-            let slot = TieredPool::slot_of(b) as usize;
-            match &self.cold {
-                Some(t) if r.setup.cold => {
-                    t.put(slot, Arc::new(t.block_of_content(self.k.len(), p)?))
+        let mut added = 0;
+        for (part, run) in r.runs(seq.len / bs..full) {
+            let (Some(cache), tier) = (r.cache(part), if part == Part::Hot { HOT } else { COLD })
+            else {
+                break;
+            };
+            let room = self.coordinator().import_room(id, tier);
+            let run = run.start..run.end.min(run.start + room);
+            let links = cache.chain(&tokens[..run.end * bs], extra);
+            let payloads = cache.fetch(&links[run.clone()], &tokens[run.start * bs..run.end * bs]);
+            match self.fill(id, part, &payloads) {
+                Ok(n) if n < run.len() => {
+                    added += n;
+                    break;
                 }
-                _ => self.write_hot(slot, p),
-            }
-        });
-        match filled {
-            Ok(()) => seq.len += blocks.len() * bs,
-            // Cut the imported blocks off again: close and reopen locally.
-            Err(e) => {
-                tracing::warn!("remote blocks not imported: {e}");
-                if self.free(seq).is_ok() {
-                    if let Ok(s) = self.coordinator().open(tokens, extra) {
-                        *seq = Sequence {
-                            id: Some(s.seq),
-                            len: s.reused,
-                        };
+                Ok(n) => added += n,
+                Err(e) => {
+                    // Cut the imported blocks off again: close, reopen locally.
+                    tracing::warn!("remote blocks not imported: {e}");
+                    if self.free(seq).is_ok() {
+                        if let Ok(s) = self.coordinator().open(tokens, extra) {
+                            *seq = Sequence {
+                                id: Some(s.seq),
+                                len: s.reused,
+                            };
+                        }
                     }
+                    return;
                 }
             }
         }
+        seq.len += added * bs;
     }
 
-    /// After `register`: offers the first `covered` tokens' full blocks of
-    /// `seq` that the remote tier does not hold yet (as far as it knows).
+    /// Appends fresh blocks for `payloads` to `id` and writes them, all
+    /// under the coordinator's lock (no other step can take them before
+    /// they hold their KV). Returns how many the budget let in.
+    fn fill(&self, id: SeqId, part: Part, payloads: &[Vec<u8>]) -> Result<usize> {
+        if payloads.is_empty() {
+            return Ok(0);
+        }
+        let mut c = self.coordinator();
+        let tier = if part == Part::Hot { HOT } else { COLD };
+        let blocks = c.import(id, tier, payloads.len())?;
+        for (&b, p) in blocks.iter().zip(payloads) {
+            let slot = TieredPool::slot_of(b) as usize;
+            match (&self.cold, part) {
+                (Some(t), Part::Cold) => {
+                    t.put(slot, Arc::new(t.block_of_content(self.k.len(), p)?))?
+                }
+                _ => self.write_hot(slot, p)?,
+            }
+        }
+        Ok(blocks.len())
+    }
+
+    /// Under the lock of `register`: the blocks to offer — the first
+    /// `covered` tokens' full blocks of `id` that the remote tier does not
+    /// hold yet (as far as it knows), their content copied out while no
+    /// other step can change them.
     pub(super) fn export_remote(
         &self,
-        seq: &Sequence,
+        c: &Coordinator,
+        id: SeqId,
         tokens: &[u32],
         extra: &ExtraKeys,
         covered: usize,
-    ) {
-        let (Some(r), Some(id)) = (&self.remote, seq.id) else {
-            return;
-        };
-        let Ok(table) = self.coordinator().table(id).cloned() else {
-            return;
+    ) -> Outgoing {
+        let (Some(r), Ok(table)) = (&self.remote, c.table(id)) else {
+            return Vec::new();
         };
         let bs = self.block_size;
         let full = table
@@ -178,30 +272,45 @@ impl PagedKvCache {
             .take_while(|e| e.tokens() as usize == bs)
             .count()
             .min(covered / bs);
-        let links = r.cache.chain(&tokens[..full * bs], extra);
-        for (i, (e, link)) in table.entries().iter().zip(&links).enumerate() {
-            if !r.cache.wants(link.key) {
-                continue;
+        let mut out = Vec::new();
+        for (part, run) in r.runs(0..full) {
+            let Some(cache) = r.cache(part) else { break };
+            let links = cache.chain(&tokens[..run.end * bs], extra);
+            for i in run {
+                if !cache.wants(links[i].key) {
+                    continue;
+                }
+                let e = &table.entries()[i];
+                let payload = match (e.slot(), &self.cold, part) {
+                    (Slot::Hot(b), _, Part::Hot) => self.read_hot(TieredPool::slot_of(b) as usize),
+                    (Slot::Hot(b), Some(t), Part::Cold) => {
+                        let base = TieredPool::slot_of(b) as usize * bs;
+                        t.quantize(&self.k, &self.v, base).map(|q| q.content())
+                    }
+                    (Slot::Cold(b), Some(t), Part::Cold) => t
+                        .get(TieredPool::slot_of(b) as usize)
+                        .map(|q| q.content())
+                        .ok_or_else(|| EngineError::Request("a cold block without content".into())),
+                    // Not shareable in this format (a cold entry in hot
+                    // mode): the chain's rest is not offered.
+                    _ => return out,
+                };
+                match payload {
+                    Ok(p) => out.push((part, links[i], i * bs..(i + 1) * bs, p)),
+                    Err(_) => return out,
+                }
             }
-            let payload = match (e.slot(), &self.cold) {
-                (Slot::Hot(b), _) if !r.setup.cold => {
-                    self.read_hot(TieredPool::slot_of(b) as usize)
-                }
-                (Slot::Hot(b), Some(t)) => {
-                    let base = TieredPool::slot_of(b) as usize * bs;
-                    t.quantize(&self.k, &self.v, base).map(|q| q.content())
-                }
-                (Slot::Cold(b), Some(t)) if r.setup.cold => t
-                    .get(TieredPool::slot_of(b) as usize)
-                    .map(|q| q.content())
-                    .ok_or_else(|| EngineError::Request("a cold block without content".into())),
-                _ => break,
-            };
-            match payload {
-                Ok(p) => {
-                    r.cache.offer(*link, &tokens[i * bs..(i + 1) * bs], &p);
-                }
-                Err(_) => break,
+        }
+        out
+    }
+
+    /// Offers what [`export_remote`](Self::export_remote) copied out, for
+    /// writing behind (after the lock is released).
+    pub(super) fn offer_remote(&self, tokens: &[u32], blocks: Outgoing) {
+        let Some(r) = &self.remote else { return };
+        for (part, link, range, payload) in blocks {
+            if let Some(cache) = r.cache(part) {
+                cache.offer(link, &tokens[range], &payload);
             }
         }
     }

@@ -35,8 +35,12 @@ impl PagedKvCache {
     /// `tokens`, in the prefix index (no-op with reuse off).
     pub fn register(&self, seq: &Sequence, tokens: &[u32], extra: &ExtraKeys) -> Result<usize> {
         let Some(id) = seq.id else { return Ok(0) };
-        let covered = self.coordinator().register(id, tokens, extra)?;
-        self.export_remote(seq, tokens, extra, covered);
+        let (covered, blocks) = {
+            let mut c = self.coordinator();
+            let covered = c.register(id, tokens, extra)?;
+            (covered, self.export_remote(&c, id, tokens, extra, covered))
+        };
+        self.offer_remote(tokens, blocks);
         Ok(covered)
     }
 

@@ -297,7 +297,7 @@ impl LifecycleSpec {
 #[serde(deny_unknown_fields)]
 pub struct RemoteSpec {
     /// `redis://host:port[/db]`; with `cluster`, the seed nodes separated
-    /// by commas.
+    /// by commas (no TLS: `rediss://` is refused).
     pub url: String,
     /// A Redis Cluster.
     #[serde(default)]
@@ -341,10 +341,16 @@ impl RemoteSpec {
 
     /// What cannot work, before anything connects.
     pub fn problem(&self, cold_tier: bool, prefix: bool) -> Option<String> {
+        if self.url.contains("rediss://") {
+            return Some(
+                "remote.url: rediss:// (TLS) is not built in; use redis:// (or a TLS tunnel)"
+                    .into(),
+            );
+        }
         let url_ok = self
             .url
             .split(',')
-            .all(|u| u.trim().starts_with("redis://") || u.trim().starts_with("rediss://"));
+            .all(|u| u.trim().starts_with("redis://"));
         if !url_ok {
             return Some(format!(
                 "remote.url {:?} must be redis://host:port (comma-separated with cluster = true)",

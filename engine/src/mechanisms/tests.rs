@@ -164,6 +164,10 @@ fn a_remote_tier_is_read_checked_and_refused_outside_the_server() {
             "must be redis://",
         ),
         (
+            "prefix = {}\nremote = { url = \"rediss://h:1\", seed = 1 }",
+            "TLS",
+        ),
+        (
             "prefix = {}\nremote = { url = \"redis://a:1,redis://b:2\", seed = 1 }",
             "cluster = true",
         ),

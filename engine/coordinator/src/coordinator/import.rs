@@ -20,7 +20,17 @@ impl Coordinator {
         self.checked(r)
     }
 
-    fn import_call(&mut self, seq: SeqId, tier: usize, n: usize) -> Result<Vec<BlockId>> {
+    /// How many blocks of `tier` an [`import`](Self::import) into `seq`
+    /// could take now: 0 when it would be refused; else what the byte
+    /// budget (however the steps in flight end) and the tier's free blocks
+    /// leave. Ask before fetching what to import.
+    pub fn import_room(&self, seq: SeqId, tier: usize) -> usize {
+        self.importable(seq)
+            .and_then(|()| self.room(tier))
+            .unwrap_or(0)
+    }
+
+    fn importable(&self, seq: SeqId) -> Result<()> {
         self.idle(seq, "imported into during a step")?;
         let bs = self.block_size() as u32;
         let s = self.seq(seq)?;
@@ -34,11 +44,21 @@ impl Coordinator {
                 what: "imported into a table that does not end on a closed, own block",
             });
         }
+        Ok(())
+    }
+
+    fn room(&self, tier: usize) -> Result<usize> {
         let per = self.tiers.layout(tier)?.block_bytes().max(1);
         let room = self.budget.saturating_sub(self.worst_bytes()) / per;
         let st = self.tiers.tier_stats(tier)?;
         let free = st.max_blocks.saturating_sub(st.in_use + st.retired);
-        let n = n.min(usize::try_from(room).unwrap_or(usize::MAX)).min(free);
+        Ok(free.min(usize::try_from(room).unwrap_or(usize::MAX)))
+    }
+
+    fn import_call(&mut self, seq: SeqId, tier: usize, n: usize) -> Result<Vec<BlockId>> {
+        self.importable(seq)?;
+        let bs = self.block_size() as u32;
+        let n = n.min(self.room(tier)?);
         let mut taken = Vec::new();
         let blocks = match self.allocate(tier, n, &mut taken) {
             Ok(b) => b,
