@@ -186,7 +186,13 @@ fn ttft(a: &Args, url: &str, text: &str, cold: bool, csv: &mut Csv) -> Result<[f
 
 /// Part 2: (put blocks/s, get blocks/s, blob bytes) for blobs of
 /// `payload` bytes.
-fn throughput(url: &str, blocks: usize, payload: u64, format: &str) -> Result<(f64, f64, usize)> {
+fn throughput(
+    url: &str,
+    blocks: usize,
+    payload: u64,
+    format: &str,
+    round: usize,
+) -> Result<(f64, f64, usize)> {
     let t = tier(url)?;
     let scope = kvforge_remote::Scope {
         seed: SEED,
@@ -199,10 +205,9 @@ fn throughput(url: &str, blocks: usize, payload: u64, format: &str) -> Result<(f
         payload_bytes: payload,
     };
     let toks: Vec<u32> = (0..(blocks * 16) as u32).collect();
-    let links = scope.chain(
-        &toks,
-        &ExtraKeys::namespace(format!("bench-{}", std::process::id())),
-    );
+    // Fresh keys every round.
+    let ns = format!("bench-{}-{round}", std::process::id());
+    let links = scope.chain(&toks, &ExtraKeys::namespace(ns));
     let body = vec![0x5au8; payload as usize];
     let items: Vec<_> = links
         .iter()
@@ -296,31 +301,7 @@ fn run() -> Result<()> {
         "\nINT4 blocks move {:.2}× fewer bytes per token than f16.\n",
         per_token[0] / per_token[1].max(1.0)
     )?;
-    writeln!(
-        md,
-        "## Throughput of the tier alone ({} blocks, batches of 32)\n",
-        a.blocks
-    )?;
-    writeln!(
-        md,
-        "| format | blob bytes | put blocks/s | put MB/s | get blocks/s | get MB/s |\n|---|---:|---:|---:|---:|---:|"
-    )?;
-    // SmolLM2-135M: 30 layers × 3 KV heads × 64 × 16 tokens, K and V.
-    for (format, payload) in [
-        ("f16", 2 * 30 * 3 * 64 * 16 * 2u64),
-        ("int4", int4_payload()),
-    ] {
-        let (put, get, size) = throughput(&url, a.blocks, payload, format)?;
-        let mb = |r: f64| r * size as f64 / 1e6;
-        writeln!(
-            md,
-            "| {format} | {size} | {put:.0} | {:.0} | {get:.0} | {:.0} |",
-            mb(put),
-            mb(get)
-        )?;
-        csv.row(["put", format, "0", &format!("{put:.0}"), ""]);
-        csv.row(["get", format, "0", &format!("{get:.0}"), ""]);
-    }
+    throughput_table(&a, &url, &mut csv, &mut md)?;
     let (off, on) = decode(&a, &url, &text, &mut csv)?;
     writeln!(
         md,
@@ -336,6 +317,46 @@ fn run() -> Result<()> {
     out.csv("remote.csv", &csv)?;
     let path = out.report(&md)?;
     println!("{md}\nwritten: {}", path.display());
+    Ok(())
+}
+
+/// Part 2's table: both formats, `--rounds` interleaved rounds, medians.
+fn throughput_table(a: &Args, url: &str, csv: &mut Csv, md: &mut String) -> Result<()> {
+    writeln!(
+        md,
+        "## Throughput of the tier alone ({} blocks, batches of 32, median of {} interleaved rounds)\n",
+        a.blocks, a.rounds
+    )?;
+    writeln!(
+        md,
+        "| format | blob bytes | put blocks/s | put MB/s | get blocks/s | get MB/s |\n|---|---:|---:|---:|---:|---:|"
+    )?;
+    // SmolLM2-135M: 30 layers × 3 KV heads × 64 × 16 tokens, K and V.
+    let formats = [
+        ("f16", 2 * 30 * 3 * 64 * 16 * 2u64),
+        ("int4", int4_payload()),
+    ];
+    let mut rates = vec![(Vec::new(), Vec::new(), 0usize); formats.len()];
+    for round in 0..a.rounds {
+        for (i, (format, payload)) in formats.iter().enumerate() {
+            let (put, get, size) = throughput(url, a.blocks, *payload, format, round)?;
+            csv.row(["put", format, &round.to_string(), &format!("{put:.0}"), ""]);
+            csv.row(["get", format, &round.to_string(), &format!("{get:.0}"), ""]);
+            rates[i].0.push(put);
+            rates[i].1.push(get);
+            rates[i].2 = size;
+        }
+    }
+    for ((format, _), (puts, gets, size)) in formats.iter().zip(rates) {
+        let (put, get) = (median(puts), median(gets));
+        let mb = |r: f64| r * size as f64 / 1e6;
+        writeln!(
+            md,
+            "| {format} | {size} | {put:.0} | {:.0} | {get:.0} | {:.0} |",
+            mb(put),
+            mb(get)
+        )?;
+    }
     Ok(())
 }
 
