@@ -9,7 +9,9 @@
 //!    (`f16`) and as the INT4 cold tier's bytes. `--rounds` rounds, the
 //!    three arms interleaved in each; medians. Bytes read per token hit.
 //! 2. **Throughput of the tier alone**: `put_many` / `get_many` of
-//!    `--blocks` blobs of each format, in batches of 32, blocks/s and MB/s.
+//!    `--blocks` blobs of each format, in batches of 32, on an emptied
+//!    store, formats interleaved over `--rounds` rounds; median blocks/s
+//!    and MB/s.
 //! 3. **Decode speed of an instance that writes**: `--requests` requests
 //!    of `--decode` greedy tokens on distinct prompts, on an instance with
 //!    the tier (each request's blocks queued for writing behind while the
@@ -301,7 +303,7 @@ fn run() -> Result<()> {
         "\nINT4 blocks move {:.2}× fewer bytes per token than f16.\n",
         per_token[0] / per_token[1].max(1.0)
     )?;
-    throughput_table(&a, &url, &mut csv, &mut md)?;
+    throughput_table(&a, &redis, &mut csv, &mut md)?;
     let (off, on) = decode(&a, &url, &text, &mut csv)?;
     writeln!(
         md,
@@ -321,7 +323,7 @@ fn run() -> Result<()> {
 }
 
 /// Part 2's table: both formats, `--rounds` interleaved rounds, medians.
-fn throughput_table(a: &Args, url: &str, csv: &mut Csv, md: &mut String) -> Result<()> {
+fn throughput_table(a: &Args, redis: &RedisServer, csv: &mut Csv, md: &mut String) -> Result<()> {
     writeln!(
         md,
         "## Throughput of the tier alone ({} blocks, batches of 32, median of {} interleaved rounds)\n",
@@ -339,7 +341,9 @@ fn throughput_table(a: &Args, url: &str, csv: &mut Csv, md: &mut String) -> Resu
     let mut rates = vec![(Vec::new(), Vec::new(), 0usize); formats.len()];
     for round in 0..a.rounds {
         for (i, (format, payload)) in formats.iter().enumerate() {
-            let (put, get, size) = throughput(url, a.blocks, *payload, format, round)?;
+            // Each run on an empty store (the first parts' blocks gone too).
+            redis.command(&["FLUSHALL"]).map_err(|e| anyhow!(e))?;
+            let (put, get, size) = throughput(&redis.url(), a.blocks, *payload, format, round)?;
             csv.row(["put", format, &round.to_string(), &format!("{put:.0}"), ""]);
             csv.row(["get", format, &round.to_string(), &format!("{get:.0}"), ""]);
             rates[i].0.push(put);
