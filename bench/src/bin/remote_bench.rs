@@ -1,13 +1,15 @@
 //! The shared remote tier on a real `redis-server` this program starts on
 //! a loopback port (`cargo xtask remote-bench`):
 //!
-//! 1. **Time to first token** of a `--prompt`-token prompt (default 2048,
-//!    from `--text`) on a second instance whose local cache is empty: its
+//! 1. **Time to first token** of `--prompts`-token prompts (default 256,
+//!    512, 1024, 2048, from `--text`) on a second instance whose local
+//!    cache is empty: its
 //!    prefix imported from Redis ("remote hit") against computing it
 //!    ("recompute", a fresh instance without the tier) and against the
 //!    first instance's own local prefix hit — for blocks at the KV dtype
 //!    (`f16`) and as the INT4 cold tier's bytes. `--rounds` rounds, the
-//!    three arms interleaved in each; medians. Bytes read per token hit.
+//!    three arms interleaved in each; medians, and a plot against the
+//!    prompt length. Bytes read per token hit.
 //! 2. **Throughput of the tier alone**: `put_many` / `get_many` of
 //!    `--blocks` blobs of each format, in batches of 32, on an emptied
 //!    store, formats interleaved over `--rounds` rounds; median blocks/s
@@ -39,7 +41,7 @@ use kvforge_remote::{ExtraKeys, RemoteOptions, RemoteTier, blob};
 use kvforge_remote_redis::{RedisConfig, RedisServer, RedisTier};
 
 struct Args {
-    prompt: usize,
+    prompts: Vec<usize>,
     rounds: usize,
     blocks: usize,
     requests: usize,
@@ -51,7 +53,7 @@ struct Args {
 
 fn parse_args() -> Result<Args> {
     let mut a = Args {
-        prompt: 2048,
+        prompts: vec![256, 512, 1024, 2048],
         rounds: 5,
         blocks: 2048,
         requests: 4,
@@ -63,7 +65,12 @@ fn parse_args() -> Result<Args> {
     for (flag, value) in kvforge_bench::flag_pairs()? {
         let num = || kvforge_bench::positive(&flag, &value);
         match flag.as_str() {
-            "--prompt" => a.prompt = num()?,
+            "--prompts" => {
+                a.prompts = value
+                    .split(',')
+                    .map(|v| kvforge_bench::positive(&flag, v.trim()))
+                    .collect::<Result<_>>()?
+            }
             "--rounds" => a.rounds = num()?,
             "--blocks" => a.blocks = num()?,
             "--requests" => a.requests = num()?,
@@ -72,7 +79,7 @@ fn parse_args() -> Result<Args> {
             "--text" => a.text = value.into(),
             "--out" => a.out = value.into(),
             _ => bail!(
-                "unknown flag {flag}; flags: --prompt --rounds --blocks --requests --decode --model --text --out"
+                "unknown flag {flag}; flags: --prompts --rounds --blocks --requests --decode --model --text --out"
             ),
         }
     }
@@ -90,7 +97,7 @@ const SEED: u64 = 42;
 fn instance(a: &Args, cold: bool, url: Option<&str>) -> Result<CacheManager> {
     let cfg = EngineConfig {
         kv_kind: Some(Kind::Half),
-        kv_tokens: a.prompt + 4 * a.decode + 512,
+        kv_tokens: a.prompts.iter().max().copied().unwrap_or(0) + 4 * a.decode + 512,
         kv_quant: cold.then(|| KvQuant::parse("int4")).transpose()?,
         ..EngineConfig::default()
     };
@@ -144,15 +151,22 @@ fn tokens(m: &CacheManager, text: &str, skip: usize, n: usize) -> Result<Vec<u32
 
 /// Part 1 for one format: medians of (recompute, remote, local) TTFT and
 /// the bytes read per token hit.
-fn ttft(a: &Args, url: &str, text: &str, cold: bool, csv: &mut Csv) -> Result<[f64; 4]> {
+fn ttft(
+    a: &Args,
+    url: &str,
+    text: &str,
+    cold: bool,
+    len: usize,
+    csv: &mut Csv,
+) -> Result<[f64; 4]> {
     let first = instance(a, cold, Some(url))?;
-    let prompt = tokens(&first, text, 0, a.prompt)?;
+    let prompt = tokens(&first, text, 0, len)?;
     complete(&first, &prompt, 1)?;
     if !first.engine().cache.remote_flush(Duration::from_secs(60)) {
         bail!("the first instance's writes did not finish in 60 s");
     }
     let (mut re, mut rh, mut lh, mut bytes) = (vec![], vec![], vec![], vec![]);
-    let format = if cold { "int4" } else { "f16" };
+    let format = format!("{}@{len}", if cold { "int4" } else { "f16" });
     for round in 0..a.rounds {
         let cold_start = instance(a, cold, None)?;
         let (t_re, reused, _) = complete(&cold_start, &prompt, 1)?;
@@ -160,18 +174,15 @@ fn ttft(a: &Args, url: &str, text: &str, cold: bool, csv: &mut Csv) -> Result<[f
         let second = instance(a, cold, Some(url))?;
         let (t_rh, got, _) = complete(&second, &prompt, 1)?;
         let st = second.engine().cache.remote_stats().unwrap_or_default();
-        if reused != 0 || got + 16 < a.prompt {
-            bail!(
-                "round {round}: recompute reused {reused}, remote hit only {got} of {}",
-                a.prompt
-            );
+        if reused != 0 || got + 16 < len {
+            bail!("round {round}: recompute reused {reused}, remote hit only {got} of {len}");
         }
         drop(second);
         let (t_lh, _, _) = complete(&first, &prompt, 1)?;
         let per_token = st.bytes_in as f64 / st.hit_tokens.max(1) as f64;
         for (arm, t) in [("recompute", t_re), ("remote", t_rh), ("local", t_lh)] {
             csv.row([
-                format,
+                format.as_str(),
                 arm,
                 &round.to_string(),
                 &format!("{t:.4}"),
@@ -256,6 +267,7 @@ fn decode(a: &Args, url: &str, text: &str, csv: &mut Csv) -> Result<(f64, f64)> 
             }
         }
     }
+    on.engine().cache.remote_flush(Duration::from_secs(60));
     let st = on.engine().cache.remote_stats().unwrap_or_default();
     if st.put_blocks == 0 {
         bail!("the writing instance wrote nothing: {st:?}");
@@ -272,37 +284,7 @@ fn run() -> Result<()> {
     let mut csv = Csv::new(&["experiment", "arm", "round", "value", "bytes_per_token"]);
     let mut md = String::new();
     writeln!(md, "# Remote tier on one redis-server (loopback)\n")?;
-    writeln!(
-        md,
-        "## Time to first token, {}-token prompt, second instance\n",
-        a.prompt
-    )?;
-    writeln!(
-        md,
-        "| blocks | recompute s | remote hit s | local hit s | remote / recompute | remote / local | bytes read per token |"
-    )?;
-    writeln!(md, "|---|---:|---:|---:|---:|---:|---:|")?;
-    let mut per_token = Vec::new();
-    for cold in [false, true] {
-        let [re, rh, lh, b] = ttft(&a, &url, &text, cold, &mut csv)?;
-        let name = if cold {
-            "int4 (cold bytes)"
-        } else {
-            "f16 (KV dtype)"
-        };
-        writeln!(
-            md,
-            "| {name} | {re:.3} | {rh:.3} | {lh:.3} | {:.3}× | {:.2}× | {b:.0} |",
-            rh / re,
-            rh / lh
-        )?;
-        per_token.push(b);
-    }
-    writeln!(
-        md,
-        "\nINT4 blocks move {:.2}× fewer bytes per token than f16.\n",
-        per_token[0] / per_token[1].max(1.0)
-    )?;
+    ttft_table(&a, &url, &text, &mut csv, &mut md, &mut out)?;
     throughput_table(&a, &redis, &mut csv, &mut md)?;
     let (off, on) = decode(&a, &url, &text, &mut csv)?;
     writeln!(
@@ -319,6 +301,77 @@ fn run() -> Result<()> {
     out.csv("remote.csv", &csv)?;
     let path = out.report(&md)?;
     println!("{md}\nwritten: {}", path.display());
+    Ok(())
+}
+
+/// Part 1's table and plot: every prompt length × format, interleaved
+/// arms, medians.
+fn ttft_table(
+    a: &Args,
+    url: &str,
+    text: &str,
+    csv: &mut Csv,
+    md: &mut String,
+    out: &mut Output,
+) -> Result<()> {
+    writeln!(
+        md,
+        "## Time to first token on a second instance (median of {} rounds)\n",
+        a.rounds
+    )?;
+    writeln!(
+        md,
+        "| blocks | prompt tokens | recompute s | remote hit s | local hit s | remote / recompute | remote / local | bytes read per token |"
+    )?;
+    writeln!(md, "|---|---:|---:|---:|---:|---:|---:|---:|")?;
+    let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+    let mut per_token = [0.0; 2];
+    for (f, cold) in [false, true].into_iter().enumerate() {
+        let name = if cold { "int4" } else { "f16" };
+        let mut lines = [Vec::new(), Vec::new(), Vec::new()];
+        for &len in &a.prompts {
+            let [re, rh, lh, b] = ttft(a, url, text, cold, len, csv)?;
+            writeln!(
+                md,
+                "| {name} | {len} | {re:.3} | {rh:.3} | {lh:.3} | {:.3}× | {:.2}× | {b:.0} |",
+                rh / re,
+                rh / lh
+            )?;
+            for (line, t) in lines.iter_mut().zip([re, rh, lh]) {
+                line.push((len as f64, t * 1e3));
+            }
+            per_token[f] = b;
+        }
+        for (arm, line) in ["recompute", "remote hit", "local hit"].iter().zip(lines) {
+            series.push((format!("{name} {arm}"), line));
+        }
+    }
+    writeln!(
+        md,
+        "\nINT4 blocks (the sink's at f16) move {:.2}× fewer bytes per token than f16.\n",
+        per_token[0] / per_token[1].max(1.0)
+    )?;
+    let max_len = a.prompts.iter().max().copied().unwrap_or(1) as f64;
+    let max_ms = series
+        .iter()
+        .flat_map(|(_, l)| l.iter().map(|p| p.1))
+        .fold(1.0, f64::max);
+    let named: Vec<(&str, Vec<(f64, f64)>)> = series
+        .iter()
+        .map(|(n, l)| (n.as_str(), l.clone()))
+        .collect();
+    out.png("ttft.png", |path| {
+        kvforge_bench::plot::line_plot(
+            path,
+            "Second instance: time to first token",
+            "prompt tokens",
+            "ms",
+            (0.0, max_len * 1.05),
+            (0.0, max_ms * 1.1),
+            &named,
+        )
+    })?;
+    writeln!(md, "![time to first token](ttft.png)\n")?;
     Ok(())
 }
 
