@@ -297,7 +297,6 @@ fn run() -> Result<()> {
         "| tier off tok/s | tier on tok/s | on / off |\n|---:|---:|---:|\n| {off:.2} | {on:.2} | {:.3}× |",
         on / off
     )?;
-    writeln!(md, "\n{}", out.provenance().line())?;
     out.csv("remote.csv", &csv)?;
     let path = out.report(&md)?;
     println!("{md}\nwritten: {}", path.display());

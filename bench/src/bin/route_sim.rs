@@ -317,7 +317,6 @@ fn run() -> Result<()> {
             ]);
         }
     }
-    writeln!(md, "\n{}", out.provenance().line())?;
     out.csv("route.csv", &csv)?;
     let path = out.report(&md)?;
     println!("{md}\nwritten: {}", path.display());
