@@ -43,6 +43,7 @@ mod error;
 pub mod fused;
 pub mod generate;
 pub mod gguf;
+pub mod input;
 pub mod kv;
 pub mod lifecycle;
 pub mod manager;

@@ -846,6 +846,24 @@ fn assert_one_line_error(args: &[&str], needle: &str) {
     assert!(lines[0].contains(needle), "{args:?}: {err}");
 }
 
+/// Output lost to a full disk is an error (a closed pipe, `| head`, is not).
+#[test]
+fn cli_a_stdout_that_cannot_be_written_fails_the_command() {
+    let Ok(full) = std::fs::OpenOptions::new().write(true).open("/dev/full") else {
+        return; // not Linux
+    };
+    let out = Command::new(env!("CARGO_BIN_EXE_kvforge"))
+        .args(["generate", "--prompt", "Hi", "--max-tokens", "4"])
+        .current_dir(root())
+        .stdout(full)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_ne!(out.status.code(), Some(0), "{err}");
+    let last = err.lines().last().unwrap_or("");
+    assert!(last.starts_with("error: writing to stdout:"), "{err}");
+}
+
 /// Several `--prompt`s are decoded as one batch: one reply line each, in
 /// prompt order, and a report per sequence. (That a sequence decoded in a
 /// batch gets the tokens it gets alone holds only up to rounding — two
@@ -934,6 +952,14 @@ fn cli_bad_inputs_exit_non_zero_with_one_line() {
         (&["ppl", "--window", "1"], "2 <= --window"),
         (&["ppl", "--text", "/dev/zero"], "not a regular file"),
         (&["bench", "--text", "/dev/zero"], "not a regular file"),
+        (
+            &["ppl", "--tokens", "8000", "--decode", "1000"],
+            "--tokens 8000 plus --decode 1000 exceed the model's context of 8192 tokens",
+        ),
+        (
+            &["generate", "--prompt", "x", "--model", "/dev/null"],
+            "not a regular file",
+        ),
     ];
     let no_gpu: &[(&[&str], &str)] = &[(
         &["generate", "--prompt", "x", "--device", "cuda"],

@@ -173,6 +173,10 @@ pub struct GgufFile {
 impl GgufFile {
     /// Opens and parses `path`. Every structural problem is an error naming it.
     pub fn open(path: &Path) -> Result<Self> {
+        // A folder or a device would fail to map with a misleading error, a
+        // FIFO would block the open.
+        crate::input::regular_file(path)
+            .map_err(|e| EngineError::Model(format!("cannot open model {e}")))?;
         let file = std::fs::File::open(path).map_err(|e| {
             EngineError::Model(format!("cannot open model {}: {e}", path.display()))
         })?;

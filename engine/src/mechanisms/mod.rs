@@ -38,6 +38,9 @@ pub use specs::{
     TailName,
 };
 
+/// The largest `budget_mib`: 1 PiB (larger values would wrap in bytes).
+pub const MAX_BUDGET_MIB: u64 = 1 << 30;
+
 /// One configuration of the mechanisms (each absent = off).
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -97,7 +100,7 @@ impl Mechanisms {
 
     /// [`from_toml`](Self::from_toml) of a file.
     pub fn load(path: &Path, block_size: usize, registry: &Registry) -> Result<Self, String> {
-        let src = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let src = crate::input::read_text(path, crate::input::MAX_CONFIG_BYTES)?;
         Self::from_toml(&src, path, block_size, registry)
     }
 
@@ -113,6 +116,12 @@ impl Mechanisms {
         }
         if !(1..=4096).contains(&block) {
             return Err(format!("block_size must be within 1..=4096, not {block}"));
+        }
+        if self.budget_bytes().is_none() {
+            return Err(format!(
+                "budget_mib = {} is too large (at most {} MiB)",
+                self.budget_mib, MAX_BUDGET_MIB
+            ));
         }
         if let Some(c) = &self.cold {
             if c.window % block != 0 || c.sink % block != 0 {
@@ -182,7 +191,7 @@ impl Mechanisms {
             .transpose()?;
         cfg.dedup = self.share.map(ShareSpec::config);
         cfg.lifecycle = self.lifecycle.map(LifecycleSpec::config);
-        cfg.kv_budget = self.budget_mib << 20;
+        cfg.kv_budget = self.budget_bytes().unwrap_or(0);
         let p = self.prefix.unwrap_or_default();
         Ok(ReuseConfig {
             enabled: self.prefix.is_some(),
@@ -190,6 +199,12 @@ impl Mechanisms {
             tail: p.tail.into(),
             seed: p.seed.or(seed),
         })
+    }
+
+    /// `budget_mib` in bytes; `None` above [`MAX_BUDGET_MIB`] (it would
+    /// wrap, and 0 means "no budget").
+    pub fn budget_bytes(&self) -> Option<u64> {
+        (self.budget_mib <= MAX_BUDGET_MIB).then_some(self.budget_mib << 20)
     }
 
     /// The mechanisms in a few words (`full cache` when none is on), the

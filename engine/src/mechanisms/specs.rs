@@ -159,8 +159,10 @@ impl<'de> Deserialize<'de> for PolicySpec {
 #[derive(Clone, Copy, Debug, Deserialize, PartialEq)]
 #[serde(tag = "policy", rename_all = "kebab-case", deny_unknown_fields)]
 pub enum ShareSpec {
-    /// Bit-identical quantized blocks, verified byte for byte.
-    Exact,
+    /// Bit-identical quantized blocks, verified byte for byte. (An empty
+    /// struct, not a unit variant: serde lets a tagged unit variant ignore
+    /// unknown keys.)
+    Exact {},
     /// Near-duplicate blocks: random-hyperplane signatures of the
     /// dequantized block, candidates verified by their exact cosine.
     Lsh {
@@ -187,7 +189,7 @@ impl ShareSpec {
     /// The coordinator's configuration.
     pub fn config(self) -> DedupConfig {
         match self {
-            ShareSpec::Exact => DedupConfig::Exact,
+            ShareSpec::Exact {} => DedupConfig::Exact,
             ShareSpec::Lsh {
                 threshold,
                 bits,
@@ -204,7 +206,7 @@ impl ShareSpec {
     /// A label for reports.
     pub fn label(self) -> String {
         match self {
-            ShareSpec::Exact => "share exact".into(),
+            ShareSpec::Exact {} => "share exact".into(),
             ShareSpec::Lsh { threshold, .. } => format!("share cos ≥ {threshold}"),
         }
     }

@@ -85,6 +85,22 @@ fn what_cannot_work_is_one_line_naming_the_file() {
             "lifecycle.keep must be at least 1",
         ),
         ("block_size = 0\n", "block_size must be within 1..=4096"),
+        // Found by the red team of the ablation's inputs: a budget that
+        // wrapped to 0 bytes, unknown keys beside `policy = "exact"`.
+        (
+            "budget_mib = 17592186044416\n",
+            "budget_mib = 17592186044416 is too large (at most 1073741824 MiB)",
+        ),
+        (
+            "cold = { format = \"int4\", window = 32 }\n\
+             share = { policy = \"exact\", anything = \"goes\" }\n",
+            "unknown field `anything`",
+        ),
+        (
+            "cold = { format = \"int4\", window = 32 }\n\
+             share = { policy = \"exact\", threshold = 0.9 }\n",
+            "unknown field `threshold`",
+        ),
     ];
     for (src, want) in cases {
         let e = parse(src).unwrap_err();

@@ -37,10 +37,26 @@ fn emit(line: impl std::fmt::Display) -> bool {
 
 fn stream(piece: &str) -> bool {
     let mut out = std::io::stdout().lock();
-    // A closed stdout (e.g. `| head`) just ends the generation.
-    out.write_all(piece.as_bytes())
-        .and_then(|_| out.flush())
-        .is_ok()
+    // A closed stdout (e.g. `| head`) just ends the generation; any other
+    // failure (a full disk) ends it too, and is the command's error.
+    match out.write_all(piece.as_bytes()).and_then(|_| out.flush()) {
+        Ok(()) => true,
+        Err(e) => {
+            if e.kind() != std::io::ErrorKind::BrokenPipe {
+                let _ = STDOUT_ERROR.set(e.to_string());
+            }
+            false
+        }
+    }
+}
+
+/// The first error writing stdout, other than a closed pipe.
+static STDOUT_ERROR: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// Why the output was lost, if it was (not for a closed pipe: `| head`
+/// asked for less).
+pub(crate) fn stdout_error() -> Option<&'static str> {
+    STDOUT_ERROR.get().map(String::as_str)
 }
 
 pub(crate) fn generate(prompts: &[String], raw: bool, common: &Common) -> Result<(), EngineError> {
@@ -178,24 +194,7 @@ pub(crate) fn chat(common: &Common, reuse: &Reuse) -> Result<(), EngineError> {
 
 /// Reads a text file: a regular file of at most [`MAX_TEXT_BYTES`], UTF-8.
 fn read_text(path: &std::path::Path) -> Result<String, EngineError> {
-    use std::io::Read as _;
-    let bad = |why: String| EngineError::Request(format!("cannot read {}: {why}", path.display()));
-    let file = std::fs::File::open(path).map_err(|e| bad(e.to_string()))?;
-    let meta = file.metadata().map_err(|e| bad(e.to_string()))?;
-    if !meta.is_file() {
-        return Err(bad("not a regular file".into()));
-    }
-    let mut buf = Vec::new();
-    file.take(MAX_TEXT_BYTES + 1)
-        .read_to_end(&mut buf)
-        .map_err(|e| bad(e.to_string()))?;
-    if buf.len() as u64 > MAX_TEXT_BYTES {
-        return Err(bad(format!(
-            "larger than the {} MiB limit",
-            MAX_TEXT_BYTES >> 20
-        )));
-    }
-    String::from_utf8(buf).map_err(|_| bad("not UTF-8 text".into()))
+    kvforge_engine::input::read_text(path, MAX_TEXT_BYTES).map_err(EngineError::Request)
 }
 
 /// The first `n` tokens of `body`; `what` and `flag` name them in the error
@@ -282,6 +281,13 @@ pub(crate) fn ppl(
     }
     let body = read_text(text)?;
     let mut engine = common.engine()?;
+    // Checked before any perplexity runs, not after minutes of it.
+    let ctx = engine.model.cfg.max_ctx;
+    if tokens.saturating_add(decode) > ctx {
+        return Err(EngineError::Request(format!(
+            "--tokens {tokens} plus --decode {decode} exceed the model's context of {ctx} tokens"
+        )));
+    }
     let article = kvforge_engine::ppl::longest_article(&body);
     let what = format!("the longest article of {}", text.display());
     let ids = first_tokens(&engine, &article, tokens, &what, "--tokens")?;

@@ -31,7 +31,7 @@ const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 const MAX_BLOCK_SIZE: usize = 4096;
 
 /// Largest text file `ppl` / `bench` read.
-const MAX_TEXT_BYTES: u64 = 256 << 20;
+const MAX_TEXT_BYTES: u64 = kvforge_engine::input::MAX_TEXT_BYTES;
 
 #[derive(Parser)]
 #[command(
@@ -206,7 +206,13 @@ fn main() -> ExitCode {
         } => ppl(text, *tokens, *window, (*prefix, *chunk, *decode), common),
     };
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(()) => match commands::stdout_error() {
+            Some(e) => {
+                eprintln!("error: writing to stdout: {e}");
+                ExitCode::FAILURE
+            }
+            None => ExitCode::SUCCESS,
+        },
         Err(e) => {
             eprintln!("error: {e}");
             ExitCode::FAILURE
