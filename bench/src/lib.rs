@@ -5,8 +5,8 @@
 //! * [`sealing`]: the turn-tail experiment (hit rate gained against memory
 //!   spent: tails skipped, sealed or copied), run by
 //!   `cargo run -p kvforge-bench --release --bin sealing`.
-//! * [`flag_pairs`], [`count`], [`positive`], `longest_article` (feature
-//!   `engine`): command lines and inputs of the experiment binaries;
+//! * [`flag_pairs`], [`count`], [`positive`], [`read_text`],
+//!   `longest_article` (feature `engine`): command lines and inputs of the experiment binaries;
 //!   [`plot`]: their PNGs.
 //!
 //! Feature `engine` (default) adds the libtorch-backed experiments
@@ -44,6 +44,9 @@ pub fn flag_pairs() -> anyhow::Result<Vec<(String, String)>> {
     let mut it = args.into_iter();
     let mut pairs = Vec::new();
     while let Some(flag) = it.next() {
+        if !flag.starts_with("--") {
+            bail!("unknown argument {flag:?}: flags are --name value");
+        }
         let value = it.next().with_context(|| format!("{flag} needs a value"))?;
         pairs.push((flag, value));
     }
@@ -66,6 +69,13 @@ pub fn positive(flag: &str, value: &str) -> anyhow::Result<usize> {
     Ok(v)
 }
 
+/// The text of a data file: a regular file of at most 256 MiB, UTF-8
+/// (`/dev/zero`, a folder or a FIFO is one line, not a hang).
+pub fn read_text(path: &std::path::Path) -> anyhow::Result<String> {
+    kvforge_engine::input::read_text(path, kvforge_engine::input::MAX_TEXT_BYTES)
+        .map_err(anyhow::Error::msg)
+}
+
 /// Conversations of `chitchat-dataset` (`dataset.json`) whose number of
 /// messages is in `lengths` and at least `turns`, in file order, cut to
 /// `turns` user messages (each message's fragments joined by newlines);
@@ -76,8 +86,7 @@ pub fn load_chats(
     n: usize,
     lengths: std::ops::RangeInclusive<usize>,
 ) -> anyhow::Result<Vec<Vec<String>>> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("reading {} (run `cargo xtask setup`)", path.display()))?;
+    let text = read_text(path)?;
     let all: serde_json::Value =
         serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
     let map = all
@@ -133,9 +142,7 @@ pub fn median(mut v: Vec<f64>) -> f64 {
 /// `wiki.utf8` are split into articles; plain text is one).
 #[cfg(feature = "engine")]
 pub fn longest_article(path: &std::path::Path) -> anyhow::Result<String> {
-    let body =
-        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-    Ok(kvforge_engine::ppl::longest_article(&body))
+    Ok(kvforge_engine::ppl::longest_article(&read_text(path)?))
 }
 
 /// SmolLM2-135M's KV cache in f16 (30 layers, 3 KV heads, head dim 64).

@@ -220,7 +220,14 @@ impl Output {
     /// `dir` for a run described by `provenance`.
     pub fn with_provenance(dir: impl Into<PathBuf>, provenance: Provenance) -> Result<Output> {
         let dir = dir.into();
-        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        if dir.exists() && !dir.is_dir() {
+            bail!(
+                "output folder {}: exists and is not a folder",
+                dir.display()
+            );
+        }
+        std::fs::create_dir_all(&dir)
+            .with_context(|| format!("creating the output folder {}", dir.display()))?;
         Ok(Output {
             dir,
             provenance,

@@ -12,7 +12,7 @@ use std::process::Command;
 
 use kvforge_bench::ablate::config::Experiment;
 #[cfg(feature = "engine")]
-use kvforge_bench::ablate::run::{Options, run};
+use kvforge_bench::ablate::run::{Options, Outcome, run};
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -51,7 +51,8 @@ fn results(dir: &Path) -> Table {
     let head: Vec<&str> = lines.next().unwrap().split(',').collect();
     lines
         .map(|l| {
-            let f: Vec<&str> = l.split(',').collect();
+            let f = fields(l);
+            let f: Vec<&str> = f.iter().map(String::as_str).collect();
             assert_eq!(f.len(), head.len(), "{l}");
             let row: BTreeMap<String, String> = head
                 .iter()
@@ -63,13 +64,33 @@ fn results(dir: &Path) -> Table {
         .collect()
 }
 
+/// The fields of one CSV line (a field in double quotes may hold commas;
+/// `""` inside it is one quote).
+fn fields(line: &str) -> Vec<String> {
+    let (mut out, mut cur, mut quoted) = (Vec::new(), String::new(), false);
+    let mut chars = line.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' if quoted && chars.peek() == Some(&'"') => {
+                cur.push('"');
+                chars.next();
+            }
+            '"' => quoted = !quoted,
+            ',' if !quoted => out.push(std::mem::take(&mut cur)),
+            c => cur.push(c),
+        }
+    }
+    out.push(cur);
+    out
+}
+
 /// Columns that measure time, not quality: they may differ between runs.
 fn is_speed(col: &str) -> bool {
     matches!(col, "secs" | "tok_s" | "decode_tok_s")
 }
 
 #[cfg(feature = "engine")]
-fn quick(out: &Path, config: &Path, resume: bool) -> anyhow::Result<PathBuf> {
+fn quick(out: &Path, config: &Path, resume: bool) -> anyhow::Result<Outcome> {
     run(&Options {
         config: config.to_path_buf(),
         out: Some(out.to_path_buf()),
@@ -167,38 +188,121 @@ fn quick_runs_every_configuration_and_repeats_its_quality_columns() {
     std::fs::write(&changed, text.replace("seed = 7", "seed = 8")).unwrap();
     let err = quick(&a, &changed, true).unwrap_err().to_string();
     assert!(err.contains("changed since the run"), "{err}");
+    // One invalid byte in the log: refused, not "nothing measured".
+    let mut log = std::fs::read(a.join("items.jsonl")).unwrap();
+    log[10] = 0xff;
+    std::fs::write(a.join("items.jsonl"), &log).unwrap();
+    let err = quick(&a, &config, true).unwrap_err().to_string();
+    assert!(
+        err.contains("not UTF-8") && err.contains("items.jsonl"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(a.join("items.jsonl")).unwrap(), log);
     for d in [a, b] {
         std::fs::remove_dir_all(d).unwrap();
     }
 }
 
+/// quick.toml's model and workloads with the matrix `configs` (TOML).
 #[cfg(feature = "engine")]
-#[test]
-fn a_failing_configuration_is_recorded_and_the_others_still_run() {
-    let dir = scratch("fail");
+fn quick_with(configs: &str) -> String {
     let text = std::fs::read_to_string(root().join("configs/quick.toml")).unwrap();
     let cut = text.find("[[config]]").unwrap();
-    // A group size that does not divide the head dim fails in the engine.
-    let src = format!(
-        "{}[[config]]\nname = \"baseline\"\n\n[[config]]\nname = \"broken\"\ncold = {{ format = \"int4\", window = 32, group = 7 }}\n",
-        &text[..cut]
-    );
-    let config = dir.join("broken.toml");
-    std::fs::write(&config, src).unwrap();
-    quick(&dir, &config, false).unwrap();
-    let r = results(&dir);
-    for ((config, _, _), row) in &r {
-        assert_eq!(
-            row["error"].is_empty(),
-            config == "baseline",
-            "{config}: {row:?}"
-        );
+    format!("{}{configs}", &text[..cut])
+}
+
+/// What only the model can tell (a group size against its head dim, a
+/// context it lacks) stops the run before anything is measured, naming
+/// the configuration; an earlier run in the folder stays resumable.
+#[cfg(feature = "engine")]
+#[test]
+fn a_configuration_the_engine_refuses_stops_the_run_before_it_starts() {
+    let dir = scratch("refused");
+    let good = dir.join("good.toml");
+    std::fs::write(&good, quick_with("[[config]]\nname = \"baseline\"\n")).unwrap();
+    let out = dir.join("out");
+    let first = quick(&out, &good, false).unwrap();
+    assert_eq!((first.measured, first.failed), (6, 0));
+    let log = std::fs::read_to_string(out.join("items.jsonl")).unwrap();
+    let broken = dir.join("broken.toml");
+    let cases = [
+        // A group size that does not divide the head dim (32).
+        (
+            "[[config]]\nname = \"baseline\"\n\n[[config]]\nname = \"broken\"\ncold = { format = \"int4\", window = 32, group = 7 }\n",
+            "config \"broken\": ",
+        ),
+        // A context and decode past the model's 2048 positions.
+        (
+            "[[config]]\nname = \"baseline\"\n",
+            "exceed the model's context of 2048 tokens",
+        ),
+    ];
+    for (i, (configs, needle)) in cases.iter().enumerate() {
+        let mut src = quick_with(configs);
+        if i == 1 {
+            src = src.replace("contexts = [384]", "contexts = [2046]");
+        }
+        std::fs::write(&broken, src).unwrap();
+        let err = format!("{:#}", quick(&out, &broken, false).unwrap_err());
+        assert!(err.contains(needle) && !err.contains('\n'), "{err}");
     }
-    let md = std::fs::read_to_string(dir.join("report.md")).unwrap();
-    assert!(
-        md.contains("## Failures") && md.contains("group size 7"),
-        "{md}"
+    // Nothing was measured or overwritten: the first run resumes as is.
+    assert_eq!(
+        std::fs::read_to_string(out.join("items.jsonl")).unwrap(),
+        log
     );
+    let again = quick(&out, &good, true).unwrap();
+    assert_eq!((again.measured, again.failed), (0, 0));
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// An item that fails while it runs (here the stream outgrows a 1 MiB
+/// budget) is recorded, the other items and configurations still run, and
+/// the binary exits non-zero saying how many failed.
+#[cfg(feature = "engine")]
+#[test]
+fn a_failing_item_is_recorded_the_others_run_and_the_exit_is_non_zero() {
+    let dir = scratch("fail");
+    // 8 layers × 4 KV heads × 32 dims × K and V in f16: 4 KiB per token,
+    // so 1 MiB holds 256 tokens, less than the 384-token stream.
+    let src = quick_with(
+        "[[config]]\nname = \"baseline\"\n\n[[config]]\nname = \"tight\"\nbudget_mib = 1\n",
+    )
+    .replace(
+        "layers = 2, heads = 4, kv_heads = 2",
+        "layers = 8, heads = 4, kv_heads = 4",
+    );
+    let config = dir.join("tight.toml");
+    std::fs::write(&config, src).unwrap();
+    let out = dir.join("out");
+    let (code, err) = ablate(&[
+        "--config",
+        config.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert_ne!(code, 0, "{err}");
+    let r = results(&out);
+    let failed: Vec<_> = r
+        .iter()
+        .filter(|(_, row)| !row["error"].is_empty())
+        .collect();
+    assert!(!failed.is_empty(), "{r:?}");
+    assert!(
+        failed.iter().all(|((c, _, _), _)| c == "tight"),
+        "{failed:?}"
+    );
+    assert_eq!(r.len(), 12, "every item of both configurations ran");
+    let last = err.lines().last().unwrap_or("");
+    assert!(
+        last.starts_with(&format!(
+            "ablate: {} of the 12 items measured failed",
+            failed.len()
+        )),
+        "{err}"
+    );
+    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(md.contains("## Failures"), "{md}");
     std::fs::remove_dir_all(dir).unwrap();
 }
 
@@ -239,8 +343,52 @@ fn bad_input_is_one_line_and_a_non_zero_exit() {
         "no-data.toml",
         &quick.replace("data/PaulGrahamEssays", "data/NoSuchEssays"),
     );
+    let escaped = write(
+        "escaped.toml",
+        &quick.replace("name = \"int2\"", "name = \"../../../escaped\""),
+    );
+    let threads = write(
+        "threads.toml",
+        &quick.replace("seed = 7", "seed = 7\nthreads = 2000"),
+    );
+    let budget = write(
+        "budget.toml",
+        &quick.replace(
+            "name = \"int2\"",
+            "name = \"int2\"\nbudget_mib = 17592186044416",
+        ),
+    );
+    let devzero = write(
+        "devzero.toml",
+        &quick.replace("data/exllamav2/wiki.utf8", "/dev/zero"),
+    );
+    let a_file = write("a-file", "");
     let out = dir.join("out");
     let cases: Vec<(Vec<&str>, &str)> = vec![
+        (
+            vec!["--config", "/dev/zero"],
+            "/dev/zero: not a regular file",
+        ),
+        (
+            vec!["--config", &escaped],
+            "config name \"../../../escaped\"",
+        ),
+        (
+            vec!["--config", &threads],
+            "model.threads = 2000 must be between 0",
+        ),
+        (
+            vec!["--config", &budget],
+            "budget_mib = 17592186044416 is too large",
+        ),
+        (
+            vec!["--config", &devzero],
+            "cannot read /dev/zero: not a regular file",
+        ),
+        (
+            vec!["--quick", "--out", &a_file],
+            "exists and is not a folder",
+        ),
         (
             vec!["--config", "/nonexistent/x.toml"],
             "/nonexistent/x.toml",

@@ -153,11 +153,16 @@ impl Experiment {
     /// Reads and checks `path` (its eviction policies against
     /// [`registry`](super::registry)).
     pub fn load(path: &Path) -> Result<Experiment> {
-        let src = match std::fs::read_to_string(path) {
-            Ok(s) => s,
-            Err(e) => bail!("{}: {e}", path.display()),
-        };
-        Self::parse(&src, path)
+        Self::read(path).map(|(exp, _)| exp)
+    }
+
+    /// [`load`](Self::load), and the text it was read from (read once:
+    /// the run keeps it as its stamp). Only a regular file of at most
+    /// 1 MiB is read (a FIFO or `/dev/zero` is one line, not a hang).
+    pub fn read(path: &Path) -> Result<(Experiment, String)> {
+        let src = kvforge_engine::input::read_text(path, kvforge_engine::input::MAX_CONFIG_BYTES)
+            .map_err(anyhow::Error::msg)?;
+        Ok((Self::parse(&src, path)?, src))
     }
 
     /// Parses and checks `src`, read from `path` (for messages).
@@ -240,10 +245,29 @@ impl Experiment {
                 ))
             );
         }
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if m.threads < 0 || m.threads as usize > cores {
+            bail!(
+                "{}",
+                top(format!(
+                    "model.threads = {} must be between 0 (libtorch's default) and this machine's {cores} cores",
+                    m.threads
+                ))
+            );
+        }
         if self.configs.is_empty() {
             bail!("{}", top("no [[config]]: the matrix is empty".into()));
         }
         let w = &self.workloads;
+        if w.chat.is_none() && w.stream.is_none() && w.passkey.is_none() {
+            bail!(
+                "{}",
+                top("no [workloads.chat], [workloads.stream] or [workloads.passkey]: nothing to measure".into())
+            );
+        }
+        if let Some(msg) = w.repeated_item() {
+            bail!("{}", top(msg));
+        }
         if let Some(c) = &w.chat
             && (c.chats == 0 || c.turns < 2 || c.answer_tokens == 0)
         {
@@ -284,6 +308,15 @@ impl Experiment {
             if mech.name.is_none() {
                 bail!("{}", at("a [[config]] needs a name".into()));
             }
+            if !file_name_ok(mech.name()) {
+                bail!(
+                    "{}",
+                    at(format!(
+                        "config name {:?} must be 1 to {MAX_NAME} letters, digits, -, _, . or + and not start with . (it names files of the report)",
+                        mech.name()
+                    ))
+                );
+            }
             if !names.insert(mech.name()) {
                 bail!("{}", at(format!("config {:?} appears twice", mech.name())));
             }
@@ -292,6 +325,50 @@ impl Experiment {
             }
         }
         Ok(())
+    }
+}
+
+/// The longest configuration name (it names files: `metrics/<name>-chat.prom`).
+const MAX_NAME: usize = 64;
+
+/// A configuration name that is safe as (part of) a file name in the
+/// output folder: no separator, no `..`, not hidden, not too long.
+fn file_name_ok(name: &str) -> bool {
+    (1..=MAX_NAME).contains(&name.len())
+        && !name.starts_with('.')
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.+".contains(c))
+}
+
+impl Workloads {
+    /// A matrix that would measure one item twice, or name two items alike
+    /// (depths that round to the same name): what is wrong, in one line.
+    fn repeated_item(&self) -> Option<String> {
+        let twice = |what: &str, v: &[usize]| {
+            let mut seen = std::collections::BTreeSet::new();
+            v.iter()
+                .find(|x| !seen.insert(**x))
+                .map(|x| format!("{what} lists {x} twice"))
+        };
+        if let Some(s) = &self.stream {
+            if let Some(msg) = twice("workloads.stream.contexts", &s.contexts) {
+                return Some(msg);
+            }
+        }
+        let p = self.passkey.as_ref()?;
+        if let Some(msg) = twice("workloads.passkey.lengths", &p.lengths) {
+            return Some(msg);
+        }
+        let mut names = std::collections::BTreeMap::new();
+        for &d in &p.depths {
+            if let Some(old) = names.insert(format!("{d:.2}"), d) {
+                return Some(format!(
+                    "workloads.passkey.depths {old} and {d} are the same item (depth{d:.2}): give depths at least 0.01 apart"
+                ));
+            }
+        }
+        None
     }
 }
 
@@ -522,6 +599,47 @@ block_size = 8
                 GOOD.replace("path = \"m.gguf\"", ""),
                 "x.toml:",
                 "missing field `path`",
+            ),
+            // The red team of the inputs: names that escape the output
+            // folder or cannot be file names, threads out of range, no
+            // workloads, the same item twice.
+            (
+                GOOD.replace("name = \"all\"", "name = \"../../../escaped\""),
+                "x.toml:17:1:",
+                "config name \"../../../escaped\" must be 1 to 64 letters",
+            ),
+            (
+                GOOD.replace("name = \"all\"", "name = \"a/b\""),
+                "x.toml:17:1:",
+                "it names files of the report",
+            ),
+            (
+                GOOD.replace("name = \"all\"", &format!("name = \"{}\"", "n".repeat(300))),
+                "x.toml:17:1:",
+                "must be 1 to 64",
+            ),
+            (
+                GOOD.replace("block_size = 16", "block_size = 16\nthreads = 100000"),
+                "x.toml:",
+                "model.threads = 100000 must be between 0",
+            ),
+            (
+                GOOD.replace("block_size = 16", "block_size = 16\nthreads = -3"),
+                "x.toml:",
+                "model.threads = -3 must be between 0",
+            ),
+            (
+                GOOD.replace(
+                    "[workloads.stream]\ndata = \"wiki\"\ncontexts = [256]\nprefix = 64\nchunk = 32\ndecode = 4\n",
+                    "",
+                ),
+                "x.toml:",
+                "nothing to measure",
+            ),
+            (
+                GOOD.replace("contexts = [256]", "contexts = [256, 256]"),
+                "x.toml:",
+                "workloads.stream.contexts lists 256 twice",
             ),
         ];
         for (src, at, what) in cases {

@@ -37,10 +37,23 @@ pub struct Options {
     pub root: PathBuf,
 }
 
-/// Runs the experiment of `opts`; returns the output folder.
-pub fn run(opts: &Options) -> Result<PathBuf> {
+/// What a run did: where its report is, how many items it measured and
+/// how many of those failed (their errors are in the report).
+#[derive(Clone, Debug)]
+pub struct Outcome {
+    /// The output folder.
+    pub out: PathBuf,
+    /// Items measured by this invocation (a resumed run skips the rest).
+    pub measured: usize,
+    /// Of those, the items that failed.
+    pub failed: usize,
+}
+
+/// Runs the experiment of `opts`.
+pub fn run(opts: &Options) -> Result<Outcome> {
     let started = Instant::now();
-    let mut exp = Experiment::load(&opts.config)?;
+    // Read once: what is parsed is what the stamp keeps.
+    let (mut exp, text) = Experiment::read(&opts.config)?;
     exp.rebase(&opts.root);
     check_inputs(&exp)?;
     let out = opts.out.clone().unwrap_or_else(|| {
@@ -51,13 +64,12 @@ pub fn run(opts: &Options) -> Result<PathBuf> {
             opts.root.join(dir)
         }
     });
-    let provenance = Provenance {
-        commit: crate::output::commit(&opts.root),
-        ..Provenance::capture()
-    };
-    let mut output = Output::with_provenance(&out, provenance)?;
-    let text = std::fs::read_to_string(&opts.config)
-        .with_context(|| format!("reading {}", opts.config.display()))?;
+    if out.exists() && !out.is_dir() {
+        bail!(
+            "output folder {}: exists and is not a folder",
+            out.display()
+        );
+    }
     let items_path = out.join("items.jsonl");
     let stamp_path = out.join("experiment.toml");
     let mut records = Vec::new();
@@ -72,11 +84,14 @@ pub fn run(opts: &Options) -> Result<PathBuf> {
             Err(_) => bail!("--resume: no earlier run in {}", out.display()),
         }
     }
-    std::fs::write(&stamp_path, &text)
-        .with_context(|| format!("writing {}", stamp_path.display()))?;
+    let provenance = Provenance {
+        commit: crate::output::commit(&opts.root),
+        ..Provenance::capture()
+    };
+    let mut output = Output::with_provenance(&out, provenance)?;
     let mut info = RunInfo {
         config_path: opts.config.display().to_string(),
-        config_text: text,
+        config_text: text.clone(),
         wall_secs: 0.0,
     };
 
@@ -84,9 +99,22 @@ pub fn run(opts: &Options) -> Result<PathBuf> {
         kvforge_engine::tch::set_num_threads(exp.model.threads);
     }
     let (model, tok) = load_model(&exp)?;
-    let inputs = Inputs::load(&exp, &tok)?;
+    let inputs = Inputs::load(&exp, &tok, model.cfg.max_ctx)?;
+    // Whatever the file check could not see without the model (a group
+    // size against the head dim, a context the model lacks) fails here,
+    // before anything runs, not as a report full of failed items.
+    check_fits(&inputs, &tok, model.cfg.max_ctx)?;
+    for m in exp.matrix() {
+        if let Err(e) = Runner::new(&exp, m, &model, &tok) {
+            bail!("{}: config {:?}: {e:#}", opts.config.display(), m.name());
+        }
+    }
     let items = inputs.items();
     export_passkey(&inputs, &items, &tok, &out)?;
+    // Only now is the stamp written: a run that could not start leaves an
+    // earlier run's folder resumable.
+    std::fs::write(&stamp_path, &text)
+        .with_context(|| format!("writing {}", stamp_path.display()))?;
     // The unit of resumption is one workload of one configuration: its
     // items share an engine (a later chat reuses what an earlier one
     // cached), so a workload cut short runs again from its first item.
@@ -129,6 +157,7 @@ pub fn run(opts: &Options) -> Result<PathBuf> {
         ProgressStyle::with_template("{bar:30} {pos}/{len} items {elapsed_precise} {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
+    let (mut measured, mut failed) = (0, 0);
     let mut log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -166,6 +195,8 @@ pub fn run(opts: &Options) -> Result<PathBuf> {
                 rec.item = item.name.clone();
                 rec.secs = t0.elapsed().as_secs_f64();
                 rec.commit = output.provenance().commit.clone();
+                measured += 1;
+                failed += usize::from(rec.error.is_some());
                 let line = serde_json::to_string(&rec)?;
                 writeln!(log, "{line}")
                     .and_then(|()| log.flush())
@@ -194,8 +225,51 @@ pub fn run(opts: &Options) -> Result<PathBuf> {
     bar.finish_and_clear();
     info.wall_secs = started.elapsed().as_secs_f64();
     report::write(&mut output, &exp, &records, &info)?;
-    Ok(out)
+    Ok(Outcome {
+        out,
+        measured,
+        failed,
+    })
 }
+
+/// Greedy tokens of a pass-key answer.
+const PASSKEY_ANSWER: usize = 8;
+
+/// Every chat fits the model's context even if each answer runs to
+/// `answer_tokens` (positions past the context fail the item mid-run).
+fn check_fits(inputs: &Inputs, tok: &Tokenizer, max_ctx: usize) -> Result<()> {
+    let Some((w, chats)) = &inputs.chat else {
+        return Ok(());
+    };
+    for (i, chat) in chats.iter().enumerate() {
+        // The system prompt and the first turn; the planted fact's sentence
+        // (32 tokens cover it); the other turns, the recall question and
+        // its primer; an answer after each.
+        let first = [
+            Message::new("system", SYSTEM),
+            Message::new("user", &chat[0]),
+        ];
+        let mut need = tok.chat_ids(&first)?.len() + 32 + tok.encode_text(RECALL_PRIMER)?.len();
+        for text in chat[1..]
+            .iter()
+            .map(String::as_str)
+            .chain([RECALL_QUESTION])
+        {
+            need += tok.user_turn_ids(true, text)?.len();
+        }
+        need += w.answer_tokens * (chat.len() + 1);
+        if need > max_ctx {
+            bail!(
+                "workloads.chat: chat {i} may need {need} positions (its turns plus answer_tokens = {} per answer), more than the model's context of {max_ctx} tokens",
+                w.answer_tokens
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The most `items.jsonl` may hold for `--resume`: 4 GiB.
+const MAX_LOG_BYTES: u64 = 4 << 30;
 
 /// Every input file exists, or one line saying which setup step installs it.
 fn check_inputs(exp: &Experiment) -> Result<()> {
@@ -231,10 +305,15 @@ fn check_inputs(exp: &Experiment) -> Result<()> {
     Ok(())
 }
 
+/// The items an earlier run logged; none when there is no log. A log
+/// that cannot be read (not UTF-8, a folder) is an error, not "nothing
+/// measured": a resume must not silently measure everything again.
 fn load_records(path: &Path) -> Result<Vec<Record>> {
-    let Ok(text) = std::fs::read_to_string(path) else {
+    if !path.exists() {
         return Ok(Vec::new());
-    };
+    }
+    let text = kvforge_engine::input::read_text(path, MAX_LOG_BYTES)
+        .map_err(|e| anyhow::anyhow!("--resume: {e}; fix or remove it to start over"))?;
     let mut out = Vec::new();
     let last = text.lines().count();
     for (i, line) in text.lines().enumerate() {
@@ -326,9 +405,8 @@ about the user. If you do not know something, say so plainly. Never use lists or
 plain sentences. Do not repeat the question back. Do not greet the user again after the first turn.";
 
 impl Inputs {
-    fn load(exp: &Experiment, tok: &Tokenizer) -> Result<Inputs> {
+    fn load(exp: &Experiment, tok: &Tokenizer, max_ctx: usize) -> Result<Inputs> {
         let w = &exp.workloads;
-        let max_ctx = exp.model.random.map_or(8192, |r| r.max_ctx);
         let chat = match &w.chat {
             Some(c) => Some((
                 c.clone(),
@@ -339,11 +417,13 @@ impl Inputs {
         let stream = match &w.stream {
             Some(s) => {
                 let need = s.contexts.iter().copied().max().unwrap_or(0);
-                if need >= max_ctx {
-                    bail!("workloads.stream: context {need} does not fit the model's {max_ctx}");
+                if need.saturating_add(s.decode) > max_ctx {
+                    bail!(
+                        "workloads.stream: context {need} plus decode {} exceed the model's context of {max_ctx} tokens",
+                        s.decode
+                    );
                 }
-                let text = std::fs::read_to_string(&s.data)
-                    .with_context(|| format!("reading {}", s.data.display()))?;
+                let text = crate::read_text(&s.data)?;
                 let mut ids = Vec::new();
                 for a in kvforge_engine::ppl::articles(&text) {
                     ids.extend(tok.encode_text(&a)?);
@@ -366,8 +446,10 @@ impl Inputs {
         let passkey = match &w.passkey {
             Some(p) => {
                 let need = p.lengths.iter().copied().max().unwrap_or(0);
-                if need >= max_ctx {
-                    bail!("workloads.passkey: length {need} does not fit the model's {max_ctx}");
+                if need.saturating_add(PASSKEY_ANSWER) > max_ctx {
+                    bail!(
+                        "workloads.passkey: length {need} plus the {PASSKEY_ANSWER}-token answer exceed the model's context of {max_ctx} tokens"
+                    );
                 }
                 Some((p.clone(), haystack(&p.data, tok, need)?))
             }
@@ -525,8 +607,7 @@ fn haystack(dir: &Path, tok: &Tokenizer, need: usize) -> Result<Vec<u32>> {
     files.sort();
     let mut ids = Vec::new();
     for f in files {
-        let text =
-            std::fs::read_to_string(&f).with_context(|| format!("reading {}", f.display()))?;
+        let text = crate::read_text(&f)?;
         ids.extend(tok.encode_text(&format!("{}\n\n", text.trim()))?);
         if ids.len() >= need {
             return Ok(ids);
@@ -731,7 +812,7 @@ impl<'a> Runner<'a> {
                 peak = peak.max(engine.cache.bytes_in_use());
             }
             let params = SamplingParams {
-                max_tokens: 8,
+                max_tokens: PASSKEY_ANSWER,
                 ..SamplingParams::default()
             };
             let g = engine.generate(&mut seq, &question, &params, &mut |_, _| true)?;

@@ -18,8 +18,17 @@ use kvforge_bench::ablate::run::{Options, run};
 fn main() -> std::process::ExitCode {
     kvforge_bench::main_with("ablate", || {
         let opts = parse(std::env::args().skip(1).collect())?;
-        let out = run(&opts)?;
-        println!("report: {}", out.join("report.md").display());
+        let done = run(&opts)?;
+        let report = done.out.join("report.md");
+        println!("report: {}", report.display());
+        if done.failed > 0 {
+            bail!(
+                "{} of the {} items measured failed (see Failures in {})",
+                done.failed,
+                done.measured,
+                report.display()
+            );
+        }
         Ok(())
     })
 }

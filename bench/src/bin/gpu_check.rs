@@ -76,7 +76,13 @@ fn run() -> Result<()> {
     for (flag, value) in kvforge_bench::flag_pairs()? {
         match flag.as_str() {
             "--out" => out_dir = PathBuf::from(value),
-            "--dry-run" => dry = value == "1",
+            "--dry-run" => {
+                dry = match value.as_str() {
+                    "1" => true,
+                    "0" => false,
+                    _ => bail!("--dry-run {value:?}: give 1 (toy sizes on the CPU) or 0"),
+                }
+            }
             _ => bail!("unknown flag {flag}; flags: --out DIR, --dry-run 1"),
         }
     }

@@ -89,8 +89,8 @@ fn parse_args() -> Result<Args> {
             "--conversations" => a.conversations = num()?,
             "--filler" => a.filler = num()?,
             "--answer-tokens" => a.answer_tokens = num()?,
-            "--protect" => a.protect = u32::try_from(num()?)?,
-            "--delay" => a.delay = u32::try_from(kvforge_bench::count(&flag, &value)?)?,
+            "--protect" => a.protect = small(&flag, num()?)?,
+            "--delay" => a.delay = small(&flag, kvforge_bench::count(&flag, &value)?)?,
             "--compress-min" => a.compress_min = num()? as u64,
             "--configs" => {
                 a.configs = value.split(',').map(|s| s.trim().to_string()).collect();
@@ -290,6 +290,11 @@ struct Row {
     answer: String,
     correct: bool,
     old_value: bool,
+}
+
+/// `v`, given for `flag`, as a u32.
+fn small(flag: &str, v: usize) -> Result<u32> {
+    u32::try_from(v).map_err(|_| anyhow::anyhow!("{flag} {v} is above {}", u32::MAX))
 }
 
 fn main() -> std::process::ExitCode {
