@@ -130,6 +130,7 @@ fn quick_runs_every_configuration_and_repeats_its_quality_columns() {
         assert!(md.contains(&format!("\n| {} | ", m.name())), "{}", m.name());
     }
     for section in [
+        "## Quality with 95% intervals",
         "## Chat",
         "## Streaming perplexity",
         "## Pass key retrieval",
@@ -148,6 +149,16 @@ fn quick_runs_every_configuration_and_repeats_its_quality_columns() {
         prom.contains("# TYPE kvforge_policies_lifecycle_dropped_entries gauge"),
         "{prom}"
     );
+    // Intervals: each configuration's recall, pass key and perplexity,
+    // the same in both runs (seeded), none for the baseline's change.
+    let iv = std::fs::read_to_string(a.join("intervals.csv")).unwrap();
+    assert_eq!(iv.lines().count(), 1 + exp.matrix().len() * 3, "{iv}");
+    assert_eq!(
+        iv,
+        std::fs::read_to_string(b.join("intervals.csv")).unwrap()
+    );
+    let base_ppl = iv.lines().find(|l| l.starts_with("baseline,ppl,")).unwrap();
+    assert!(base_ppl.ends_with(",,,,"), "{base_ppl}");
     let turns = std::fs::read_to_string(a.join("turns.csv")).unwrap();
     assert_eq!(turns.lines().count(), 1 + exp.matrix().len() * 2 * 4);
     // Mechanisms really engaged: cold bytes under int4, drops under eviction.

@@ -46,6 +46,9 @@ pub struct PplReport {
     pub decode_steps: usize,
     /// Their rate, tokens per second (0 when none were run).
     pub decode_tokens_per_sec: f64,
+    /// Streaming only: each streamed chunk's tokens scored and their NLL
+    /// sum, in order (what a paired comparison of two caches resamples).
+    pub chunks: Vec<(usize, f64)>,
 }
 
 impl PplReport {
@@ -108,14 +111,16 @@ impl Engine {
                 let piece = &tokens[p..end];
                 // The row before the chunk predicts its first token; each
                 // chunk row predicts the next one.
-                r.nll_sum += nll(&last, &piece[..1])?;
+                let mut here = nll(&last, &piece[..1])?;
                 let logits = self
                     .model
                     .forward(piece, &mut self.cache.view(&mut seq), true)?;
                 if piece.len() > 1 {
                     let n = piece.len() as i64;
-                    r.nll_sum += nll(&logits.f_narrow(0, 0, n - 1)?, &piece[1..])?;
+                    here += nll(&logits.f_narrow(0, 0, n - 1)?, &piece[1..])?;
                 }
+                r.nll_sum += here;
+                r.chunks.push((piece.len(), here));
                 last = logits.f_narrow(0, piece.len() as i64 - 1, 1)?;
                 r.scored += piece.len();
                 let (hot, cold) = self.cache.tier_bytes();

@@ -632,6 +632,11 @@ fn streaming_and_window_perplexity_agree_and_do_not_depend_on_chunking() {
     for chunk in [1, 7, 32] {
         let s = engine.streaming_ppl(&toks, 32, chunk, 0).unwrap();
         assert_eq!(s.scored, 32);
+        // One (tokens, NLL) per streamed chunk, summing to the totals.
+        assert_eq!(s.chunks.len(), 32usize.div_ceil(chunk));
+        assert_eq!(s.chunks.iter().map(|c| c.0).sum::<usize>(), 32);
+        let chunk_nll: f64 = s.chunks.iter().map(|c| c.1).sum();
+        assert!((chunk_nll - s.nll_sum).abs() < 1e-9 * s.nll_sum.abs().max(1.0));
         assert!(
             (s.nll_sum - w.nll_sum).abs() < 1e-3 * w.nll_sum.abs().max(1.0),
             "chunk {chunk}: {} vs {}",

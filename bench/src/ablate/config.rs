@@ -446,6 +446,23 @@ block_size = 8
     }
 
     #[test]
+    fn depths_that_name_one_item_twice_are_refused() {
+        let pk = |depths: Vec<f64>| Workloads {
+            passkey: Some(PasskeyWorkload {
+                data: "essays".into(),
+                lengths: vec![160],
+                depths,
+                chunk: 32,
+                question_seen: false,
+            }),
+            ..Workloads::default()
+        };
+        let e = pk(vec![0.501, 0.502]).repeated_item().unwrap();
+        assert!(e.contains("are the same item (depth0.50)"), "{e}");
+        assert_eq!(pk(vec![0.5, 0.51]).repeated_item(), None);
+    }
+
+    #[test]
     fn bad_files_name_the_file_line_and_key_in_one_line() {
         let cases = [
             // An unknown key.

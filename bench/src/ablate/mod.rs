@@ -4,10 +4,14 @@
 //! * [`run`] (feature `engine`): each configuration on each workload, item
 //!   by item, resumable.
 //! * [`report`]: `report.md`, `results.csv`, `turns.csv`, PNGs.
+//! * [`intervals`], [`stats`]: quality with 95% intervals (Wilson, paired
+//!   bootstrap against the baseline), `intervals.csv`.
 //! * [`strided`]: the worked example of adding an eviction policy.
 
 pub mod config;
+pub mod intervals;
 pub mod report;
+pub mod stats;
 
 /// The eviction policies experiment files can name: kvforge's own, and
 /// the README's worked example.

@@ -28,6 +28,10 @@ pub struct Record {
     pub turns: Vec<BTreeMap<String, f64>>,
     /// The scored answer (the recall turn's, the pass key's).
     pub answer: Option<String>,
+    /// Streams: each scored chunk's `[tokens, NLL sum]`, in order (what
+    /// the perplexity change's paired interval resamples).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub chunks: Vec<[f64; 2]>,
     /// Seconds it took.
     pub secs: f64,
     /// The commit that measured it.
@@ -245,6 +249,7 @@ pub fn write(out: &mut Output, exp: &Experiment, records: &[Record], info: &RunI
             s.failed,
         );
     }
+    let (quality, intervals) = super::intervals::section(exp, records);
     md.push_str(&format!(
         "\nKV MiB are bytes held by blocks in use in all tiers (hot {} pool blocks and \
          quantized cold blocks, each shared block once), at their peak. Speed columns \
@@ -252,6 +257,7 @@ pub fn write(out: &mut Output, exp: &Experiment, records: &[Record], info: &RunI
          `cargo xtask decode-ab` measures decode speed interleaved.\n",
         super::HOT_KV
     ));
+    md.push_str(&quality);
     workload_sections(&mut md, exp, records);
     let failures: Vec<&Record> = records.iter().filter(|r| r.error.is_some()).collect();
     if !failures.is_empty() {
@@ -276,6 +282,7 @@ pub fn write(out: &mut Output, exp: &Experiment, records: &[Record], info: &RunI
     );
     out.csv("results.csv", &results_csv(records))?;
     out.csv("turns.csv", &turns_csv(records))?;
+    out.csv("intervals.csv", &intervals)?;
     plots(out, exp, records, &summary)?;
     out.report(&md)?;
     Ok(())

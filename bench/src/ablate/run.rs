@@ -785,6 +785,7 @@ impl<'a> Runner<'a> {
                 ("tok_s".into(), r.tokens_per_sec),
                 ("decode_tok_s".into(), r.decode_tokens_per_sec),
             ]),
+            chunks: r.chunks.iter().map(|&(n, nll)| [n as f64, nll]).collect(),
             ..Record::default()
         })
     }
