@@ -86,7 +86,11 @@ pub fn load_chats(
     n: usize,
     lengths: std::ops::RangeInclusive<usize>,
 ) -> anyhow::Result<Vec<Vec<String>>> {
-    let text = read_text(path)?;
+    let text = match read_text(path) {
+        Ok(t) => t,
+        Err(e) if !path.exists() => bail!("{e} (run `cargo xtask setup`)"),
+        Err(e) => return Err(e),
+    };
     let all: serde_json::Value =
         serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
     let map = all

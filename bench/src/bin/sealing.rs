@@ -29,6 +29,9 @@ fn arg(args: &[String], i: usize, name: &str, default: usize) -> anyhow::Result<
     }
 }
 
+/// The most turns (all chats together) the replay builds.
+const MAX_TURNS: usize = 1_000_000;
+
 fn main() -> std::process::ExitCode {
     kvforge_bench::main_with("sealing", run)
 }
@@ -40,6 +43,12 @@ fn run() -> anyhow::Result<()> {
     }
     let chats = arg(&args, 1, "CHATS", 200)?;
     let turns = arg(&args, 2, "TURNS", 16)?;
+    // Every chat is held in memory at once: bounded, not an OOM.
+    if chats.saturating_mul(turns) > MAX_TURNS {
+        bail!(
+            "CHATS × TURNS = {chats} × {turns} is above the {MAX_TURNS} turns this replay holds in memory"
+        );
+    }
     let mut output = Output::create(args.get(3).map_or("target/sealing", String::as_str))?;
     let mut csv = Csv::new(&[
         "block_size",
