@@ -1,7 +1,7 @@
 //! The report's quality with 95% intervals: per configuration, fact
 //! recall and pass-key accuracy (Wilson) and every quality change against
-//! the baseline (paired bootstrap over the very same items, or the same
-//! scored chunks for perplexity), in `report.md` and `intervals.csv`.
+//! the baseline (paired over the very same items, or the same scored
+//! chunks for perplexity), in `report.md` and `intervals.csv`.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -79,7 +79,7 @@ pub fn qualities(exp: &Experiment, records: &[Record]) -> Vec<Quality> {
                 change: if is_base {
                     None
                 } else {
-                    stats::paired_difference(&a, &b, seed)
+                    stats::paired_difference(&a, &b)
                 },
             });
         }
@@ -191,9 +191,10 @@ pub fn section(exp: &Experiment, records: &[Record]) -> (String, Csv) {
     }
     let mut md = format!(
         "\n## Quality with 95% intervals\n\nFact recall and pass-key accuracy with Wilson intervals and their item counts; \
-         changes against `{}` with paired bootstrap intervals over the same items (perplexity: over the same scored \
-         chunks of the stream), {} resamples, seeded. **Bold**: the interval excludes zero — the only changes this \
-         run tells apart from noise.\n\n\
+         changes against `{}` on the same items, their interval from the items the two disagree on (McNemar's \
+         score test inverted); the perplexity change with a paired bootstrap over the same scored chunks of the \
+         stream ({} resamples, seeded). **Bold**: the interval excludes zero — the only changes this run tells \
+         apart from noise.\n\n\
          | configuration | fact recall (n) | recall change | pass key (n) | pass-key change | perplexity (chunks) | perplexity change |\n\
          |---|---:|---:|---:|---:|---:|---:|\n",
         exp.baseline(),

@@ -1,7 +1,8 @@
 //! Intervals for the report's quality columns: Wilson score intervals for
-//! a share of items right (fact recall, pass keys), and paired bootstrap
-//! intervals for a configuration's change against the baseline on the very
-//! same items (or, for perplexity, the very same scored chunks).
+//! a share of items right (fact recall, pass keys); for a configuration's
+//! change against the baseline on the very same items, an interval from
+//! the items the two disagree on (McNemar's score test inverted); for a
+//! perplexity change, a paired bootstrap over the very same scored chunks.
 
 use crate::SplitMix;
 
@@ -74,16 +75,42 @@ pub fn paired_bootstrap(n: usize, seed: u64, stat: impl Fn(&[usize]) -> f64) -> 
     })
 }
 
-/// The change in the mean of 0/1 scores (`ours[i]` against `base[i]`, the
-/// same item), in fractions, with its paired bootstrap interval.
-pub fn paired_difference(ours: &[f64], base: &[f64], seed: u64) -> Option<(f64, Interval)> {
+/// The change in the share of items right (0/1 scores, `ours[i]` against
+/// `base[i]` on the same item), in fractions, with a 95% interval from the
+/// items the two disagree on: of those `m`, the share `b / m` the
+/// configuration gets right gets a Wilson interval `[L, U]`, and the change
+/// `(b − c) / n = m / n · (2p − 1)` the interval `m / n · (2L − 1, 2U − 1)`
+/// — McNemar's score test inverted, so it excludes zero exactly when that
+/// test rejects at 5%. (A bootstrap over a handful of items would call two
+/// lost items of two significant; this does not.)
+pub fn paired_difference(ours: &[f64], base: &[f64]) -> Option<(f64, Interval)> {
     if ours.len() != base.len() || ours.is_empty() {
         return None;
     }
-    let diff =
-        |idx: &[usize]| idx.iter().map(|&i| ours[i] - base[i]).sum::<f64>() / idx.len() as f64;
-    let all: Vec<usize> = (0..ours.len()).collect();
-    Some((diff(&all), paired_bootstrap(ours.len(), seed, diff)?))
+    let n = ours.len() as f64;
+    let right = |x: f64| x > 0.5;
+    let (mut b, mut c) = (0usize, 0usize);
+    for (&o, &w) in ours.iter().zip(base) {
+        match (right(o), right(w)) {
+            (true, false) => b += 1,
+            (false, true) => c += 1,
+            _ => {}
+        }
+    }
+    let m = b + c;
+    let change = (b as f64 - c as f64) / n;
+    let Some(w) = wilson(b, m) else {
+        // No item where they disagree: no change, and no spread.
+        return Some((0.0, Interval { lo: 0.0, hi: 0.0 }));
+    };
+    let scale = m as f64 / n;
+    Some((
+        change,
+        Interval {
+            lo: scale * (2.0 * w.lo - 1.0),
+            hi: scale * (2.0 * w.hi - 1.0),
+        },
+    ))
 }
 
 /// One scored chunk of a stream: tokens, and the sum of their negative
@@ -145,18 +172,35 @@ mod tests {
     fn a_paired_difference_is_significant_only_when_the_items_say_so() {
         // Identical answers: a zero change whose interval is [0, 0].
         let same = [1.0, 0.0, 1.0, 1.0];
-        let (d, i) = paired_difference(&same, &same, 1).unwrap();
+        let (d, i) = paired_difference(&same, &same).unwrap();
         assert_eq!((d, i.lo, i.hi), (0.0, 0.0, 0.0));
         assert!(!i.excludes_zero());
-        // One item of 4 lost: not told apart from noise.
-        let (d, i) = paired_difference(&[1.0, 0.0, 1.0, 0.0], &same, 1).unwrap();
+        // One item of 4 lost; both of 2; 3 of 6: not told apart from noise
+        // (McNemar's exact p: 1, 0.5, 0.25).
+        let (d, i) = paired_difference(&[1.0, 0.0, 1.0, 0.0], &same).unwrap();
         assert_eq!(d, -0.25);
         assert!(!i.excludes_zero(), "{i:?}");
-        // 30 of 30 lost: told apart.
-        let (d, i) = paired_difference(&[0.0; 30], &[1.0; 30], 1).unwrap();
+        let (d, i) = paired_difference(&[0.0; 2], &[1.0; 2]).unwrap();
         assert_eq!(d, -1.0);
-        assert!(i.excludes_zero() && i.hi < 0.0);
-        assert!(paired_difference(&[1.0], &[1.0, 0.0], 1).is_none());
+        assert!(!i.excludes_zero() && i.lo == -1.0, "{i:?}");
+        let half = [0.0, 0.0, 0.0, 1.0, 1.0, 1.0];
+        assert!(
+            !paired_difference(&half, &[1.0; 6])
+                .unwrap()
+                .1
+                .excludes_zero()
+        );
+        // 8 of 8 lost, and 30 of 30: told apart.
+        for n in [8, 30] {
+            let (d, i) = paired_difference(&vec![0.0; n], &vec![1.0; n]).unwrap();
+            assert_eq!(d, -1.0);
+            assert!(i.excludes_zero() && i.hi < 0.0, "{n}: {i:?}");
+        }
+        // Gains and losses that cancel: zero change, an interval around it.
+        let (d, i) = paired_difference(&[1.0, 0.0, 1.0, 0.0], &[0.0, 1.0, 0.0, 1.0]).unwrap();
+        assert_eq!(d, 0.0);
+        assert!(i.lo < 0.0 && i.hi > 0.0);
+        assert!(paired_difference(&[1.0], &[1.0, 0.0]).is_none());
     }
 
     #[test]
