@@ -191,8 +191,8 @@ pub fn section(exp: &Experiment, records: &[Record]) -> (String, Csv) {
     }
     let mut md = format!(
         "\n## Quality with 95% intervals\n\nFact recall and pass-key accuracy with Wilson intervals and their item counts; \
-         changes against `{}` on the same items, their interval from the items the two disagree on (McNemar's \
-         score test inverted); the perplexity change with a paired bootstrap over the same scored chunks of the \
+         changes against `{}` on the same items with Tango's score interval for paired proportions (it excludes \
+         zero exactly when McNemar's test rejects); the perplexity change with a paired bootstrap over the same scored chunks of the \
          stream ({} resamples, seeded). **Bold**: the interval excludes zero — the only changes this run tells \
          apart from noise.\n\n\
          | configuration | fact recall (n) | recall change | pass key (n) | pass-key change | perplexity (chunks) | perplexity change |\n\

@@ -1,7 +1,7 @@
 //! Intervals for the report's quality columns: Wilson score intervals for
 //! a share of items right (fact recall, pass keys); for a configuration's
-//! change against the baseline on the very same items, an interval from
-//! the items the two disagree on (McNemar's score test inverted); for a
+//! change against the baseline on the very same items, Tango's score
+//! interval for paired proportions (consistent with McNemar's test); for a
 //! perplexity change, a paired bootstrap over the very same scored chunks.
 
 use crate::SplitMix;
@@ -76,39 +76,70 @@ pub fn paired_bootstrap(n: usize, seed: u64, stat: impl Fn(&[usize]) -> f64) -> 
 }
 
 /// The change in the share of items right (0/1 scores, `ours[i]` against
-/// `base[i]` on the same item), in fractions, with a 95% interval from the
-/// items the two disagree on: of those `m`, the share `b / m` the
-/// configuration gets right gets a Wilson interval `[L, U]`, and the change
-/// `(b − c) / n = m / n · (2p − 1)` the interval `m / n · (2L − 1, 2U − 1)`
-/// — McNemar's score test inverted, so it excludes zero exactly when that
-/// test rejects at 5%. (A bootstrap over a handful of items would call two
-/// lost items of two significant; this does not.)
+/// `base[i]` on the same item), in fractions, with Tango's score interval
+/// for a difference of paired proportions: every change `Δ` whose score
+/// statistic (the discordant items `b` the configuration alone gets right
+/// and `c` the baseline alone does, against `Δ` with the other cell
+/// probabilities at their constrained maximum likelihood) is within 1.96.
+/// At `Δ = 0` that statistic is McNemar's, so the interval excludes zero
+/// exactly when McNemar's score test rejects at 5%: two items lost of two
+/// are not told apart from noise, eight of eight are. Items that all agree
+/// still get an interval around zero as wide as their number allows.
 pub fn paired_difference(ours: &[f64], base: &[f64]) -> Option<(f64, Interval)> {
     if ours.len() != base.len() || ours.is_empty() {
         return None;
     }
-    let n = ours.len() as f64;
     let right = |x: f64| x > 0.5;
-    let (mut b, mut c) = (0usize, 0usize);
+    let (mut b, mut c) = (0.0, 0.0);
     for (&o, &w) in ours.iter().zip(base) {
         match (right(o), right(w)) {
-            (true, false) => b += 1,
-            (false, true) => c += 1,
+            (true, false) => b += 1.0,
+            (false, true) => c += 1.0,
             _ => {}
         }
     }
-    let m = b + c;
-    let change = (b as f64 - c as f64) / n;
-    let Some(w) = wilson(b, m) else {
-        // No item where they disagree: no change, and no spread.
-        return Some((0.0, Interval { lo: 0.0, hi: 0.0 }));
+    let n = ours.len() as f64;
+    let point = (b - c) / n;
+    // The score statistic of `d`; 0 at the point estimate.
+    let z = |d: f64| -> f64 {
+        // The probability of the baseline-only cell that maximizes the
+        // likelihood under the change `d`: the feasible root of
+        // 2n q² − B q − c d (1 − d) = 0.
+        let big_b = b + c - d * (2.0 * n - b + c);
+        let disc = (big_b * big_b + 8.0 * n * c * d * (1.0 - d)).max(0.0);
+        let q = ((big_b + disc.sqrt()) / (4.0 * n)).clamp((-d).max(0.0), (1.0 - d) / 2.0);
+        let var = (2.0 * q + d - d * d) / n;
+        if var <= 0.0 {
+            return if (point - d).abs() < 1e-12 {
+                0.0
+            } else {
+                f64::INFINITY
+            };
+        }
+        ((point - d) / var.sqrt()).abs()
     };
-    let scale = m as f64 / n;
+    // Each end by bisection between the point (z = 0) and ±1.
+    let end = |toward: f64| -> f64 {
+        let edge = toward - toward.signum() * 1e-12;
+        if z(edge) <= Z95 {
+            return toward;
+        }
+        let (mut inside, mut outside) = (point, edge);
+        for _ in 0..100 {
+            let mid = 0.5 * (inside + outside);
+            if z(mid) <= Z95 {
+                inside = mid;
+            } else {
+                outside = mid;
+            }
+        }
+        inside
+    };
     Some((
-        change,
+        point,
         Interval {
-            lo: scale * (2.0 * w.lo - 1.0),
-            hi: scale * (2.0 * w.hi - 1.0),
+            lo: end(-1.0),
+            hi: end(1.0),
         },
     ))
 }
@@ -170,36 +201,41 @@ mod tests {
 
     #[test]
     fn a_paired_difference_is_significant_only_when_the_items_say_so() {
-        // Identical answers: a zero change whose interval is [0, 0].
-        let same = [1.0, 0.0, 1.0, 1.0];
+        // Identical answers on 6 items: no change, but an interval around
+        // it (3.84 / (n + 3.84) either side when every item agrees).
+        let same = [1.0, 0.0, 1.0, 1.0, 1.0, 1.0];
         let (d, i) = paired_difference(&same, &same).unwrap();
-        assert_eq!((d, i.lo, i.hi), (0.0, 0.0, 0.0));
+        assert_eq!(d, 0.0);
+        let half = Z95 * Z95 / (6.0 + Z95 * Z95);
+        assert!(
+            (i.hi - half).abs() < 1e-9 && (i.lo + half).abs() < 1e-9,
+            "{i:?}"
+        );
         assert!(!i.excludes_zero());
-        // One item of 4 lost; both of 2; 3 of 6: not told apart from noise
-        // (McNemar's exact p: 1, 0.5, 0.25).
-        let (d, i) = paired_difference(&[1.0, 0.0, 1.0, 0.0], &same).unwrap();
-        assert_eq!(d, -0.25);
-        assert!(!i.excludes_zero(), "{i:?}");
+        // Both of 2 lost, 3 of 6 lost: not told apart from noise (McNemar's
+        // z² = (b − c)² / (b + c) = 2 and 3, under 3.84); the interval
+        // reaches below the point, down to −1 where it must.
         let (d, i) = paired_difference(&[0.0; 2], &[1.0; 2]).unwrap();
         assert_eq!(d, -1.0);
         assert!(!i.excludes_zero() && i.lo == -1.0, "{i:?}");
-        let half = [0.0, 0.0, 0.0, 1.0, 1.0, 1.0];
-        assert!(
-            !paired_difference(&half, &[1.0; 6])
-                .unwrap()
-                .1
-                .excludes_zero()
-        );
-        // 8 of 8 lost, and 30 of 30: told apart.
-        for n in [8, 30] {
+        let lost = [0.0, 0.0, 0.0, 1.0, 1.0, 1.0];
+        let (d, i) = paired_difference(&lost, &[1.0; 6]).unwrap();
+        assert_eq!(d, -0.5);
+        assert!(!i.excludes_zero() && i.lo < -0.5, "{i:?}");
+        // 4 of 4 lost (z² = 4) and 30 of 30: told apart.
+        for n in [4, 30] {
             let (d, i) = paired_difference(&vec![0.0; n], &vec![1.0; n]).unwrap();
             assert_eq!(d, -1.0);
             assert!(i.excludes_zero() && i.hi < 0.0, "{n}: {i:?}");
         }
-        // Gains and losses that cancel: zero change, an interval around it.
+        // Gains and losses that cancel: zero change, an interval around it;
+        // the mirror image of a loss is the mirrored interval.
         let (d, i) = paired_difference(&[1.0, 0.0, 1.0, 0.0], &[0.0, 1.0, 0.0, 1.0]).unwrap();
         assert_eq!(d, 0.0);
-        assert!(i.lo < 0.0 && i.hi > 0.0);
+        assert!(i.lo < 0.0 && i.hi > 0.0 && (i.lo + i.hi).abs() < 1e-9);
+        let (_, gain) = paired_difference(&[1.0; 6], &lost).unwrap();
+        let (_, loss) = paired_difference(&lost, &[1.0; 6]).unwrap();
+        assert!((gain.lo + loss.hi).abs() < 1e-9 && (gain.hi + loss.lo).abs() < 1e-9);
         assert!(paired_difference(&[1.0], &[1.0, 0.0]).is_none());
     }
 
