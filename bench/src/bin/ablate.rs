@@ -2,7 +2,7 @@
 //! report with tables and plots in `target/ablate/<name>/`.
 //!
 //! ```text
-//! ablate                      # configs/ablate.toml (≤ 15 min on 2 cores)
+//! ablate                      # configs/ablate.toml (about 17 min on 2 cores)
 //! ablate --quick              # configs/quick.toml: tiny random model, seconds
 //! ablate --full               # configs/full.toml: the complete matrix
 //! ablate --config FILE [--out DIR] [--resume]
