@@ -265,9 +265,7 @@ impl Experiment {
                 top("no [workloads.chat], [workloads.stream] or [workloads.passkey]: nothing to measure".into())
             );
         }
-        if let Some(msg) = w.repeated_item() {
-            bail!("{}", top(msg));
-        }
+
         if let Some(c) = &w.chat
             && (c.chats == 0 || c.turns < 2 || c.answer_tokens == 0)
         {
@@ -294,12 +292,17 @@ impl Experiment {
             && (p.lengths.is_empty()
                 || p.depths.is_empty()
                 || p.chunk == 0
-                || p.depths.iter().any(|d| !(0.0..=1.0).contains(d)))
+                || p.depths
+                    .iter()
+                    .any(|d| !(0.0..=1.0).contains(d) || d.is_sign_negative()))
         {
             bail!(
                 "{}",
                 top("workloads.passkey: needs lengths, depths within [0, 1] and chunk > 0".into())
             );
+        }
+        if let Some(msg) = w.repeated_item() {
+            bail!("{}", top(msg));
         }
         let mut names = std::collections::BTreeSet::new();
         for c in &self.configs {
@@ -460,6 +463,17 @@ block_size = 8
         let e = pk(vec![0.501, 0.502]).repeated_item().unwrap();
         assert!(e.contains("are the same item (depth0.50)"), "{e}");
         assert_eq!(pk(vec![0.5, 0.51]).repeated_item(), None);
+        // NaN and -0.0 are out of range, not a repeated item.
+        for depths in ["[nan, nan]", "[-0.0, 0.5]"] {
+            let src = GOOD.replace(
+                "[[config]]\nname = \"baseline\"",
+                &format!(
+                    "[workloads.passkey]\ndata = \"e\"\nlengths = [160]\ndepths = {depths}\nchunk = 32\n\n[[config]]\nname = \"baseline\""
+                ),
+            );
+            let e = err(&src);
+            assert!(e.contains("depths within [0, 1]"), "{depths}: {e}");
+        }
     }
 
     #[test]

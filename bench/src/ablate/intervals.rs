@@ -39,13 +39,16 @@ fn scores(records: &[Record], config: &str, workload: &str, key: &str) -> BTreeM
         .collect()
 }
 
-/// Scored chunks of every stream item of `config`, by item.
-fn chunks(records: &[Record], config: &str) -> BTreeMap<String, Vec<[f64; 2]>> {
+/// The stream record of `config` at `item`, else at its longest context,
+/// that has scored chunks. One context only: every stream item is a
+/// prefix of the same tokens, so the chunks of a shorter context repeat
+/// the first chunks of a longer one and must not be counted twice.
+fn stream<'a>(records: &'a [Record], config: &str, item: Option<&str>) -> Option<&'a Record> {
     records
         .iter()
         .filter(|r| r.config == config && r.workload == "stream" && r.error.is_none())
-        .map(|r| (r.item.clone(), r.chunks.clone()))
-        .collect()
+        .filter(|r| !r.chunks.is_empty() && item.is_none_or(|i| r.item == i))
+        .max_by(|a, b| a.get("context").total_cmp(&b.get("context")))
 }
 
 /// Every configuration's quality measures with their intervals.
@@ -83,17 +86,12 @@ pub fn qualities(exp: &Experiment, records: &[Record]) -> Vec<Quality> {
                 },
             });
         }
-        let ours = chunks(records, name);
-        if ours.is_empty() {
+        let Some(ours) = stream(records, name, None) else {
             continue;
-        }
-        let theirs = chunks(records, base);
+        };
         let mut paired = Vec::new();
-        for (item, cs) in &ours {
-            let Some(bs) = theirs.get(item).filter(|b| b.len() == cs.len()) else {
-                continue;
-            };
-            for (c, b) in cs.iter().zip(bs) {
+        if let Some(theirs) = stream(records, base, Some(&ours.item)) {
+            for (c, b) in ours.chunks.iter().zip(&theirs.chunks) {
                 if c[0] == b[0] {
                     paired.push(PairedChunk {
                         tokens: c[0],
@@ -103,14 +101,14 @@ pub fn qualities(exp: &Experiment, records: &[Record]) -> Vec<Quality> {
                 }
             }
         }
-        let (n, nll): (f64, f64) = ours
-            .values()
-            .flatten()
+        let (n, nll) = ours
+            .chunks
+            .iter()
             .fold((0.0, 0.0), |(n, s), c| (n + c[0], s + c[1]));
         out.push(Quality {
             config: name.to_string(),
             metric: "ppl",
-            n: ours.values().map(Vec::len).sum(),
+            n: ours.chunks.len(),
             value: (nll / n.max(1.0)).exp(),
             interval: None,
             change: if is_base {
@@ -192,12 +190,13 @@ pub fn section(exp: &Experiment, records: &[Record]) -> (String, Csv) {
     let mut md = format!(
         "\n## Quality with 95% intervals\n\nFact recall and pass-key accuracy with Wilson intervals and their item counts; \
          changes against `{}` on the same items with Tango's score interval for paired proportions (it excludes \
-         zero exactly when McNemar's test rejects); the perplexity change with a paired bootstrap over the same scored chunks of the \
-         stream ({} resamples, seeded). **Bold**: the interval excludes zero — the only changes this run tells \
+         zero exactly when McNemar's test rejects); the perplexity change with a paired moving-block bootstrap over the same \
+         scored chunks of the longest stream (blocks of {} chunks, {} resamples, seeded). **Bold**: the interval excludes zero — the only changes this run tells \
          apart from noise.\n\n\
          | configuration | fact recall (n) | recall change | pass key (n) | pass-key change | perplexity (chunks) | perplexity change |\n\
          |---|---:|---:|---:|---:|---:|---:|\n",
         exp.baseline(),
+        stats::PPL_BLOCK,
         stats::RESAMPLES
     );
     for m in exp.matrix() {

@@ -74,7 +74,8 @@ pub fn run(opts: &Options) -> Result<Outcome> {
     let stamp_path = out.join("experiment.toml");
     let mut records = Vec::new();
     if opts.resume {
-        match std::fs::read_to_string(&stamp_path) {
+        match kvforge_engine::input::read_text(&stamp_path, kvforge_engine::input::MAX_CONFIG_BYTES)
+        {
             Ok(old) if old == text => records = load_records(&items_path)?,
             Ok(_) => bail!(
                 "{} changed since the run in {}; run without --resume to start over",
@@ -312,16 +313,28 @@ fn load_records(path: &Path) -> Result<Vec<Record>> {
     if !path.exists() {
         return Ok(Vec::new());
     }
-    let text = kvforge_engine::input::read_text(path, MAX_LOG_BYTES)
-        .map_err(|e| anyhow::anyhow!("--resume: {e}; fix or remove it to start over"))?;
+    let bad = |why: String| anyhow::anyhow!("--resume: {why}; fix or remove it to start over");
+    kvforge_engine::input::regular_file(path).map_err(bad)?;
+    let size = std::fs::metadata(path).map_or(0, |m| m.len());
+    if size > MAX_LOG_BYTES {
+        return Err(bad(format!("{}: larger than 4 GiB", path.display())));
+    }
+    let bytes = std::fs::read(path).map_err(|e| bad(format!("{}: {e}", path.display())))?;
+    let lines: Vec<&[u8]> = bytes
+        .split(|&b| b == b'\n')
+        .filter(|l| !l.is_empty())
+        .collect();
     let mut out = Vec::new();
-    let last = text.lines().count();
-    for (i, line) in text.lines().enumerate() {
-        // The last line may be cut short by an interrupt: skip it.
-        match serde_json::from_str::<Record>(line) {
+    for (i, line) in lines.iter().enumerate() {
+        // The last line may be cut short by an interrupt or a full disk,
+        // even inside a character: skip it; any other bad line is an error.
+        let parsed = std::str::from_utf8(line)
+            .map_err(|e| format!("not UTF-8 text ({e})"))
+            .and_then(|l| serde_json::from_str::<Record>(l).map_err(|e| e.to_string()));
+        match parsed {
             Ok(r) => out.push(r),
-            Err(_) if i + 1 == last => {}
-            Err(e) => bail!("{}:{}: {e}", path.display(), i + 1),
+            Err(_) if i + 1 == lines.len() => {}
+            Err(e) => return Err(bad(format!("{}:{}: {e}", path.display(), i + 1))),
         }
     }
     Ok(out)
@@ -785,7 +798,14 @@ impl<'a> Runner<'a> {
                 ("tok_s".into(), r.tokens_per_sec),
                 ("decode_tok_s".into(), r.decode_tokens_per_sec),
             ]),
-            chunks: r.chunks.iter().map(|&(n, nll)| [n as f64, nll]).collect(),
+            // A chunk whose NLL is not finite would not read back (JSON has
+            // no NaN); it is left out of the paired interval.
+            chunks: r
+                .chunks
+                .iter()
+                .filter(|c| c.1.is_finite())
+                .map(|&(n, nll)| [n as f64, nll])
+                .collect(),
             ..Record::default()
         })
     }

@@ -50,17 +50,32 @@ pub fn wilson(k: usize, n: usize) -> Option<Interval> {
 /// configurations, which is what pairs them) and evaluates `stat` on them;
 /// the 2.5th and 97.5th percentiles. Seeded: a rerun gives the same
 /// interval. `None` for no units or a statistic that is never finite.
-pub fn paired_bootstrap(n: usize, seed: u64, stat: impl Fn(&[usize]) -> f64) -> Option<Interval> {
+///
+/// Units are drawn in runs of `block` consecutive ones (a moving-block
+/// bootstrap; 1 = units drawn singly): neighbouring chunks of one text
+/// are correlated — what a cache dropped early hurts every later chunk —
+/// and drawing them singly would make the interval too narrow.
+pub fn paired_bootstrap(
+    n: usize,
+    block: usize,
+    seed: u64,
+    stat: impl Fn(&[usize]) -> f64,
+) -> Option<Interval> {
     if n == 0 {
         return None;
     }
+    let block = block.clamp(1, n);
+    let starts = (n - block + 1) as u64;
     let mut rng = SplitMix::new(seed);
-    let mut idx = vec![0usize; n];
+    let mut idx = Vec::with_capacity(n + block);
     let mut values: Vec<f64> = (0..RESAMPLES)
         .filter_map(|_| {
-            for i in idx.iter_mut() {
-                *i = (rng.next_u64() % n as u64) as usize;
+            idx.clear();
+            while idx.len() < n {
+                let s = (rng.next_u64() % starts) as usize;
+                idx.extend(s..s + block);
             }
+            idx.truncate(n);
             Some(stat(&idx)).filter(|v| v.is_finite())
         })
         .collect();
@@ -156,9 +171,13 @@ pub struct PairedChunk {
     pub base: f64,
 }
 
-/// The relative perplexity change `ppl / ppl_base − 1` over `chunks`, with
-/// its paired bootstrap interval (chunks resampled: tokens close together
-/// are not independent, chunks of the stream nearly are).
+/// Chunks per block of the perplexity bootstrap (512 tokens at the
+/// default chunk of 64).
+pub const PPL_BLOCK: usize = 8;
+
+/// The relative perplexity change `ppl / ppl_base − 1` over `chunks` (in
+/// stream order), with its paired moving-block bootstrap interval (blocks
+/// of [`PPL_BLOCK`] consecutive chunks, the same for both caches).
 pub fn ppl_change(chunks: &[PairedChunk], seed: u64) -> Option<(f64, Interval)> {
     let change = |idx: &[usize]| {
         let (mut n, mut d) = (0.0, 0.0);
@@ -172,7 +191,12 @@ pub fn ppl_change(chunks: &[PairedChunk], seed: u64) -> Option<(f64, Interval)> 
     let point = change(&all);
     point
         .is_finite()
-        .then(|| Some((point, paired_bootstrap(chunks.len(), seed, change)?)))
+        .then(|| {
+            Some((
+                point,
+                paired_bootstrap(chunks.len(), PPL_BLOCK, seed, change)?,
+            ))
+        })
         .flatten()
 }
 
@@ -257,6 +281,8 @@ mod tests {
         assert!((c - (0.01f64.exp() - 1.0)).abs() < 1e-12, "{c}");
         assert!(i.excludes_zero() && i.lo > 0.009, "{i:?}");
         assert_eq!(ppl_change(&chunks, 3), ppl_change(&chunks, 3));
+        // Fewer chunks than a block: one block of all of them.
+        assert!(ppl_change(&chunks[..3], 3).is_some());
         assert!(ppl_change(&[], 3).is_none());
     }
 }

@@ -188,6 +188,11 @@ pub(crate) fn chat(common: &Common, reuse: &Reuse) -> Result<(), EngineError> {
         }
         reuse.write_metrics(&manager)?;
         closed = r.generation.stopped_at_eos;
+        if STDOUT_ERROR.get().is_some() {
+            // The replies can no longer be written: stop, do not generate
+            // the rest of stdin into the void.
+            break;
+        }
     }
     manager.close_session(session)
 }
