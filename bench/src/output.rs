@@ -55,6 +55,17 @@ impl Provenance {
     }
 }
 
+/// An output folder is a folder or does not exist yet.
+pub fn check_folder(dir: &Path) -> Result<()> {
+    if dir.exists() && !dir.is_dir() {
+        bail!(
+            "output folder {}: exists and is not a folder",
+            dir.display()
+        );
+    }
+    Ok(())
+}
+
 /// The commit checked out at `root` (`-dirty` when tracked files changed).
 pub fn commit(root: &Path) -> String {
     let git = |args: &[&str]| {
@@ -220,12 +231,7 @@ impl Output {
     /// `dir` for a run described by `provenance`.
     pub fn with_provenance(dir: impl Into<PathBuf>, provenance: Provenance) -> Result<Output> {
         let dir = dir.into();
-        if dir.exists() && !dir.is_dir() {
-            bail!(
-                "output folder {}: exists and is not a folder",
-                dir.display()
-            );
-        }
+        check_folder(&dir)?;
         std::fs::create_dir_all(&dir)
             .with_context(|| format!("creating the output folder {}", dir.display()))?;
         Ok(Output {

@@ -17,6 +17,20 @@ pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
 /// `cannot read PATH: not a regular file` (a folder, a device, a FIFO),
 /// `… larger than the N MiB limit`, `… not UTF-8 text`, or the OS error.
 pub fn read_text(path: &Path, limit: u64) -> Result<String, String> {
+    let buf = read_bytes(path, limit)?;
+    String::from_utf8(buf).map_err(|e| {
+        format!(
+            "cannot read {}: not UTF-8 text (at byte {})",
+            path.display(),
+            e.utf8_error().valid_up_to()
+        )
+    })
+}
+
+/// The bytes of `path`, at most `limit`, under the same checks as
+/// [`read_text`] but for UTF-8 (a log whose last line may be cut inside a
+/// character).
+pub fn read_bytes(path: &Path, limit: u64) -> Result<Vec<u8>, String> {
     let bad = |why: String| format!("cannot read {}: {why}", path.display());
     let meta = std::fs::metadata(path).map_err(|e| bad(e.to_string()))?;
     if !meta.is_file() {
@@ -35,12 +49,7 @@ pub fn read_text(path: &Path, limit: u64) -> Result<String, String> {
     if buf.len() as u64 > limit {
         return Err(too_big());
     }
-    String::from_utf8(buf).map_err(|e| {
-        bad(format!(
-            "not UTF-8 text (at byte {})",
-            e.utf8_error().valid_up_to()
-        ))
-    })
+    Ok(buf)
 }
 
 /// A regular file that exists, or one line saying why not (for files that

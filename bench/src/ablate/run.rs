@@ -64,12 +64,7 @@ pub fn run(opts: &Options) -> Result<Outcome> {
             opts.root.join(dir)
         }
     });
-    if out.exists() && !out.is_dir() {
-        bail!(
-            "output folder {}: exists and is not a folder",
-            out.display()
-        );
-    }
+    crate::output::check_folder(&out)?;
     let items_path = out.join("items.jsonl");
     let stamp_path = out.join("experiment.toml");
     let mut records = Vec::new();
@@ -314,12 +309,7 @@ fn load_records(path: &Path) -> Result<Vec<Record>> {
         return Ok(Vec::new());
     }
     let bad = |why: String| anyhow::anyhow!("--resume: {why}; fix or remove it to start over");
-    kvforge_engine::input::regular_file(path).map_err(bad)?;
-    let size = std::fs::metadata(path).map_or(0, |m| m.len());
-    if size > MAX_LOG_BYTES {
-        return Err(bad(format!("{}: larger than 4 GiB", path.display())));
-    }
-    let bytes = std::fs::read(path).map_err(|e| bad(format!("{}: {e}", path.display())))?;
+    let bytes = kvforge_engine::input::read_bytes(path, MAX_LOG_BYTES).map_err(bad)?;
     let lines: Vec<&[u8]> = bytes
         .split(|&b| b == b'\n')
         .filter(|l| !l.is_empty())
