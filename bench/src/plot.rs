@@ -147,3 +147,168 @@ pub fn scatter_plot(
     root.present().map_err(|e| anyhow::anyhow!("{e:?}"))?;
     Ok(())
 }
+
+/// One point of a [`panels`] plot: a value with its interval.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Point {
+    /// Its label.
+    pub label: String,
+    /// x.
+    pub x: f64,
+    /// y, and its interval `[lo, hi]` (drawn as a bar).
+    pub y: f64,
+    /// Lower end of the interval.
+    pub lo: f64,
+    /// Upper end of the interval.
+    pub hi: f64,
+    /// A reference point (another tool's): a grey square, off the front.
+    pub reference: bool,
+}
+
+/// One panel of a [`panels`] plot.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Panel {
+    /// Its title.
+    pub title: String,
+    /// What y is.
+    pub y_label: String,
+    /// Whether a higher y is better (the front runs along the top).
+    pub higher_better: bool,
+    /// Its points; non-finite ones are left out.
+    pub points: Vec<Point>,
+}
+
+/// The Pareto front of `pts` (a smaller x is better; a larger y when
+/// `higher_better`, else a smaller one): the points no other point beats
+/// on both, in x order.
+pub fn front(pts: &[(f64, f64)], higher_better: bool) -> Vec<(f64, f64)> {
+    let better = |a: f64, b: f64| if higher_better { a > b } else { a < b };
+    let mut sorted: Vec<(f64, f64)> = pts
+        .iter()
+        .copied()
+        .filter(|p| p.0.is_finite() && p.1.is_finite())
+        .collect();
+    sorted.sort_by(|a, b| {
+        a.0.total_cmp(&b.0).then(if higher_better {
+            b.1.total_cmp(&a.1)
+        } else {
+            a.1.total_cmp(&b.1)
+        })
+    });
+    let mut line: Vec<(f64, f64)> = Vec::new();
+    for p in sorted {
+        if line.last().is_none_or(|l| better(p.1, l.1)) {
+            line.push(p);
+        }
+    }
+    line
+}
+
+/// Side-by-side panels sharing an x label, each a scatter of points with
+/// vertical interval bars, kvforge's points labelled and their Pareto front
+/// drawn; reference points as grey squares.
+pub fn panels(path: &Path, x_label: &str, panels: &[Panel]) -> Result<()> {
+    let n = panels.len().max(1);
+    let root = canvas(path, (560 * n as u32, 560))?;
+    let areas = root.split_evenly((1, n));
+    for (area, p) in areas.iter().zip(panels) {
+        let pts: Vec<&Point> = p
+            .points
+            .iter()
+            .filter(|q| q.x.is_finite() && q.y.is_finite())
+            .collect();
+        let fin = |v: f64, d: f64| if v.is_finite() { v } else { d };
+        let (mut x0, mut x1, mut y0, mut y1) = (0.0f64, 1.0f64, f64::INFINITY, f64::NEG_INFINITY);
+        for q in &pts {
+            x1 = x1.max(q.x);
+            x0 = x0.min(q.x);
+            y0 = y0.min(fin(q.lo, q.y)).min(q.y);
+            y1 = y1.max(fin(q.hi, q.y)).max(q.y);
+        }
+        if !y0.is_finite() {
+            (y0, y1) = (0.0, 1.0);
+        }
+        let pad = ((y1 - y0) * 0.08).max(1e-3);
+        let mut chart = axes(
+            area,
+            &p.title,
+            x_label,
+            &p.y_label,
+            (x0 - 0.02, x1 + 0.08),
+            (y0 - pad, y1 + pad),
+        )?;
+        let err = |e: DrawingAreaErrorKind<_>| anyhow::anyhow!("{e:?}");
+        let ours: Vec<(f64, f64)> = pts
+            .iter()
+            .filter(|q| !q.reference)
+            .map(|q| (q.x, q.y))
+            .collect();
+        chart
+            .draw_series(LineSeries::new(
+                front(&ours, p.higher_better),
+                BLACK.mix(0.5).stroke_width(2),
+            ))
+            .map_err(err)?;
+        for (i, q) in pts.iter().enumerate() {
+            let color = if q.reference {
+                RGBColor(120, 120, 120).to_rgba()
+            } else {
+                Palette99::pick(i).to_rgba()
+            };
+            if q.lo.is_finite() && q.hi.is_finite() {
+                chart
+                    .draw_series(std::iter::once(PathElement::new(
+                        vec![(q.x, q.lo), (q.x, q.hi)],
+                        color.stroke_width(1),
+                    )))
+                    .map_err(err)?;
+            }
+            if q.reference {
+                chart
+                    .draw_series(std::iter::once(
+                        EmptyElement::at((q.x, q.y)) + Rectangle::new([(-4, -4), (4, 4)], color),
+                    ))
+                    .map_err(err)?;
+            } else {
+                chart
+                    .draw_series(std::iter::once(Circle::new((q.x, q.y), 4, color.filled())))
+                    .map_err(err)?;
+            }
+            chart
+                .draw_series(std::iter::once(
+                    EmptyElement::at((q.x, q.y))
+                        + Text::new(
+                            q.label.clone(),
+                            (6, if i % 2 == 0 { -14 } else { 3 }),
+                            ("sans-serif", 11).into_font().color(&color),
+                        ),
+                ))
+                .map_err(err)?;
+        }
+    }
+    root.present().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::front;
+
+    #[test]
+    fn the_front_keeps_what_nothing_beats_on_both_axes() {
+        let pts = [
+            (0.5, 0.9),
+            (0.25, 0.8),
+            (0.25, 0.5),
+            (1.0, 1.0),
+            (0.6, 0.7),
+            (0.1, f64::NAN),
+        ];
+        assert_eq!(front(&pts, true), vec![(0.25, 0.8), (0.5, 0.9), (1.0, 1.0)]);
+        let ppl = [(0.5, 1.0), (0.25, 3.0), (1.0, 0.0), (0.3, 4.0)];
+        assert_eq!(
+            front(&ppl, false),
+            vec![(0.25, 3.0), (0.5, 1.0), (1.0, 0.0)]
+        );
+    }
+}

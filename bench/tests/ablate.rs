@@ -110,8 +110,20 @@ fn quick_runs_every_configuration_and_repeats_its_quality_columns() {
     let exp = Experiment::load(&config).unwrap();
     let (ra, rb) = (results(&a), results(&b));
     // Every configuration ran every item, none failed.
-    let items = 2 + 1 + 3; // chats, contexts, pass keys of quick.toml
-    assert_eq!(ra.len(), exp.matrix().len() * items);
+    // Chats, contexts, pass keys of quick.toml, for each configuration
+    // that runs the workload.
+    let items: usize = exp
+        .matrix()
+        .iter()
+        .map(|m| {
+            [("chat", 2), ("stream", 1), ("passkey", 3)]
+                .iter()
+                .filter(|(w, _)| exp.runs(m.name(), w))
+                .map(|(_, n)| n)
+                .sum::<usize>()
+        })
+        .sum();
+    assert_eq!(ra.len(), items);
     for ((config, workload, item), row) in &ra {
         assert_eq!(row["error"], "", "{config} {workload} {item}");
     }
@@ -130,6 +142,7 @@ fn quick_runs_every_configuration_and_repeats_its_quality_columns() {
         assert!(md.contains(&format!("\n| {} | ", m.name())), "{}", m.name());
     }
     for section in [
+        "## Quality at equal memory",
         "## Quality with 95% intervals",
         "## Chat",
         "## Streaming perplexity",
@@ -140,7 +153,19 @@ fn quick_runs_every_configuration_and_repeats_its_quality_columns() {
     }
     assert!(!md.contains("## Failures"));
     assert!(md.contains("Measured at commit `") && md.contains("cores"));
-    for png in ["pareto.png", "passkey.png", "chat_kv.png"] {
+    // Budget-aligned rows hold about their target (whole blocks), item
+    // by item against the baseline; every row has its measured share.
+    let iso = std::fs::read_to_string(a.join("iso.csv")).unwrap();
+    for line in iso.lines().skip(1) {
+        let f: Vec<&str> = line.split(',').collect();
+        let share: f64 = f[4].parse().unwrap(); // kept
+        if let Ok(target) = f[1].parse::<f64>() {
+            assert!((share - target).abs() < 0.08, "{line}");
+        }
+        assert!(share > 0.0 && share < 1.5, "{line}");
+    }
+    assert!(iso.contains("int4+evict-kv25,0.25,passkey,3,"), "{iso}");
+    for png in ["pareto.png", "passkey.png", "chat_kv.png", "headline.png"] {
         let bytes = std::fs::read(a.join(png)).unwrap();
         assert!(bytes.starts_with(b"\x89PNG"), "{png}");
     }
@@ -152,7 +177,14 @@ fn quick_runs_every_configuration_and_repeats_its_quality_columns() {
     // Intervals: each configuration's recall, pass key and perplexity,
     // the same in both runs (seeded), none for the baseline's change.
     let iv = std::fs::read_to_string(a.join("intervals.csv")).unwrap();
-    assert_eq!(iv.lines().count(), 1 + exp.matrix().len() * 3, "{iv}");
+    let runs = |w: &str| {
+        exp.matrix()
+            .iter()
+            .filter(|m| exp.runs(m.name(), w))
+            .count()
+    };
+    let measures = runs("chat") + runs("stream") + runs("passkey");
+    assert_eq!(iv.lines().count(), 1 + measures, "{iv}");
     assert_eq!(
         iv,
         std::fs::read_to_string(b.join("intervals.csv")).unwrap()
@@ -160,7 +192,7 @@ fn quick_runs_every_configuration_and_repeats_its_quality_columns() {
     let base_ppl = iv.lines().find(|l| l.starts_with("baseline,ppl,")).unwrap();
     assert!(base_ppl.ends_with(",,,,"), "{base_ppl}");
     let turns = std::fs::read_to_string(a.join("turns.csv")).unwrap();
-    assert_eq!(turns.lines().count(), 1 + exp.matrix().len() * 2 * 4);
+    assert_eq!(turns.lines().count(), 1 + runs("chat") * 2 * 4);
     // Mechanisms really engaged: cold bytes under int4, drops under eviction.
     let col = |config: &str, item: &str, c: &str| -> f64 {
         ra[&(config.to_string(), "stream".to_string(), item.to_string())][c]

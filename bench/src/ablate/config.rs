@@ -202,9 +202,23 @@ impl Experiment {
         }
     }
 
-    /// The configurations, without their spans.
+    /// The configurations' mechanisms, without their spans.
     pub fn matrix(&self) -> Vec<&Mechanisms> {
         self.configs.iter().map(|c| c.get_ref()).collect()
+    }
+
+    /// The configuration named `name`.
+    pub fn config(&self, name: &str) -> Option<&Mechanisms> {
+        self.configs
+            .iter()
+            .map(|c| c.get_ref())
+            .find(|c| c.name() == name)
+    }
+
+    /// Whether configuration `name` runs `workload` (`chat`, `stream` or
+    /// `passkey`): every workload unless its `workloads` lists some.
+    pub fn runs(&self, name: &str, workload: &str) -> bool {
+        self.config(name).is_some_and(|c| runs(c, workload))
     }
 
     /// The configuration the others are compared with.
@@ -305,6 +319,7 @@ impl Experiment {
             bail!("{}", top(msg));
         }
         let mut names = std::collections::BTreeSet::new();
+        let base = self.baseline();
         for c in &self.configs {
             let at = |msg: String| located(path, src, Some(c.span()), &msg);
             let mech = c.get_ref();
@@ -326,9 +341,69 @@ impl Experiment {
             if let Err(msg) = mech.check(self.block_size(mech), registry) {
                 bail!("{}", at(format!("config {:?}: {msg}", mech.name())));
             }
+            if let Err(msg) = self.check_harness_keys(c.get_ref(), base, &names) {
+                bail!("{}", at(format!("config {:?}: {msg}", mech.name())));
+            }
         }
         Ok(())
     }
+
+    /// `workloads` names workloads of the experiment; a `target_kv` is a
+    /// share the configuration has a knob for, measured against a
+    /// baseline that comes before it (`seen`) and runs its workloads.
+    fn check_harness_keys(
+        &self,
+        c: &Mechanisms,
+        base: &str,
+        seen: &std::collections::BTreeSet<&str>,
+    ) -> Result<(), String> {
+        let w = &self.workloads;
+        let present = |name: &str| match name {
+            "chat" => w.chat.is_some(),
+            "stream" => w.stream.is_some(),
+            "passkey" => w.passkey.is_some(),
+            _ => false,
+        };
+        if let Some(list) = &c.workloads {
+            if list.is_empty() {
+                return Err("workloads = [] runs nothing".into());
+            }
+            if let Some(bad) = list.iter().find(|x| !present(x)) {
+                return Err(format!(
+                    "workloads: {bad:?} is not a workload of this experiment (chat, stream, passkey)"
+                ));
+            }
+        }
+        let Some(t) = c.target_kv else {
+            return Ok(());
+        };
+        if !(t > 0.0 && t < 1.0) {
+            return Err(format!("target_kv = {t} must be within (0, 1)"));
+        }
+        super::target::knob(c)?;
+        let name = c.name();
+        if name == base || !seen.contains(base) {
+            return Err(format!(
+                "target_kv is measured against the baseline {base:?}, which must come before it in the matrix and have no target_kv"
+            ));
+        }
+        let b = self.config(base).ok_or("no baseline")?;
+        for wl in ["chat", "stream", "passkey"] {
+            if present(wl) && runs(c, wl) && !runs(b, wl) {
+                return Err(format!(
+                    "target_kv on {wl} needs the baseline {base:?} to run {wl}"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether `m` runs `workload`.
+fn runs(m: &Mechanisms, workload: &str) -> bool {
+    m.workloads
+        .as_ref()
+        .is_none_or(|w| w.iter().any(|x| x == workload))
 }
 
 /// The longest configuration name (it names files: `metrics/<name>-chat.prom`).
@@ -678,5 +753,54 @@ block_size = 8
             assert!(e.starts_with(at) && e.contains(what), "{e}");
             assert!(!e.contains('\n'), "{e}");
         }
+    }
+
+    #[test]
+    fn target_kv_and_workloads_are_checked_before_anything_runs() {
+        let ok = GOOD.replace(
+            "name = \"all\"",
+            "name = \"all\"\ntarget_kv = 0.25\nworkloads = [\"stream\"]",
+        );
+        let e = Experiment::parse(&ok, Path::new("x.toml")).unwrap();
+        assert!(e.runs("all", "stream") && !e.runs("all", "chat") && e.runs("baseline", "chat"));
+        assert_eq!(e.config("all").and_then(|c| c.target_kv), Some(0.25));
+        let cases = [
+            ("target_kv = 1.5", "target_kv = 1.5 must be within (0, 1)"),
+            ("target_kv = 0.0", "must be within (0, 1)"),
+            ("target_kv = nan", "must be within (0, 1)"),
+            ("target_kv = \"half\"", "invalid type"),
+            ("workloads = []", "workloads = [] runs nothing"),
+            (
+                "workloads = [\"passkey\"]",
+                "\"passkey\" is not a workload of this experiment",
+            ),
+        ];
+        for (line, what) in cases {
+            let src = GOOD.replace("name = \"all\"", &format!("name = \"all\"\n{line}"));
+            let e = err(&src);
+            assert!(e.starts_with("x.toml:") && e.contains(what), "{line}: {e}");
+        }
+        // Nothing to size; a target on the baseline itself.
+        let src = GOOD.replace(
+            "name = \"baseline\"",
+            "name = \"baseline\"\ntarget_kv = 0.5",
+        );
+        assert!(
+            err(&src).contains("needs something to size"),
+            "{}",
+            err(&src)
+        );
+        let src = GOOD.replace("name = \"baseline\"", "name = \"baseline\"\neviction = { policy = \"sink-window\", sink = 16, window = 64 }\ntarget_kv = 0.5");
+        assert!(err(&src).contains("must come before it"), "{}", err(&src));
+        // The baseline must run what a target is measured on.
+        let src = GOOD
+            .replace("name = \"baseline\"", "name = \"baseline\"\nworkloads = [\"stream\"]")
+            .replace("[workloads.stream]", "[workloads.chat]\ndata = \"c\"\nchats = 1\nturns = 2\nanswer_tokens = 4\n\n[workloads.stream]")
+            .replace("name = \"all\"", "name = \"all\"\ntarget_kv = 0.5");
+        assert!(
+            err(&src).contains("needs the baseline \"baseline\" to run chat"),
+            "{}",
+            err(&src)
+        );
     }
 }

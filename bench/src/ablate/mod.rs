@@ -6,12 +6,18 @@
 //! * [`report`]: `report.md`, `results.csv`, `turns.csv`, PNGs.
 //! * [`intervals`], [`stats`]: quality with 95% intervals (Wilson, paired
 //!   bootstrap against the baseline), `intervals.csv`.
+//! * [`iso`]: quality at equal memory — KV share against the baseline item
+//!   by item, `iso.csv`, the headline plot.
+//! * [`target`]: `target_kv`, a configuration sized to a share of the full
+//!   cache's KV on each item.
 //! * [`strided`]: the worked example of adding an eviction policy.
 
 pub mod config;
 pub mod intervals;
+pub mod iso;
 pub mod report;
 pub mod stats;
+pub mod target;
 
 /// The eviction policies experiment files can name: kvforge's own, and
 /// the README's worked example.

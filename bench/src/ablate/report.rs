@@ -32,6 +32,10 @@ pub struct Record {
     /// the perplexity change's paired interval resamples).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub chunks: Vec<[f64; 2]>,
+    /// The seed of its random choices (the chat's code, the pass key);
+    /// its token ids are in the run's `inputs.jsonl`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
     /// Seconds it took.
     pub secs: f64,
     /// The commit that measured it.
@@ -94,7 +98,11 @@ pub struct Summary {
 
 /// Describes a configuration's mechanisms in a few words.
 pub fn describe(exp: &Experiment, m: &Mechanisms) -> String {
-    m.describe(exp.block_size(m), &super::registry())
+    let words = m.describe(exp.block_size(m), &super::registry());
+    match m.target_kv {
+        Some(t) => format!("sized to {:.1}% of the KV per item: {words}", t * 100.0),
+        None => words,
+    }
 }
 
 fn mean(v: impl IntoIterator<Item = f64>) -> f64 {
@@ -222,6 +230,9 @@ pub fn write(out: &mut Output, exp: &Experiment, records: &[Record], info: &RunI
         exp.baseline(),
         model_words(exp)
     );
+    let qualities = super::intervals::qualities(exp, records);
+    md.push_str(&super::iso::write(out, exp, records, &qualities)?);
+    md.push_str("\n## Every measure\n\n");
     md.push_str(
         "| configuration | mechanisms | chat peak KV MiB | chat mean KV MiB | fact recall | prefix hit | TTFT ms (median) | stream KV MiB | perplexity | decode tok/s | passkey | passkey KV MiB | failed |\n\
          |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",

@@ -100,13 +100,18 @@ pub fn run(opts: &Options) -> Result<Outcome> {
     // size against the head dim, a context the model lacks) fails here,
     // before anything runs, not as a report full of failed items.
     check_fits(&inputs, &tok, model.cfg.max_ctx)?;
+    // Each configuration's engine once, as a check; its block sizes are
+    // what a `target_kv` is resolved with.
+    let mut sizes = BTreeMap::new();
     for m in exp.matrix() {
-        if let Err(e) = Runner::new(&exp, m, &model, &tok) {
-            bail!("{}: config {:?}: {e:#}", opts.config.display(), m.name());
-        }
+        match Runner::new(&exp, m, &model, &tok) {
+            Ok(r) => sizes.insert(m.name().to_string(), r.sizes()),
+            Err(e) => bail!("{}: config {:?}: {e:#}", opts.config.display(), m.name()),
+        };
     }
     let items = inputs.items();
     export_passkey(&inputs, &items, &tok, &out)?;
+    export_inputs(&inputs, &items, &tok, &out)?;
     // Only now is the stamp written: a run that could not start leaves an
     // earlier run's folder resumable.
     std::fs::write(&stamp_path, &text)
@@ -118,6 +123,9 @@ pub fn run(opts: &Options) -> Result<Outcome> {
     let mut done: std::collections::BTreeSet<(String, String)> = Default::default();
     for m in exp.matrix() {
         for w in ["chat", "stream", "passkey"] {
+            if !exp.runs(m.name(), w) {
+                continue;
+            }
             let ok = records
                 .iter()
                 .filter(|r| r.config == m.name() && r.workload == w && r.error.is_none())
@@ -140,7 +148,10 @@ pub fn run(opts: &Options) -> Result<Outcome> {
         .map(|m| {
             items
                 .iter()
-                .filter(|i| !done.contains(&(m.name().to_string(), i.workload.to_string())))
+                .filter(|i| {
+                    exp.runs(m.name(), i.workload)
+                        && !done.contains(&(m.name().to_string(), i.workload.to_string()))
+                })
                 .count()
         })
         .sum();
@@ -165,20 +176,46 @@ pub fn run(opts: &Options) -> Result<Outcome> {
                 .iter()
                 .filter(|i| {
                     i.workload == workload
+                        && exp.runs(m.name(), workload)
                         && !done.contains(&(m.name().to_string(), workload.into()))
                 })
                 .collect();
             if mine.is_empty() {
                 continue;
             }
-            let mut runner = Runner::new(&exp, m, &model, &tok).map_err(|e| format!("{e:#}"));
+            let target = m.target_kv;
+            // One engine per sizing: items that resolve `target_kv` alike
+            // share it (a later chat reuses what an earlier one cached).
+            let mut runners: Vec<(Mechanisms, Result<Runner, String>)> = Vec::new();
             for item in mine {
                 bar.set_message(format!("{} · {} {}", m.name(), workload, item.name));
                 let t0 = Instant::now();
-                let got = match &mut runner {
-                    Ok(r) => r.item(&inputs, item).map_err(|e| format!("{e:#}")),
-                    Err(e) => Err(e.clone()),
+                let sized = match target {
+                    None => Ok((m.clone(), None)),
+                    Some(t) => full_bytes(&records, exp.baseline(), item)
+                        .and_then(|full| super::target::resolve(m, t, full, sizes[m.name()]))
+                        .map(|(r, knob)| (r, Some((t, knob)))),
                 };
+                let got = sized.and_then(|(sized, knob)| {
+                    let at = match runners.iter().position(|(r, _)| *r == sized) {
+                        Some(i) => i,
+                        None => {
+                            let r = Runner::new(&exp, &sized, &model, &tok)
+                                .map_err(|e| format!("{e:#}"));
+                            runners.push((sized, r));
+                            runners.len() - 1
+                        }
+                    };
+                    let mut rec = match &mut runners[at].1 {
+                        Ok(r) => r.item(&inputs, item).map_err(|e| format!("{e:#}"))?,
+                        Err(e) => return Err(e.clone()),
+                    };
+                    if let Some((t, tokens)) = knob {
+                        rec.values.insert("target_kv".into(), t);
+                        rec.values.insert("knob_tokens".into(), tokens as f64);
+                    }
+                    Ok(rec)
+                });
                 let mut rec = match got {
                     Ok(rec) => rec,
                     Err(e) => Record {
@@ -189,6 +226,7 @@ pub fn run(opts: &Options) -> Result<Outcome> {
                 rec.config = m.name().to_string();
                 rec.workload = workload.into();
                 rec.item = item.name.clone();
+                rec.seed = item_seed(&inputs, item);
                 rec.secs = t0.elapsed().as_secs_f64();
                 rec.commit = output.provenance().commit.clone();
                 measured += 1;
@@ -202,7 +240,7 @@ pub fn run(opts: &Options) -> Result<Outcome> {
             }
             // The configuration's metrics after the workload, as a
             // scraper would see them.
-            if let Ok(r) = &runner {
+            if let Some((_, Ok(r))) = runners.last() {
                 let dir = out.join("metrics");
                 let path = dir.join(format!("{}-{workload}.prom", m.name()));
                 std::fs::create_dir_all(&dir)
@@ -226,6 +264,41 @@ pub fn run(opts: &Options) -> Result<Outcome> {
         measured,
         failed,
     })
+}
+
+/// The KV bytes the baseline kept on `item` (once compressed:
+/// [`iso::bytes`](super::iso::bytes)), what a `target_kv` is a share of.
+fn full_bytes(records: &[Record], base: &str, item: &Item) -> Result<u64, String> {
+    records
+        .iter()
+        .find(|r| {
+            r.config == base
+                && r.workload == item.workload
+                && r.item == item.name
+                && r.error.is_none()
+        })
+        .map(|r| super::iso::bytes(r).0)
+        .filter(|b| b.is_finite() && *b > 0.0)
+        .map(|b| b as u64)
+        .ok_or_else(|| {
+            format!(
+                "target_kv: the baseline {base:?} has no measurement of {} (it failed or did not run)",
+                item.name
+            )
+        })
+}
+
+/// The seed of `item`'s random choices (none for a stream).
+fn item_seed(inputs: &Inputs, item: &Item) -> Option<u64> {
+    match item.workload {
+        "chat" => Some(chat_seed(inputs, item)),
+        "passkey" => Some(passkey_seed(inputs, item)),
+        _ => None,
+    }
+}
+
+fn chat_seed(inputs: &Inputs, item: &Item) -> u64 {
+    inputs.seed ^ item.index as u64
 }
 
 /// Greedy tokens of a pass-key answer.
@@ -595,6 +668,58 @@ fn export_passkey(inputs: &Inputs, items: &[Item], tok: &Tokenizer, out: &Path) 
     std::fs::write(&path, lines).with_context(|| format!("writing {}", path.display()))
 }
 
+/// A chat's planted code and its user messages: the code in the second,
+/// the recall question after the last.
+fn chat_users(chat: &[String], seed: u64) -> (u64, Vec<String>) {
+    let code = 1000 + SplitMix::new(seed).next_u64() % 9000;
+    let mut users: Vec<String> = chat.to_vec();
+    if let Some(second) = users.get_mut(1) {
+        *second = format!("By the way, my locker code is {code}. Please remember it. {second}");
+    }
+    users.push(RECALL_QUESTION.into());
+    (code, users)
+}
+
+/// Writes every item's seed and token ids to `inputs.jsonl` in `out`
+/// (the same for every configuration): a chat's code and each user
+/// message's ids (the answers between them are the model's own), a
+/// stream's ids, a pass key's key, context and question.
+fn export_inputs(inputs: &Inputs, items: &[Item], tok: &Tokenizer, out: &Path) -> Result<()> {
+    let mut lines = String::new();
+    for item in items {
+        let seed = item_seed(inputs, item);
+        let line = match item.workload {
+            "chat" => {
+                let (_, chats) = inputs.chat.as_ref().context("no chat workload")?;
+                let (code, users) = chat_users(&chats[item.index], chat_seed(inputs, item));
+                let ids = users
+                    .iter()
+                    .map(|u| tok.encode_text(u))
+                    .collect::<Result<Vec<_>, _>>()?;
+                serde_json::json!({"workload": "chat", "item": item.name, "seed": seed,
+                    "code": code.to_string(), "system": SYSTEM, "users": ids})
+            }
+            "stream" => {
+                let (_, ids) = inputs.stream.as_ref().context("no stream workload")?;
+                serde_json::json!({"workload": "stream", "item": item.name,
+                    "tokens": &ids[..item.index]})
+            }
+            _ => {
+                let (w, hay) = inputs.passkey.as_ref().context("no passkey workload")?;
+                let p =
+                    passkey_prompt(tok, hay, item.index, item.depth, passkey_seed(inputs, item))?;
+                let (context, question) = p.split(w.question_seen);
+                serde_json::json!({"workload": "passkey", "item": item.name, "seed": seed,
+                    "key": p.key.to_string(), "context": context, "question": question})
+            }
+        };
+        lines.push_str(&line.to_string());
+        lines.push('\n');
+    }
+    let path = out.join("inputs.jsonl");
+    std::fs::write(&path, lines).with_context(|| format!("writing {}", path.display()))
+}
+
 /// The seed of a pass-key item's key.
 fn passkey_seed(inputs: &Inputs, item: &Item) -> u64 {
     inputs.seed ^ (item.index as u64) << 8 ^ (item.depth * 1000.0) as u64
@@ -637,6 +762,12 @@ fn configure(exp: &Experiment, m: &Mechanisms) -> Result<(EngineConfig, ReuseCon
         block_size: exp.model.block_size,
         ..EngineConfig::default()
     };
+    // The harness's own keys are resolved (or used) here, not by the engine.
+    let m = Mechanisms {
+        target_kv: None,
+        workloads: None,
+        ..m.clone()
+    };
     let reuse = m
         .apply(&mut cfg, &super::registry(), Some(exp.model.seed))
         .map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -655,7 +786,7 @@ impl<'a> Runner<'a> {
         match item.workload {
             "chat" => {
                 let (w, chats) = inputs.chat.as_ref().context("no chat workload")?;
-                self.chat(w, &chats[item.index], inputs.seed ^ item.index as u64)
+                self.chat(w, &chats[item.index], chat_seed(inputs, item))
             }
             "stream" => {
                 let (w, ids) = inputs.stream.as_ref().context("no stream workload")?;
@@ -668,6 +799,17 @@ impl<'a> Runner<'a> {
         }
     }
 
+    /// Block sizes of its cache (hot, and cold when it has a cold tier).
+    fn sizes(&self) -> super::target::Sizes {
+        let cache = &self.engine().cache;
+        let t = cache.tier_stats();
+        super::target::Sizes {
+            block: cache.block_size(),
+            hot: t.first().map_or(0, |t| t.pool.block_bytes),
+            cold: t.get(1).map(|t| t.pool.block_bytes),
+        }
+    }
+
     fn engine(&self) -> &Engine {
         self.manager.engine()
     }
@@ -676,13 +818,7 @@ impl<'a> Runner<'a> {
     /// user message, the recall question after the last.
     fn chat(&self, w: &ChatWorkload, chat: &[String], seed: u64) -> Result<Record> {
         let tok = self.tok;
-        let code = 1000 + SplitMix::new(seed).next_u64() % 9000;
-        let mut users: Vec<String> = chat.to_vec();
-        users[1] = format!(
-            "By the way, my locker code is {code}. Please remember it. {}",
-            users[1]
-        );
-        users.push(RECALL_QUESTION.into());
+        let (code, users) = chat_users(chat, seed);
         let params = SamplingParams {
             max_tokens: w.answer_tokens,
             ..SamplingParams::default()

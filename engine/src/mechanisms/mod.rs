@@ -65,6 +65,12 @@ pub struct Mechanisms {
     pub block_size: Option<usize>,
     /// A remote tier shared across instances (used by `kvforge serve`).
     pub remote: Option<RemoteSpec>,
+    /// A share of the full cache's KV bytes the ablation sizes this
+    /// configuration to, item by item (`cargo xtask ablate` only).
+    pub target_kv: Option<f64>,
+    /// The ablation workloads this configuration runs (`cargo xtask
+    /// ablate` only; absent: all).
+    pub workloads: Option<Vec<String>>,
 }
 
 /// `cold = { format = "int4", … }` into a [`KvQuant`].
@@ -181,6 +187,12 @@ impl Mechanisms {
             // `kvforge serve` takes it out and connects; elsewhere it would
             // be silently ignored.
             return Err("remote = { … } is used by `kvforge serve` only".into());
+        }
+        if self.target_kv.is_some() || self.workloads.is_some() {
+            // The ablation resolves them into budgets and item lists.
+            return Err(
+                "target_kv and workloads are keys of an ablation's [[config]] (`cargo xtask ablate`), not of the engine: give the budget itself".into(),
+            );
         }
         cfg.kv_quant = self.cold;
         cfg.eviction = None;

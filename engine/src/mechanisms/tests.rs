@@ -213,3 +213,17 @@ fn a_remote_tier_is_read_checked_and_refused_outside_the_server() {
         assert!(!e.contains('\n'), "{e}");
     }
 }
+
+#[test]
+fn the_ablations_own_keys_are_refused_by_the_engine() {
+    for src in [
+        "eviction = { policy = \"sink-window\", sink = 16, window = 64 }\ntarget_kv = 0.5",
+        "workloads = [\"chat\"]",
+    ] {
+        let m = parse(src).unwrap();
+        let e = m
+            .apply(&mut EngineConfig::default(), &Registry::builtin(), None)
+            .unwrap_err();
+        assert!(e.contains("cargo xtask ablate"), "{e}");
+    }
+}
