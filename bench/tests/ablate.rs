@@ -405,6 +405,20 @@ fn bad_input_is_one_line_and_a_non_zero_exit() {
         "devzero.toml",
         &quick.replace("data/exllamav2/wiki.utf8", "/dev/zero"),
     );
+    let never_cold = write(
+        "never-cold.toml",
+        &quick.replace(
+            "cold = { format = \"int2\", window = 32, sink = 16 }",
+            "cold = { format = \"int2\", window = 65536, sink = 16 }",
+        ),
+    );
+    let never_drops = write(
+        "never-drops.toml",
+        &quick.replace(
+            "lifecycle = { policy = \"constrained\", protect = 1, delay = 1 }",
+            "lifecycle = { policy = \"constrained\", protect = 4294967295, delay = 1 }",
+        ),
+    );
     let a_file = write("a-file", "");
     let out = dir.join("out");
     let cases: Vec<(Vec<&str>, &str)> = vec![
@@ -427,6 +441,14 @@ fn bad_input_is_one_line_and_a_non_zero_exit() {
         (
             vec!["--config", &devzero],
             "cannot read /dev/zero: not a regular file",
+        ),
+        (
+            vec!["--config", &never_cold],
+            "config \"int2\": cold sink 16 + window 65536 cover the model's whole context",
+        ),
+        (
+            vec!["--config", &never_drops],
+            "it would never drop anything",
         ),
         (
             vec!["--quick", "--out", &a_file],

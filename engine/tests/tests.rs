@@ -738,6 +738,24 @@ fn cli_chat_survives_bad_turns() {
     assert_eq!(metrics[0]["requests"], 1);
 }
 
+/// A turn that runs out of KV budget mid-reply has printed part of the
+/// reply: the error says that part is discarded (F15), and the chat goes
+/// on.
+#[test]
+fn cli_chat_says_a_partial_reply_is_discarded() {
+    let (err, metrics) = chat_session(
+        &["--max-tokens", "64", "--kv-budget-mib", "2"],
+        b"Tell me a long story about a dragon.\n\n",
+    );
+    let errors: Vec<&str> = err.lines().filter(|l| l.contains("error:")).collect();
+    assert_eq!(errors.len(), 1, "{err}");
+    assert!(
+        errors[0].contains("the partial reply above is discarded, the session is unchanged"),
+        "{err}"
+    );
+    assert!(metrics.is_empty(), "no turn answered: {err}");
+}
+
 #[test]
 fn cli_chat_writes_prometheus_metrics_after_each_turn() {
     let dir = std::env::temp_dir().join(format!("kvforge-prom-{}", std::process::id()));
@@ -1149,7 +1167,48 @@ fn cli_cold_tier_bad_settings_are_one_line_errors() {
         assert_one_line_error(&args, needle);
     }
     // Options that cannot work together, and unknown names.
-    assert_one_line_error(&["chat", "--kv-share"], "configure a cold tier");
+    assert_one_line_error(&["chat", "--kv-share"], "--kv-share needs --kv-quant");
+    // Flags that would do nothing, or contradict each other (F10).
+    for (args, needle) in [
+        (
+            &["chat", "--kv-keys", "bogus"][..],
+            "--kv-keys needs --kv-quant",
+        ),
+        (
+            &["chat", "--kv-window", "64"],
+            "--kv-window needs --kv-quant",
+        ),
+        (&["chat", "--kv-sink", "0"], "--kv-sink needs --kv-quant"),
+        (
+            &["chat", "--evict-sink", "7"],
+            "--evict-sink needs --evict-window",
+        ),
+        (
+            &["chat", "--lifecycle-protect", "0"],
+            "--lifecycle-protect needs --lifecycle",
+        ),
+        (
+            &[
+                "chat",
+                "--kv-quant",
+                "int4",
+                "--kv-share",
+                "--kv-share-cos",
+                "0.9",
+            ],
+            "two sharings",
+        ),
+        (
+            &["generate", "--prompt", "x", "--keep-turns", "5"],
+            "is a `kvforge chat` flag",
+        ),
+        (
+            &["generate", "--prompt", "x", "--lifecycle", "rule"],
+            "is a `kvforge chat` flag",
+        ),
+    ] {
+        assert_one_line_error(args, needle);
+    }
     assert_one_line_error(
         &["chat", "--kv-quant", "int4", "--kv-share-cos", "1.5"],
         "outside (0, 1]",

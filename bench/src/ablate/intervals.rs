@@ -27,6 +27,9 @@ pub struct Quality {
     /// Change against the baseline on the same items (points of a share;
     /// relative for `ppl`) and its paired interval; none for the baseline.
     pub change: Option<(f64, Interval)>,
+    /// The items (chunks) the change pairs: those the baseline measured
+    /// too.
+    pub paired: usize,
 }
 
 /// 0/1 scores of `metric` by item, for configuration `config`.
@@ -77,6 +80,7 @@ pub fn qualities(exp: &Experiment, records: &[Record]) -> Vec<Quality> {
                 config: name.to_string(),
                 metric,
                 n: ours.len(),
+                paired: a.len(),
                 value: k as f64 / ours.len() as f64,
                 interval: stats::wilson(k, ours.len()),
                 change: if is_base {
@@ -109,6 +113,7 @@ pub fn qualities(exp: &Experiment, records: &[Record]) -> Vec<Quality> {
             config: name.to_string(),
             metric: "ppl",
             n: ours.chunks.len(),
+            paired: paired.len(),
             value: (nll / n.max(1.0)).exp(),
             interval: None,
             change: if is_base {
@@ -122,7 +127,7 @@ pub fn qualities(exp: &Experiment, records: &[Record]) -> Vec<Quality> {
 }
 
 /// A share and its Wilson interval, in percent, and `n`.
-fn share(q: &Quality) -> String {
+pub(super) fn share(q: &Quality) -> String {
     match q.interval {
         Some(i) => format!(
             "{:.0}% [{:.0}–{:.0}%] ({})",
@@ -136,16 +141,29 @@ fn share(q: &Quality) -> String {
 }
 
 /// A change and its interval (`scale` 100: points or percent); bold when
-/// the interval excludes zero.
-fn change(q: &Quality, unit: &str, digits: usize) -> String {
+/// the interval excludes zero, with two more digits when the change would
+/// read as zero at `digits` (a significant +0.00% says nothing).
+pub(super) fn change(q: &Quality, unit: &str, digits: usize) -> String {
     match q.change {
         Some((c, i)) => {
+            let digits =
+                if i.excludes_zero() && (c * 100.0).abs() < 0.5 * 10f64.powi(-(digits as i32)) {
+                    digits + 2
+                } else {
+                    digits
+                };
             let s = format!(
                 "{:+.digits$}{unit} [{:+.digits$}, {:+.digits$}]",
                 c * 100.0,
                 i.lo * 100.0,
                 i.hi * 100.0
             );
+            // Fewer pairs than items: the baseline lost some of them.
+            let s = if q.paired == q.n {
+                s
+            } else {
+                format!("{s} (paired {})", q.paired)
+            };
             if i.excludes_zero() {
                 format!("**{s}**")
             } else {
@@ -219,4 +237,37 @@ pub fn section(exp: &Experiment, records: &[Record]) -> (String, Csv) {
         );
     }
     (md, csv)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn q(change: f64, lo: f64, hi: f64, n: usize, paired: usize) -> Quality {
+        Quality {
+            config: "x".into(),
+            metric: "ppl",
+            n,
+            value: 1.0,
+            interval: None,
+            change: Some((change, Interval { lo, hi })),
+            paired,
+        }
+    }
+
+    #[test]
+    fn a_significant_change_never_reads_as_zero_and_missing_pairs_are_named() {
+        assert_eq!(
+            change(&q(0.00002, 0.00001, 0.00003, 10, 10), "%", 2),
+            "**+0.0020% [+0.0010, +0.0030]**"
+        );
+        assert_eq!(
+            change(&q(0.00002, -0.00001, 0.00003, 10, 10), "%", 2),
+            "+0.00% [-0.00, +0.00]"
+        );
+        assert_eq!(
+            change(&q(-0.25, -0.5, 0.1, 22, 20), " pt", 0),
+            "-25 pt [-50, +10] (paired 20)"
+        );
+    }
 }

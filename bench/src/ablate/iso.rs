@@ -13,7 +13,7 @@ use std::path::Path;
 use anyhow::Result;
 
 use super::config::Experiment;
-use super::intervals::Quality;
+use super::intervals::{Quality, change, share as accuracy};
 use super::report::Record;
 use super::stats;
 use crate::output::{Csv, Output};
@@ -87,40 +87,6 @@ fn pct(x: f64) -> String {
         format!("{:.0}%", x * 100.0)
     } else {
         "–".into()
-    }
-}
-
-/// A share in percent with its interval and `n`.
-fn accuracy(q: &Quality) -> String {
-    match q.interval {
-        Some(i) => format!(
-            "{:.0}% [{:.0}–{:.0}] ({})",
-            q.value * 100.0,
-            i.lo * 100.0,
-            i.hi * 100.0,
-            q.n
-        ),
-        None => "–".into(),
-    }
-}
-
-/// A change with its interval, bold when the interval excludes zero.
-fn change(q: &Quality, unit: &str, digits: usize) -> String {
-    match q.change {
-        Some((c, i)) => {
-            let s = format!(
-                "{:+.digits$}{unit} [{:+.digits$}, {:+.digits$}]",
-                c * 100.0,
-                i.lo * 100.0,
-                i.hi * 100.0
-            );
-            if i.excludes_zero() {
-                format!("**{s}**")
-            } else {
-                s
-            }
-        }
-        None => "–".into(),
     }
 }
 
@@ -247,7 +213,7 @@ pub fn section(
         let _ = writeln!(
             md,
             "| {name} | {} | {} |",
-            target.map_or("–".into(), pct),
+            target.map_or("–".into(), |t| format!("{}%", t * 100.0)),
             cells.join(" | ")
         );
     }

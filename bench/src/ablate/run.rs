@@ -100,6 +100,8 @@ pub fn run(opts: &Options) -> Result<Outcome> {
     // size against the head dim, a context the model lacks) fails here,
     // before anything runs, not as a report full of failed items.
     check_fits(&inputs, &tok, model.cfg.max_ctx)?;
+    check_engages(&exp, model.cfg.max_ctx)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", opts.config.display()))?;
     // Each configuration's engine once, as a check; its block sizes are
     // what a `target_kv` is resolved with.
     let mut sizes = BTreeMap::new();
@@ -264,6 +266,52 @@ pub fn run(opts: &Options) -> Result<Outcome> {
         measured,
         failed,
     })
+}
+
+/// A mechanism whose setting means it can never act on this model or
+/// these chats (a cold window or an eviction window as long as the
+/// context, a lifecycle that protects every turn) is refused: it would
+/// silently measure the full cache under its name (F14).
+fn check_engages(exp: &Experiment, max_ctx: usize) -> Result<(), String> {
+    use kvforge_engine::mechanisms::LifecycleSpec;
+    let turns = exp.workloads.chat.as_ref().map(|c| c.turns as u64 + 1);
+    for m in exp.matrix() {
+        let name = m.name();
+        if let Some(q) = &m.cold
+            && q.sink.saturating_add(q.window) >= max_ctx
+        {
+            return Err(format!(
+                "config {name:?}: cold sink {} + window {} cover the model's whole context of {max_ctx} tokens: nothing would ever be quantized",
+                q.sink, q.window
+            ));
+        }
+        if let Some(e) = &m.eviction {
+            let get = |k: &str| e.params.get(k).and_then(|v| v.as_u64()).unwrap_or(0);
+            if get("sink").saturating_add(get("window")) >= max_ctx as u64 {
+                return Err(format!(
+                    "config {name:?}: eviction sink + window cover the model's whole context of {max_ctx} tokens: nothing would ever be evicted"
+                ));
+            }
+        }
+        let kept = match m.lifecycle {
+            Some(LifecycleSpec::RecentTurns { keep }) => Some(u64::from(keep)),
+            Some(
+                LifecycleSpec::Rule { protect, .. }
+                | LifecycleSpec::Free { protect, .. }
+                | LifecycleSpec::Constrained { protect, .. },
+            ) => Some(u64::from(protect)),
+            None => None,
+        };
+        if let (Some(kept), Some(turns)) = (kept, turns)
+            && kept >= turns
+            && exp.runs(name, "chat")
+        {
+            return Err(format!(
+                "config {name:?}: the lifecycle keeps the newest {kept} turns of chats of {turns}: it would never drop anything"
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The KV bytes the baseline kept on `item` (once compressed:

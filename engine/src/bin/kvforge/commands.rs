@@ -167,10 +167,24 @@ pub(crate) fn chat(common: &Common, reuse: &Reuse) -> Result<(), EngineError> {
                 e.tokenizer.user_turn_ids(!closed, msg)
             }
         });
-        let turn =
-            ids.and_then(|ids| manager.turn(session, &ids, &params, &mut |_, piece| stream(piece)));
+        let mut printed = false;
+        let turn = ids.and_then(|ids| {
+            manager.turn(session, &ids, &params, &mut |_, piece| {
+                printed = true;
+                stream(piece)
+            })
+        });
         let r = match turn {
             Ok(r) => r,
+            // A turn that fails mid-reply has streamed part of it (F15):
+            // end that line and say the session does not hold it.
+            Err(e) if printed => {
+                emit("");
+                eprintln!(
+                    "error: {e}; the partial reply above is discarded, the session is unchanged"
+                );
+                continue;
+            }
             Err(e) => {
                 eprintln!("error: {e}; the session is unchanged");
                 continue;

@@ -182,6 +182,16 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    let chat_only = match &cli.command {
+        Command::Generate { common, .. }
+        | Command::Bench { common, .. }
+        | Command::Ppl { common, .. } => common.tier.chat_only(),
+        _ => None,
+    };
+    if let Some(flag) = chat_only {
+        eprintln!("error: {flag} acts at the end of a chat turn: it is a `kvforge chat` flag");
+        return ExitCode::FAILURE;
+    }
     let result = match &cli.command {
         Command::Generate {
             prompt,
