@@ -179,7 +179,10 @@ pub fn section(
                 continue;
             };
             let point = if *w == "stream" {
-                let (c, i) = q.change.map_or((0.0, None), |(c, i)| (c, Some(i)));
+                // The baseline is the zero; a row without a change (no
+                // paired chunks) is no point at all.
+                let none = if name == base { 0.0 } else { f64::NAN };
+                let (c, i) = q.change.map_or((none, None), |(c, i)| (c, Some(i)));
                 Point {
                     label: name.into(),
                     x: kept,

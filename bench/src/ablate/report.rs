@@ -100,7 +100,10 @@ pub struct Summary {
 pub fn describe(exp: &Experiment, m: &Mechanisms) -> String {
     let words = m.describe(exp.block_size(m), &super::registry());
     match m.target_kv {
-        Some(t) => format!("sized to {:.1}% of the KV per item: {words}", t * 100.0),
+        Some(t) => format!(
+            "sized to {}% of the KV per item (budget and window set per item: knob_tokens in results.csv): {words}",
+            t * 100.0
+        ),
         None => words,
     }
 }

@@ -274,7 +274,9 @@ pub fn run(opts: &Options) -> Result<Outcome> {
 /// silently measure the full cache under its name (F14).
 fn check_engages(exp: &Experiment, max_ctx: usize) -> Result<(), String> {
     use kvforge_engine::mechanisms::LifecycleSpec;
-    let turns = exp.workloads.chat.as_ref().map(|c| c.turns as u64 + 1);
+    // Turns before the recall question: what a lifecycle must drop from
+    // to change the answer.
+    let turns = exp.workloads.chat.as_ref().map(|c| c.turns as u64);
     for m in exp.matrix() {
         let name = m.name();
         if let Some(q) = &m.cold
@@ -293,8 +295,10 @@ fn check_engages(exp: &Experiment, max_ctx: usize) -> Result<(), String> {
                 ));
             }
         }
+        // Turns a lifecycle never drops: the first and the newest `keep`,
+        // or the newest `protect` rounds.
         let kept = match m.lifecycle {
-            Some(LifecycleSpec::RecentTurns { keep }) => Some(u64::from(keep)),
+            Some(LifecycleSpec::RecentTurns { keep }) => Some(u64::from(keep).saturating_add(1)),
             Some(
                 LifecycleSpec::Rule { protect, .. }
                 | LifecycleSpec::Free { protect, .. }
@@ -307,7 +311,7 @@ fn check_engages(exp: &Experiment, max_ctx: usize) -> Result<(), String> {
             && exp.runs(name, "chat")
         {
             return Err(format!(
-                "config {name:?}: the lifecycle keeps the newest {kept} turns of chats of {turns}: it would never drop anything"
+                "config {name:?}: the lifecycle keeps {kept} turns of chats of {turns} before the recall question: it would never drop anything"
             ));
         }
     }

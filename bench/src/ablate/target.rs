@@ -144,7 +144,8 @@ fn set_budget(
             if sink + window >= tokens {
                 let half = (rest / 2 / block.max(1)) * block;
                 let w = half.max(cold_window);
-                if sink + w >= tokens {
+                // A scored policy keeps at least one recent block.
+                if w < block || sink + w >= tokens {
                     return Err(small());
                 }
                 e.params.insert("window".into(), w.into());
@@ -197,6 +198,9 @@ mod tests {
         assert_eq!(e.params["budget_tokens"], 256);
         assert_eq!(e.params["window"], 96);
         check_resolved(&r);
+        // Under two blocks after the sink there is no recent window left.
+        let e = resolve(&m, 0.5, 4_000, SIZES).unwrap_err();
+        assert!(e.contains("leaves no room after the sink"), "{e}");
     }
 
     /// A resolved configuration passes the engine's own checks.

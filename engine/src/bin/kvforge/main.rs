@@ -14,6 +14,7 @@
 
 mod args;
 mod commands;
+mod tier;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
