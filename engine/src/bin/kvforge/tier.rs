@@ -78,52 +78,15 @@ impl Tier {
     /// A flag that does nothing without another, or two that contradict
     /// each other: one line naming them (F10 of the inputs review).
     pub(crate) fn check_flags(&self) -> Result<(), EngineError> {
-        let needs = |given: bool, flag: &str, needed: &str| {
-            if given {
-                Err(EngineError::Request(format!(
-                    "{flag} needs {needed} (without it the flag does nothing)"
-                )))
-            } else {
-                Ok(())
-            }
-        };
-        let cold = self.kv_quant.is_none();
-        needs(
-            cold && self.kv_window.is_some(),
-            "--kv-window",
-            "--kv-quant",
-        )?;
-        needs(cold && self.kv_group.is_some(), "--kv-group", "--kv-quant")?;
-        needs(cold && self.kv_keys.is_some(), "--kv-keys", "--kv-quant")?;
-        needs(cold && self.kv_sink.is_some(), "--kv-sink", "--kv-quant")?;
-        needs(cold && self.kv_rotate, "--kv-rotate", "--kv-quant")?;
-        needs(cold && self.kv_share, "--kv-share", "--kv-quant")?;
-        needs(
-            cold && self.kv_share_cos.is_some(),
-            "--kv-share-cos",
-            "--kv-quant",
-        )?;
-        needs(
-            self.evict_window == 0 && self.evict_sink.is_some(),
-            "--evict-sink",
-            "--evict-window",
-        )?;
-        let lc = self.lifecycle.is_none();
-        needs(
-            lc && self.lifecycle_protect.is_some(),
-            "--lifecycle-protect",
-            "--lifecycle",
-        )?;
-        needs(
-            lc && self.lifecycle_delay.is_some(),
-            "--lifecycle-delay",
-            "--lifecycle",
-        )?;
-        needs(
-            lc && self.lifecycle_compress_min.is_some(),
-            "--lifecycle-compress-min",
-            "--lifecycle",
-        )?;
+        if let Some((flag, _, (needed, _))) = self
+            .details()
+            .into_iter()
+            .find(|&(_, given, (_, parent))| given && !parent)
+        {
+            return Err(EngineError::Request(format!(
+                "{flag} needs {needed} (without it the flag does nothing)"
+            )));
+        }
         if self.kv_share && self.kv_share_cos.is_some() {
             return Err(EngineError::Request(
                 "--kv-share (exact) and --kv-share-cos (near duplicates) are two sharings: give one".into(),
@@ -160,22 +123,35 @@ impl Tier {
 
     /// The first detail flag of a mechanism given, if any.
     pub(crate) fn detail(&self) -> Option<&'static str> {
+        self.details()
+            .into_iter()
+            .find_map(|(flag, given, _)| given.then_some(flag))
+    }
+
+    /// Each flag that only refines another: its name, whether it was given,
+    /// and the flag it refines with whether that was given.
+    #[allow(clippy::type_complexity)]
+    fn details(&self) -> [(&'static str, bool, (&'static str, bool)); 11] {
+        let cold = ("--kv-quant", self.kv_quant.is_some());
+        let evict = ("--evict-window", self.evict_window > 0);
+        let lc = ("--lifecycle", self.lifecycle.is_some());
         [
-            (self.kv_window.is_some(), "--kv-window"),
-            (self.kv_group.is_some(), "--kv-group"),
-            (self.kv_keys.is_some(), "--kv-keys"),
-            (self.kv_sink.is_some(), "--kv-sink"),
-            (self.kv_rotate, "--kv-rotate"),
-            (self.evict_sink.is_some(), "--evict-sink"),
-            (self.lifecycle_protect.is_some(), "--lifecycle-protect"),
-            (self.lifecycle_delay.is_some(), "--lifecycle-delay"),
+            ("--kv-window", self.kv_window.is_some(), cold),
+            ("--kv-group", self.kv_group.is_some(), cold),
+            ("--kv-keys", self.kv_keys.is_some(), cold),
+            ("--kv-sink", self.kv_sink.is_some(), cold),
+            ("--kv-rotate", self.kv_rotate, cold),
+            ("--kv-share", self.kv_share, cold),
+            ("--kv-share-cos", self.kv_share_cos.is_some(), cold),
+            ("--evict-sink", self.evict_sink.is_some(), evict),
+            ("--lifecycle-protect", self.lifecycle_protect.is_some(), lc),
+            ("--lifecycle-delay", self.lifecycle_delay.is_some(), lc),
             (
-                self.lifecycle_compress_min.is_some(),
                 "--lifecycle-compress-min",
+                self.lifecycle_compress_min.is_some(),
+                lc,
             ),
         ]
-        .into_iter()
-        .find_map(|(set, flag)| set.then_some(flag))
     }
 
     pub(crate) fn apply(&self, cfg: &mut EngineConfig) -> Result<(), EngineError> {
