@@ -116,7 +116,7 @@ fn quick_runs_every_configuration_and_repeats_its_quality_columns() {
         .matrix()
         .iter()
         .map(|m| {
-            [("chat", 2), ("stream", 1), ("passkey", 3)]
+            [("chat", 2), ("stream", 2), ("passkey", 3)]
                 .iter()
                 .filter(|(w, _)| exp.runs(m.name(), w))
                 .map(|(_, n)| n)
@@ -199,9 +199,19 @@ fn quick_runs_every_configuration_and_repeats_its_quality_columns() {
             .parse()
             .unwrap()
     };
-    assert!(col("int4", "ctx384", "cold_bytes") > 0.0);
-    assert!(col("evict", "ctx384", "kv_bytes") < col("baseline", "ctx384", "kv_bytes"));
-    assert!(col("keydiff-per-head", "ctx384", "kv_bytes") < col("baseline", "ctx384", "kv_bytes"));
+    assert!(col("int4", "a0-ctx384", "cold_bytes") > 0.0);
+    assert!(col("evict", "a1-ctx384", "kv_bytes") < col("baseline", "a1-ctx384", "kv_bytes"));
+    assert!(
+        col("keydiff-per-head", "a0-ctx384", "kv_bytes") < col("baseline", "a0-ctx384", "kv_bytes")
+    );
+    // Two articles: two texts, and the perplexity change pairs the chunks
+    // of both (10 scored chunks of 32 after the prefix of 64, each).
+    assert_ne!(
+        col("baseline", "a0-ctx384", "ppl"),
+        col("baseline", "a1-ctx384", "ppl")
+    );
+    let int4 = iv.lines().find(|l| l.starts_with("int4,ppl,")).unwrap();
+    assert!(int4.starts_with("int4,ppl,20,"), "{int4}");
 
     // --resume skips everything measured; a changed file is refused.
     let before = std::fs::read_to_string(a.join("items.jsonl")).unwrap();
@@ -265,7 +275,7 @@ fn a_configuration_the_engine_refuses_stops_the_run_before_it_starts() {
     std::fs::write(&good, quick_with("[[config]]\nname = \"baseline\"\n")).unwrap();
     let out = dir.join("out");
     let first = quick(&out, &good, false).unwrap();
-    assert_eq!((first.measured, first.failed), (6, 0));
+    assert_eq!((first.measured, first.failed), (7, 0));
     let log = std::fs::read_to_string(out.join("items.jsonl")).unwrap();
     let broken = dir.join("broken.toml");
     let cases = [
@@ -335,11 +345,11 @@ fn a_failing_item_is_recorded_the_others_run_and_the_exit_is_non_zero() {
         failed.iter().all(|((c, _, _), _)| c == "tight"),
         "{failed:?}"
     );
-    assert_eq!(r.len(), 12, "every item of both configurations ran");
+    assert_eq!(r.len(), 14, "every item of both configurations ran");
     let last = err.lines().last().unwrap_or("");
     assert!(
         last.starts_with(&format!(
-            "ablate: {} of the 12 items measured failed",
+            "ablate: {} of the 14 items measured failed",
             failed.len()
         )),
         "{err}"

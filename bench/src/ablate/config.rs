@@ -76,6 +76,10 @@ fn f32_name() -> String {
 fn default_block() -> usize {
     32
 }
+fn one() -> usize {
+    1
+}
+
 fn default_seed() -> u64 {
     7
 }
@@ -116,9 +120,14 @@ pub struct ChatWorkload {
 pub struct StreamWorkload {
     /// An exllamav2-style `<doc>` file (`wiki.utf8`).
     pub data: PathBuf,
-    /// Context lengths, one item each (articles concatenated, longest
-    /// first, up to the length).
+    /// Context lengths, one item each per article (articles concatenated,
+    /// longest first, up to the length).
     pub contexts: Vec<usize>,
+    /// Streams of distinct text: the longest articles are taken in turn,
+    /// each stream concatenating the next ones until it holds the longest
+    /// context; every stream is an item at every context.
+    #[serde(default = "one")]
+    pub articles: usize,
     /// Tokens prefilled before scoring.
     pub prefix: usize,
     /// Tokens per streamed chunk.
@@ -292,12 +301,13 @@ impl Experiment {
             && (s.contexts.is_empty()
                 || s.prefix == 0
                 || s.chunk == 0
+                || s.articles == 0
                 || s.contexts.iter().any(|&c| c <= s.prefix))
         {
             bail!(
                 "{}",
                 top(
-                    "workloads.stream: needs contexts, each longer than prefix > 0, and chunk > 0"
+                    "workloads.stream: needs contexts, each longer than prefix > 0, chunk > 0 and articles > 0"
                         .into()
                 )
             );

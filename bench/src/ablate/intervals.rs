@@ -42,16 +42,52 @@ fn scores(records: &[Record], config: &str, workload: &str, key: &str) -> BTreeM
         .collect()
 }
 
-/// The stream record of `config` at `item`, else at its longest context,
-/// that has scored chunks. One context only: every stream item is a
-/// prefix of the same tokens, so the chunks of a shorter context repeat
-/// the first chunks of a longer one and must not be counted twice.
-fn stream<'a>(records: &'a [Record], config: &str, item: Option<&str>) -> Option<&'a Record> {
-    records
+/// The stream records of `config` with scored chunks: per article, the
+/// one at its longest context. Every item of an article is a prefix of
+/// the same tokens, so the chunks of a shorter context repeat the first
+/// chunks of a longer one and must not be counted twice.
+fn streams<'a>(records: &'a [Record], config: &str) -> Vec<&'a Record> {
+    let mut by: BTreeMap<u64, &Record> = BTreeMap::new();
+    for r in records
         .iter()
         .filter(|r| r.config == config && r.workload == "stream" && r.error.is_none())
-        .filter(|r| !r.chunks.is_empty() && item.is_none_or(|i| r.item == i))
-        .max_by(|a, b| a.get("context").total_cmp(&b.get("context")))
+        .filter(|r| !r.chunks.is_empty())
+    {
+        // Records from before several articles have none: article 0.
+        let a = article(r);
+        if by
+            .get(&a)
+            .is_none_or(|o| r.get("context") > o.get("context"))
+        {
+            by.insert(a, r);
+        }
+    }
+    by.into_values().collect()
+}
+
+fn article(r: &Record) -> u64 {
+    let a = r.get("article");
+    if a.is_finite() { a as u64 } else { 0 }
+}
+
+/// The chunks of `ours` beside the baseline's on the very same item, in
+/// stream order; none when either left out a non-finite chunk (the
+/// chunks after it would pair with the wrong tokens).
+fn pair(ours: &Record, theirs: &Record) -> Vec<PairedChunk> {
+    let dropped = |r: &Record| r.get("dropped_chunks") > 0.0;
+    if dropped(ours) || dropped(theirs) || ours.chunks.len() != theirs.chunks.len() {
+        return Vec::new();
+    }
+    ours.chunks
+        .iter()
+        .zip(&theirs.chunks)
+        .filter(|(c, b)| c[0] == b[0])
+        .map(|(c, b)| PairedChunk {
+            tokens: c[0],
+            ours: c[1],
+            base: b[1],
+        })
+        .collect()
 }
 
 /// Every configuration's quality measures with their intervals.
@@ -90,29 +126,26 @@ pub fn qualities(exp: &Experiment, records: &[Record]) -> Vec<Quality> {
                 },
             });
         }
-        let Some(ours) = stream(records, name, None) else {
+        let ours = streams(records, name);
+        if ours.is_empty() {
             continue;
-        };
+        }
+        let theirs = streams(records, base);
         let mut paired = Vec::new();
-        if let Some(theirs) = stream(records, base, Some(&ours.item)) {
-            for (c, b) in ours.chunks.iter().zip(&theirs.chunks) {
-                if c[0] == b[0] {
-                    paired.push(PairedChunk {
-                        tokens: c[0],
-                        ours: c[1],
-                        base: b[1],
-                    });
-                }
+        for r in &ours {
+            if let Some(b) = theirs.iter().find(|b| b.item == r.item) {
+                paired.extend(pair(r, b));
             }
         }
         let (n, nll) = ours
-            .chunks
             .iter()
+            .flat_map(|r| &r.chunks)
             .fold((0.0, 0.0), |(n, s), c| (n + c[0], s + c[1]));
+        let chunks: usize = ours.iter().map(|r| r.chunks.len()).sum();
         out.push(Quality {
             config: name.to_string(),
             metric: "ppl",
-            n: ours.chunks.len(),
+            n: chunks,
             paired: paired.len(),
             value: (nll / n.max(1.0)).exp(),
             interval: None,
@@ -269,5 +302,45 @@ mod tests {
             change(&q(-0.25, -0.5, 0.1, 22, 20), " pt", 0),
             "-25 pt [-50, +10] (paired 20)"
         );
+    }
+
+    fn stream(config: &str, article: usize, context: usize, nll: f64, dropped: f64) -> Record {
+        Record {
+            config: config.into(),
+            workload: "stream".into(),
+            item: format!("a{article}-ctx{context}"),
+            values: BTreeMap::from([
+                ("article".into(), article as f64),
+                ("context".into(), context as f64),
+                ("dropped_chunks".into(), dropped),
+            ]),
+            chunks: vec![[32.0, nll]; context / 32],
+            ..Record::default()
+        }
+    }
+
+    #[test]
+    fn streams_pair_per_article_at_its_longest_context_and_skip_a_dropped_chunk() {
+        let records = vec![
+            stream("base", 0, 64, 32.0, 0.0),
+            stream("base", 0, 128, 32.0, 0.0),
+            stream("base", 1, 128, 64.0, 0.0),
+            stream("x", 0, 64, 99.0, 0.0),
+            stream("x", 0, 128, 32.0, 0.0),
+            stream("x", 1, 128, 64.0, 0.0),
+        ];
+        // Per article the longest context: 4 + 4 chunks, none counted twice.
+        let s = streams(&records, "x");
+        assert_eq!(
+            s.iter().map(|r| r.item.as_str()).collect::<Vec<_>>(),
+            ["a0-ctx128", "a1-ctx128"]
+        );
+        assert_eq!(pair(s[0], streams(&records, "base")[0]).len(), 4);
+        // A record that left out a non-finite chunk pairs nothing: the
+        // chunks after it would meet the baseline's next ones.
+        let mut short = stream("x", 1, 128, 64.0, 1.0);
+        short.chunks.pop();
+        assert!(pair(&short, &records[2]).is_empty());
+        assert!(pair(&records[5], &short).is_empty());
     }
 }

@@ -137,9 +137,13 @@ pub fn summarize(exp: &Experiment, records: &[Record]) -> Vec<Summary> {
             let stream = of("stream");
             let pass = of("passkey");
             let sum = |rs: &[&Record], k: &str| rs.iter().map(|r| r.get(k)).sum::<f64>();
-            let longest = stream
+            // Every article's item at the longest context.
+            let context = max(stream.iter().map(|r| r.get("context")));
+            let longest: Vec<&Record> = stream
                 .iter()
-                .max_by(|a, b| a.get("context").total_cmp(&b.get("context")));
+                .filter(|r| r.get("context") == context)
+                .copied()
+                .collect();
             Summary {
                 name: m.name().to_string(),
                 mechanisms: describe(exp, m),
@@ -165,8 +169,8 @@ pub fn summarize(exp: &Experiment, records: &[Record]) -> Vec<Summary> {
                 } else {
                     (sum(&stream, "nll_sum") / sum(&stream, "scored").max(1.0)).exp()
                 },
-                stream_mib: longest.map_or(f64::NAN, |r| r.get("kv_bytes") / MIB),
-                decode_tok_s: longest.map_or(f64::NAN, |r| r.get("decode_tok_s")),
+                stream_mib: mean(longest.iter().map(|r| r.get("kv_bytes") / MIB)),
+                decode_tok_s: mean(longest.iter().map(|r| r.get("decode_tok_s"))),
                 passkey: mean(pass.iter().map(|r| r.get("correct"))),
                 passkey_mib: mean(pass.iter().map(|r| r.get("kv_bytes") / MIB)),
                 failed: records
@@ -388,8 +392,13 @@ fn workload_sections(md: &mut String, exp: &Experiment, records: &[Record]) {
     if let Some(w) = &exp.workloads.stream {
         let _ = writeln!(
             md,
-            "\n## Streaming perplexity\n\nThe longest articles of `{}` concatenated; prefix {} tokens, chunks of {}, \
-             then {} greedy decode steps timed.\n\n| configuration | context | perplexity | KV MiB (hot + cold) | decode tok/s |\n|---|---:|---:|---:|---:|",
+            "\n## Streaming perplexity\n\n{} of the longest articles of `{}` (each article in one stream only, \
+             concatenated up to the context: item `aN-ctxC`, or `ctxC` for one stream); prefix {} tokens, chunks of {}, \
+             then {} greedy decode steps timed.\n\n| configuration | item | tokens | perplexity | KV MiB (hot + cold) | decode tok/s |\n|---|---|---:|---:|---:|---:|",
+            match w.articles {
+                1 => "One stream".to_string(),
+                n => format!("{n} streams"),
+            },
             w.data.display(),
             w.prefix,
             w.chunk,
@@ -399,7 +408,8 @@ fn workload_sections(md: &mut String, exp: &Experiment, records: &[Record]) {
             for r in ok(c, "stream") {
                 let _ = writeln!(
                     md,
-                    "| {c} | {} | {} | {} ({} + {}) | {} |",
+                    "| {c} | {} | {} | {} | {} ({} + {}) | {} |",
+                    r.item,
                     r.get("context"),
                     num(r.get("ppl"), 4),
                     num(r.get("kv_bytes") / MIB, 1),

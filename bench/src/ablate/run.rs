@@ -500,12 +500,15 @@ struct Item {
     /// Chat index, context length, or passkey (length, depth).
     index: usize,
     depth: f64,
+    /// A stream's article.
+    article: usize,
 }
 
 /// Token streams of the workloads, tokenized once.
 struct Inputs {
     chat: Option<(ChatWorkload, Vec<Vec<String>>)>,
-    stream: Option<(StreamWorkload, Vec<u32>)>,
+    /// One token stream per article, each as long as the longest context.
+    stream: Option<(StreamWorkload, Vec<Vec<u32>>)>,
     passkey: Option<(PasskeyWorkload, Vec<u32>)>,
     seed: u64,
 }
@@ -552,22 +555,29 @@ impl Inputs {
                     );
                 }
                 let text = crate::read_text(&s.data)?;
-                let mut ids = Vec::new();
-                for a in kvforge_engine::ppl::articles(&text) {
-                    ids.extend(tok.encode_text(&a)?);
-                    if ids.len() >= need {
-                        break;
+                let mut articles = kvforge_engine::ppl::articles(&text).into_iter();
+                let mut streams = Vec::new();
+                for k in 0..s.articles {
+                    let mut ids = Vec::new();
+                    for a in articles.by_ref() {
+                        ids.extend(tok.encode_text(&a)?);
+                        if ids.len() >= need {
+                            break;
+                        }
                     }
+                    if ids.len() < need {
+                        bail!(
+                            "{}: too little text for stream {} of {} ({} tokens left, a stream needs {need})",
+                            s.data.display(),
+                            k + 1,
+                            s.articles,
+                            ids.len()
+                        );
+                    }
+                    ids.truncate(need);
+                    streams.push(ids);
                 }
-                if ids.len() < need {
-                    bail!(
-                        "{}: only {} tokens, the stream needs {need}",
-                        s.data.display(),
-                        ids.len()
-                    );
-                }
-                ids.truncate(need);
-                Some((s.clone(), ids))
+                Some((s.clone(), streams))
             }
             None => None,
         };
@@ -600,17 +610,25 @@ impl Inputs {
                     name: format!("chat{i}"),
                     index: i,
                     depth: 0.0,
+                    article: 0,
                 });
             }
         }
         if let Some((s, _)) = &self.stream {
-            for &c in &s.contexts {
-                v.push(Item {
-                    workload: "stream",
-                    name: format!("ctx{c}"),
-                    index: c,
-                    depth: 0.0,
-                });
+            for article in 0..s.articles {
+                for &c in &s.contexts {
+                    v.push(Item {
+                        workload: "stream",
+                        // One article keeps the name it always had.
+                        name: match s.articles {
+                            1 => format!("ctx{c}"),
+                            _ => format!("a{article}-ctx{c}"),
+                        },
+                        index: c,
+                        depth: 0.0,
+                        article,
+                    });
+                }
             }
         }
         if let Some((p, _)) = &self.passkey {
@@ -621,6 +639,7 @@ impl Inputs {
                         name: format!("len{l}-depth{d:.2}"),
                         index: l,
                         depth: d,
+                        article: 0,
                     });
                 }
             }
@@ -754,7 +773,7 @@ fn export_inputs(inputs: &Inputs, items: &[Item], tok: &Tokenizer, out: &Path) -
             "stream" => {
                 let (_, ids) = inputs.stream.as_ref().context("no stream workload")?;
                 serde_json::json!({"workload": "stream", "item": item.name,
-                    "tokens": &ids[..item.index]})
+                    "article": item.article, "tokens": &ids[item.article][..item.index]})
             }
             _ => {
                 let (w, hay) = inputs.passkey.as_ref().context("no passkey workload")?;
@@ -842,7 +861,9 @@ impl<'a> Runner<'a> {
             }
             "stream" => {
                 let (w, ids) = inputs.stream.as_ref().context("no stream workload")?;
-                self.stream(w, &ids[..item.index])
+                let mut r = self.stream(w, &ids[item.article][..item.index])?;
+                r.values.insert("article".into(), item.article as f64);
+                Ok(r)
             }
             _ => {
                 let (w, hay) = inputs.passkey.as_ref().context("no passkey workload")?;
@@ -975,9 +996,14 @@ impl<'a> Runner<'a> {
                 ("cold_bytes".into(), r.cold_bytes as f64),
                 ("tok_s".into(), r.tokens_per_sec),
                 ("decode_tok_s".into(), r.decode_tokens_per_sec),
+                (
+                    "dropped_chunks".into(),
+                    r.chunks.iter().filter(|c| !c.1.is_finite()).count() as f64,
+                ),
             ]),
             // A chunk whose NLL is not finite would not read back (JSON has
-            // no NaN); it is left out of the paired interval.
+            // no NaN); it is left out, and a record that dropped one is
+            // not paired chunk by chunk (`dropped_chunks`).
             chunks: r
                 .chunks
                 .iter()

@@ -13,9 +13,15 @@
 //! * only a cold tier: its hot window (full-precision newest tokens); the
 //!   format's floor (sink kept, window 0) is the least it can hold.
 //!
-//! The sizes are whole blocks (what the pools account); the measured
-//! share is recorded beside the target for every item (`kv_share`), so a
-//! report shows both.
+//! The sizes are whole blocks (what the pools account), and they count
+//! what the cache really holds at a block boundary's mercy: a cold tier
+//! keeps the block its hot window starts in (or, with no window, the
+//! open last block) in full precision, so one more hot block is counted;
+//! `sink-window` keeps the block that straddles its window's start, so
+//! its window is one block shorter than the budget leaves (the scored
+//! policies count whole blocks against their budget already). The
+//! measured share is recorded beside the target for every item
+//! (`kv_share`), so a report shows both.
 
 use kvforge_engine::mechanisms::{Mechanisms, PolicySpec};
 
@@ -77,7 +83,9 @@ pub fn resolve(
                 return Err("a cold tier without a quantized block size".into());
             };
             let sink = (q.sink as u64).div_ceil(b).min(blocks);
-            let floor = sink * h + (blocks - sink) * c;
+            // The open last block stays in full precision.
+            let open = (blocks - sink).min(1);
+            let floor = (sink + open) * h + (blocks - sink - open) * c;
             if want < floor || h <= c {
                 return Err(format!(
                     "target_kv = {target}: {} holds at least {:.1}% of this item's KV (sink {}, window 0)",
@@ -86,20 +94,21 @@ pub fn resolve(
                     q.sink
                 ));
             }
-            let window = ((want - floor) / (h - c)).min(blocks - sink);
+            let window = ((want - floor) / (h - c)).min(blocks - sink - open);
             let cold = out.cold.as_mut().ok_or("no cold tier")?;
             cold.window = (window * b) as usize;
             cold.window
         }
         k => {
             let (hot_blocks, per_block) = match (&m.cold, sizes.cold) {
-                (Some(q), Some(c)) => (((q.sink + q.window) as u64).div_ceil(b), c),
+                // Sink, hot window and the block the window starts in.
+                (Some(q), Some(c)) => (((q.sink + q.window) as u64).div_ceil(b) + 1, c),
                 _ => (0, h),
             };
             let hot_bytes = hot_blocks * h;
             if want < hot_bytes + per_block {
                 return Err(format!(
-                    "target_kv = {target}: the cold tier's sink and hot window alone hold {:.1}% of this item's KV",
+                    "target_kv = {target}: the cold tier's sink, hot window and the block the window starts in alone hold {:.1}% of this item's KV",
                     pct(hot_bytes)
                 ));
             }
@@ -114,8 +123,9 @@ pub fn resolve(
     Ok((out, tokens))
 }
 
-/// Sets `e`'s budget to `tokens` (its knob `k`), shrinking a scored
-/// policy's protected window when sink and window would not fit in it.
+/// Sets `e`'s budget to `tokens` (its knob `k`): `sink-window`'s window
+/// is what the sink leaves less the straddling block; a scored policy's
+/// protected window shrinks when sink and window would not fit in it.
 fn set_budget(
     e: &mut PolicySpec,
     k: Knob,
@@ -137,7 +147,12 @@ fn set_budget(
     };
     match k {
         Knob::Window => {
-            e.params.insert("window".into(), rest.into());
+            // The block straddling the window's start is kept too.
+            let w = rest - block.min(rest);
+            if w <= cold_window || w == 0 {
+                return Err(small());
+            }
+            e.params.insert("window".into(), w.into());
         }
         _ => {
             e.params.insert("budget_tokens".into(), tokens.into());
@@ -179,11 +194,12 @@ mod tests {
     #[test]
     fn an_eviction_budget_is_the_target_share_of_the_blocks() {
         let m = mech("eviction = { policy = \"sink-window\", sink = 32, window = 512 }");
-        // 128 blocks of 1000 bytes; a quarter is 32 blocks = 1024 tokens.
+        // 128 blocks of 1000 bytes; a quarter is 32 blocks = 1024 tokens:
+        // the sink's block, 30 blocks of window and the one straddling it.
         let (r, tokens) = resolve(&m, 0.25, 128_000, SIZES).unwrap();
         assert_eq!(tokens, 1024);
         let e = r.eviction.clone().unwrap();
-        assert_eq!(e.params["window"], 992);
+        assert_eq!(e.params["window"], 960);
         assert_eq!(e.params["sink"], 32);
         let m =
             mech("eviction = { policy = \"h2o\", sink = 32, window = 256, budget_tokens = 544 }");
@@ -214,27 +230,30 @@ mod tests {
             "cold = { format = \"int4\", window = 128, sink = 32 }\n\
              eviction = { policy = \"sink-window\", sink = 32, window = 1024 }",
         );
-        // Target 25 000 bytes: 5 hot blocks (sink 1 + window 4) = 5 000,
-        // then 20 000 / 300 = 66 cold blocks; 71 blocks = 2272 tokens.
+        // Target 25 000 bytes: 6 hot blocks (sink 1 + window 4 + the one
+        // the window starts in) = 6 000, then 19 000 / 300 = 63 cold
+        // blocks; 69 blocks = 2208 tokens, the window 2208 - 32 - 32.
         let (r, tokens) = resolve(&m, 0.25, 100_000, SIZES).unwrap();
-        assert_eq!(tokens, 71 * 32);
+        assert_eq!(tokens, 69 * 32);
+        assert_eq!(r.eviction.as_ref().unwrap().params["window"], 2144);
         check_resolved(&r);
         // Under the hot blocks alone there is no budget.
-        let e = resolve(&m, 0.04, 100_000, SIZES).unwrap_err();
-        assert!(e.contains("sink and hot window alone hold 5.0%"), "{e}");
+        let e = resolve(&m, 0.05, 100_000, SIZES).unwrap_err();
+        assert!(e.contains("alone hold 6.0%"), "{e}");
     }
 
     #[test]
     fn a_cold_tier_alone_sizes_its_hot_window_down_to_its_floor() {
         let m = mech("cold = { format = \"int4\", window = 128, sink = 32 }");
-        // 100 blocks: floor = 1 000 + 99 * 300 = 30 700 bytes (30.7%).
+        // 100 blocks: the sink's and the open last block in full
+        // precision, floor = 2 000 + 98 * 300 = 31 400 bytes (31.4%).
         let (r, tokens) = resolve(&m, 0.5, 100_000, SIZES).unwrap();
-        // (50 000 - 30 700) / 700 = 27 blocks of window.
-        assert_eq!(tokens, 27 * 32);
-        assert_eq!(r.cold.as_ref().unwrap().window, 27 * 32);
+        // (50 000 - 31 400) / 700 = 26 blocks of window.
+        assert_eq!(tokens, 26 * 32);
+        assert_eq!(r.cold.as_ref().unwrap().window, 26 * 32);
         check_resolved(&r);
         let e = resolve(&m, 0.25, 100_000, SIZES).unwrap_err();
-        assert!(e.contains("at least 30.7%"), "{e}");
+        assert!(e.contains("at least 31.4%"), "{e}");
     }
 
     #[test]
