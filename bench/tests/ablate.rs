@@ -153,14 +153,15 @@ fn quick_runs_every_configuration_and_repeats_its_quality_columns() {
     }
     assert!(!md.contains("## Failures"));
     assert!(md.contains("Measured at commit `") && md.contains("cores"));
-    // Budget-aligned rows hold about their target (whole blocks), item
-    // by item against the baseline; every row has its measured share.
+    // Budget-aligned rows hold their target or up to one block under it
+    // (whole blocks: at quick's 16 to 24 blocks an item, one block is 4 to
+    // 6 points), never a block over; every row has its measured share.
     let iso = std::fs::read_to_string(a.join("iso.csv")).unwrap();
     for line in iso.lines().skip(1) {
         let f: Vec<&str> = line.split(',').collect();
         let share: f64 = f[4].parse().unwrap(); // kept
         if let Ok(target) = f[1].parse::<f64>() {
-            assert!((share - target).abs() < 0.08, "{line}");
+            assert!(share <= target + 0.01 && share > target - 0.07, "{line}");
         }
         assert!(share > 0.0 && share < 1.5, "{line}");
     }
@@ -211,7 +212,7 @@ fn quick_runs_every_configuration_and_repeats_its_quality_columns() {
         col("baseline", "a1-ctx384", "ppl")
     );
     let int4 = iv.lines().find(|l| l.starts_with("int4,ppl,")).unwrap();
-    assert!(int4.starts_with("int4,ppl,20,"), "{int4}");
+    assert!(int4.starts_with("int4,ppl,20,20,"), "{int4}");
 
     // --resume skips everything measured; a changed file is refused.
     let before = std::fs::read_to_string(a.join("items.jsonl")).unwrap();

@@ -195,7 +195,10 @@ pub fn run(opts: &Options) -> Result<Outcome> {
                 let sized = match target {
                     None => Ok((m.clone(), None)),
                     Some(t) => full_bytes(&records, exp.baseline(), item)
-                        .and_then(|full| super::target::resolve(m, t, full, sizes[m.name()]))
+                        .and_then(|full| {
+                            let s = sizes[m.name()];
+                            super::target::resolve(m, t, full, s, step_blocks(&exp, item, s.block))
+                        })
                         .map(|(r, knob)| (r, Some((t, knob)))),
                 };
                 let got = sized.and_then(|(sized, knob)| {
@@ -338,6 +341,20 @@ fn full_bytes(records: &[Record], base: &str, item: &Item) -> Result<u64, String
                 item.name
             )
         })
+}
+
+/// Blocks the step an item's KV share is read after writes beyond what
+/// the policies kept before it: a stream is read after each chunk (its
+/// blocks; one more when chunks do not start on a block boundary); a chat
+/// or a pass key after a decoded token (the block it lands in).
+fn step_blocks(exp: &Experiment, item: &Item, block: usize) -> u64 {
+    match (&exp.workloads.stream, item.workload) {
+        (Some(s), "stream") if block > 0 => {
+            let aligned = s.prefix % block == 0 && s.chunk % block == 0;
+            (s.chunk.div_ceil(block) + usize::from(!aligned)) as u64
+        }
+        _ => 1,
+    }
 }
 
 /// The seed of `item`'s random choices (none for a stream).

@@ -14,14 +14,16 @@
 //!   format's floor (sink kept, window 0) is the least it can hold.
 //!
 //! The sizes are whole blocks (what the pools account), and they count
-//! what the cache really holds at a block boundary's mercy: a cold tier
-//! keeps the block its hot window starts in (or, with no window, the
-//! open last block) in full precision, so one more hot block is counted;
-//! `sink-window` keeps the block that straddles its window's start, so
-//! its window is one block shorter than the budget leaves (the scored
-//! policies count whole blocks against their budget already). The
-//! measured share is recorded beside the target for every item
-//! (`kv_share`), so a report shows both.
+//! what the cache holds when the share is measured: the policies act on
+//! the table before a step, and the step then writes its tokens, so an
+//! item measured after a step of `step` blocks (a stream's chunk; one
+//! block for an item that ends on decode: the block its last token lands
+//! in, which straddles the window's start) holds that many blocks beyond
+//! what the policies kept. A cold tier keeps them in full precision (they
+//! are newer than its window), and `sink-window` keeps them beside its
+//! window, so both are counted; the scored policies count the incoming
+//! tokens against their budget already. The measured share is recorded
+//! beside the target for every item (`kv_share`), so a report shows both.
 
 use kvforge_engine::mechanisms::{Mechanisms, PolicySpec};
 
@@ -63,13 +65,15 @@ pub struct Sizes {
     pub cold: Option<u64>,
 }
 
-/// `m` sized to hold `target` of `full` bytes (the baseline's peak on the
-/// item) with blocks of `sizes`; and the knob's value in tokens.
+/// `m` sized to hold `target` of `full` bytes (what the baseline kept on
+/// the item) with blocks of `sizes`, measured after a step that writes
+/// `step` blocks; and the knob's value in tokens.
 pub fn resolve(
     m: &Mechanisms,
     target: f64,
     full: u64,
     sizes: Sizes,
+    step: u64,
 ) -> Result<(Mechanisms, usize), String> {
     let b = sizes.block as u64;
     let h = sizes.hot.max(1);
@@ -83,8 +87,8 @@ pub fn resolve(
                 return Err("a cold tier without a quantized block size".into());
             };
             let sink = (q.sink as u64).div_ceil(b).min(blocks);
-            // The open last block stays in full precision.
-            let open = (blocks - sink).min(1);
+            // The step's blocks stay in full precision.
+            let open = (blocks - sink).min(step);
             let floor = (sink + open) * h + (blocks - sink - open) * c;
             if want < floor || h <= c {
                 return Err(format!(
@@ -101,14 +105,14 @@ pub fn resolve(
         }
         k => {
             let (hot_blocks, per_block) = match (&m.cold, sizes.cold) {
-                // Sink, hot window and the block the window starts in.
-                (Some(q), Some(c)) => (((q.sink + q.window) as u64).div_ceil(b) + 1, c),
+                // Sink, hot window and the step's blocks.
+                (Some(q), Some(c)) => (((q.sink + q.window) as u64).div_ceil(b) + step, c),
                 _ => (0, h),
             };
             let hot_bytes = hot_blocks * h;
             if want < hot_bytes + per_block {
                 return Err(format!(
-                    "target_kv = {target}: the cold tier's sink, hot window and the block the window starts in alone hold {:.1}% of this item's KV",
+                    "target_kv = {target}: the cold tier's sink, hot window and the measured step's blocks alone hold {:.1}% of this item's KV",
                     pct(hot_bytes)
                 ));
             }
@@ -116,7 +120,8 @@ pub fn resolve(
             let tokens = (kept * b) as usize;
             let cold_window = m.cold.as_ref().map_or(0, |q| q.window);
             let e = out.eviction.as_mut().ok_or("no eviction policy")?;
-            set_budget(e, k, tokens, sizes.block, cold_window, target)?;
+            let step_tokens = (step * b) as usize;
+            set_budget(e, k, tokens, sizes.block, step_tokens, cold_window, target)?;
             tokens
         }
     };
@@ -124,13 +129,15 @@ pub fn resolve(
 }
 
 /// Sets `e`'s budget to `tokens` (its knob `k`): `sink-window`'s window
-/// is what the sink leaves less the straddling block; a scored policy's
-/// protected window shrinks when sink and window would not fit in it.
+/// is what the sink leaves less the `step` tokens the measured step
+/// writes; a scored policy's protected window shrinks (in whole blocks of
+/// at least one `block`) when sink and window would not fit in it.
 fn set_budget(
     e: &mut PolicySpec,
     k: Knob,
     tokens: usize,
     block: usize,
+    step: usize,
     cold_window: usize,
     target: f64,
 ) -> Result<(), String> {
@@ -147,8 +154,8 @@ fn set_budget(
     };
     match k {
         Knob::Window => {
-            // The block straddling the window's start is kept too.
-            let w = rest - block.min(rest);
+            // The step's blocks are kept beside the window.
+            let w = rest - step.min(rest);
             if w <= cold_window || w == 0 {
                 return Err(small());
             }
@@ -195,27 +202,31 @@ mod tests {
     fn an_eviction_budget_is_the_target_share_of_the_blocks() {
         let m = mech("eviction = { policy = \"sink-window\", sink = 32, window = 512 }");
         // 128 blocks of 1000 bytes; a quarter is 32 blocks = 1024 tokens:
-        // the sink's block, 30 blocks of window and the one straddling it.
-        let (r, tokens) = resolve(&m, 0.25, 128_000, SIZES).unwrap();
+        // the sink's block, 30 blocks of window and the one the last
+        // decoded token lands in (it straddles the window's start).
+        let (r, tokens) = resolve(&m, 0.25, 128_000, SIZES, 1).unwrap();
         assert_eq!(tokens, 1024);
         let e = r.eviction.clone().unwrap();
         assert_eq!(e.params["window"], 960);
         assert_eq!(e.params["sink"], 32);
+        // Measured after a chunk of two blocks: the window leaves them room.
+        let (r, _) = resolve(&m, 0.25, 128_000, SIZES, 2).unwrap();
+        assert_eq!(r.eviction.clone().unwrap().params["window"], 928);
         let m =
             mech("eviction = { policy = \"h2o\", sink = 32, window = 256, budget_tokens = 544 }");
-        let (r, tokens) = resolve(&m, 0.125, 128_000, SIZES).unwrap();
+        let (r, tokens) = resolve(&m, 0.125, 128_000, SIZES, 1).unwrap();
         assert_eq!(tokens, 512);
         let e = r.eviction.clone().unwrap();
         assert_eq!(e.params["budget_tokens"], 512);
         assert_eq!(e.params["window"], 256);
         // A budget under sink + window halves what is left after the sink.
-        let (r, _) = resolve(&m, 0.0625, 128_000, SIZES).unwrap();
+        let (r, _) = resolve(&m, 0.0625, 128_000, SIZES, 1).unwrap();
         let e = r.eviction.clone().unwrap();
         assert_eq!(e.params["budget_tokens"], 256);
         assert_eq!(e.params["window"], 96);
         check_resolved(&r);
         // Under two blocks after the sink there is no recent window left.
-        let e = resolve(&m, 0.5, 4_000, SIZES).unwrap_err();
+        let e = resolve(&m, 0.5, 4_000, SIZES, 1).unwrap_err();
         assert!(e.contains("leaves no room after the sink"), "{e}");
     }
 
@@ -230,29 +241,37 @@ mod tests {
             "cold = { format = \"int4\", window = 128, sink = 32 }\n\
              eviction = { policy = \"sink-window\", sink = 32, window = 1024 }",
         );
-        // Target 25 000 bytes: 6 hot blocks (sink 1 + window 4 + the one
-        // the window starts in) = 6 000, then 19 000 / 300 = 63 cold
-        // blocks; 69 blocks = 2208 tokens, the window 2208 - 32 - 32.
-        let (r, tokens) = resolve(&m, 0.25, 100_000, SIZES).unwrap();
+        // Target 25 000 bytes: 6 hot blocks (sink 1 + window 4 + the step's
+        // one) = 6 000, then 19 000 / 300 = 63 cold blocks; 69 blocks =
+        // 2208 tokens, the window 2208 - 32 - 32.
+        let (r, tokens) = resolve(&m, 0.25, 100_000, SIZES, 1).unwrap();
         assert_eq!(tokens, 69 * 32);
         assert_eq!(r.eviction.as_ref().unwrap().params["window"], 2144);
         check_resolved(&r);
+        // A step of two blocks: 7 000 hot, 18 000 / 300 = 60 cold; 67
+        // blocks, the window 2144 - 32 - 64.
+        let (r, tokens) = resolve(&m, 0.25, 100_000, SIZES, 2).unwrap();
+        assert_eq!(tokens, 67 * 32);
+        assert_eq!(r.eviction.as_ref().unwrap().params["window"], 2048);
         // Under the hot blocks alone there is no budget.
-        let e = resolve(&m, 0.05, 100_000, SIZES).unwrap_err();
+        let e = resolve(&m, 0.05, 100_000, SIZES, 1).unwrap_err();
         assert!(e.contains("alone hold 6.0%"), "{e}");
     }
 
     #[test]
     fn a_cold_tier_alone_sizes_its_hot_window_down_to_its_floor() {
         let m = mech("cold = { format = \"int4\", window = 128, sink = 32 }");
-        // 100 blocks: the sink's and the open last block in full
+        // 100 blocks: the sink's and the last token's block in full
         // precision, floor = 2 000 + 98 * 300 = 31 400 bytes (31.4%).
-        let (r, tokens) = resolve(&m, 0.5, 100_000, SIZES).unwrap();
+        let (r, tokens) = resolve(&m, 0.5, 100_000, SIZES, 1).unwrap();
         // (50 000 - 31 400) / 700 = 26 blocks of window.
         assert_eq!(tokens, 26 * 32);
         assert_eq!(r.cold.as_ref().unwrap().window, 26 * 32);
         check_resolved(&r);
-        let e = resolve(&m, 0.25, 100_000, SIZES).unwrap_err();
+        // A step of two blocks: floor 3 000 + 97 * 300; 25 blocks.
+        let (r, _) = resolve(&m, 0.5, 100_000, SIZES, 2).unwrap();
+        assert_eq!(r.cold.as_ref().unwrap().window, 25 * 32);
+        let e = resolve(&m, 0.25, 100_000, SIZES, 1).unwrap_err();
         assert!(e.contains("at least 31.4%"), "{e}");
     }
 
