@@ -256,6 +256,24 @@ fn ci(root: &Path) -> Result<()> {
         .args(["test", "--workspace"]);
     step("cargo test --workspace", test)?;
 
+    // The Python package, rebuilt from these sources, and its pytest suite
+    // (offline: the model is the local GGUF).
+    setup::python_package(root, &env.python, true)?;
+    let mut pytest = Command::new(&env.python);
+    pytest
+        .current_dir(root)
+        .env("HF_HUB_OFFLINE", "1")
+        .env("TRANSFORMERS_OFFLINE", "1")
+        .args([
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "python/tests",
+        ]);
+    step("pytest python/tests", pytest)?;
+
     // The loom model needs its own cfg, hence its own target directory.
     let mut loom = cargo();
     loom.current_dir(root)
@@ -289,7 +307,7 @@ pub(crate) fn nvrtc_dir(root: &Path) -> Result<PathBuf> {
 }
 
 /// `dir` in front of the environment variable `var`'s search path.
-fn prepend_path(dir: &Path, var: &str) -> std::ffi::OsString {
+pub(crate) fn prepend_path(dir: &Path, var: &str) -> std::ffi::OsString {
     let mut out = dir.as_os_str().to_owned();
     if let Some(old) = std::env::var_os(var).filter(|v| !v.is_empty()) {
         out.push(":");

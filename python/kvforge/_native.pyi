@@ -1,0 +1,55 @@
+"""Type stubs of kvforge's native module (``python/src/lib.rs``)."""
+
+from typing import Any
+
+__version__: str
+
+class Block:
+    """One quantized slab: packed codes and f16 group parameters."""
+
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def shape(self) -> tuple[int, int, int]: ...
+
+class Quantizer:
+    """``Quantizer("int4", group=32, axis="token", rotate=False)``; formats
+    ``int8`` / ``int4`` / ``int2``, axis ``token`` or ``channel`` (KIVI keys)."""
+
+    def __init__(self, format: str, group: int = 32, axis: str = "token", rotate: bool = False) -> None: ...
+    @property
+    def name(self) -> str: ...
+    def quantize(self, x: Any, tokens: int, heads: int, head_dim: int) -> Block:
+        """``x``: a C-contiguous float32 buffer of ``tokens × heads × head_dim``."""
+    def dequantize_into(self, block: Block, out: Any) -> None:
+        """``out``: a writable C-contiguous float32 buffer of the block's size."""
+
+class ColdStore:
+    """One layer's cold tier: whole blocks past the sink, older than the
+    hot window, keys (``keys`` axis) and values (per token), in order."""
+
+    def __init__(
+        self,
+        format: str,
+        window: int = 128,
+        sink: int = 32,
+        block: int = 32,
+        group: int = 32,
+        keys: str = "channel",
+        rotate: bool = False,
+    ) -> None: ...
+    @property
+    def block(self) -> int: ...
+    @property
+    def blocks(self) -> int: ...
+    @property
+    def tokens(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def names(self) -> tuple[str, str]: ...
+    def cold_blocks(self, positions: int) -> int: ...
+    def append(self, k: Any, v: Any, heads: int, head_dim: int) -> None: ...
+    def dequantize_into(self, k_out: Any, v_out: Any) -> None: ...
+    def truncate(self, blocks: int) -> None: ...
+    def clear(self) -> None: ...
