@@ -72,15 +72,48 @@ fn check(buf: &PyBuffer<f32>, n: usize, what: &str) -> PyResult<()> {
     Ok(())
 }
 
-/// Writes `data` into the writable float32 buffer `out`.
-fn write(py: Python<'_>, out: &Bound<'_, PyAny>, data: &[f32], what: &str) -> PyResult<()> {
-    let buf = PyBuffer::<f32>::get(out)
-        .map_err(|e| err(format!("kvforge: {what} must be a float32 array ({e})")))?;
-    if buf.readonly() {
-        return Err(err(format!("kvforge: {what} is read-only")));
+/// A writable, C-contiguous float32 buffer of a checked size, written in
+/// place (no copy through a Rust vector).
+struct Out {
+    buf: PyBuffer<f32>,
+    n: usize,
+}
+
+impl Out {
+    /// `out`, checked to be a writable, aligned, C-contiguous float32
+    /// buffer of `n` elements.
+    fn new(out: &Bound<'_, PyAny>, n: usize, what: &str) -> PyResult<Out> {
+        let buf = PyBuffer::<f32>::get(out)
+            .map_err(|e| err(format!("kvforge: {what} must be a float32 array ({e})")))?;
+        if buf.readonly() {
+            return Err(err(format!("kvforge: {what} is read-only")));
+        }
+        check(&buf, n, what)?;
+        if (buf.buf_ptr() as usize) % std::mem::align_of::<f32>() != 0 {
+            return Err(err(format!("kvforge: {what} is not aligned for float32")));
+        }
+        Ok(Out { buf, n })
     }
-    check(&buf, data.len(), what)?;
-    buf.copy_from_slice(py, data)
+
+    /// The address range the buffer spans.
+    fn span(&self) -> std::ops::Range<usize> {
+        let start = self.buf.buf_ptr() as usize;
+        start..start + self.n * std::mem::size_of::<f32>()
+    }
+
+    /// The buffer's elements. The GIL is held for as long as the slice
+    /// lives (`Python<'py>`), so no Python code can touch the buffer.
+    fn slice<'a>(&'a mut self, _py: Python<'a>) -> &'a mut [f32] {
+        if self.n == 0 {
+            return &mut [];
+        }
+        // SAFETY: `Out::new` checked that the buffer is writable,
+        // C-contiguous, aligned and holds exactly `n` f32s; `self.buf`
+        // keeps the exporting object alive and its memory in place for
+        // `'a`; `&mut self` makes this the only slice of it, and callers
+        // with two buffers check that their spans do not overlap.
+        unsafe { std::slice::from_raw_parts_mut(self.buf.buf_ptr().cast::<f32>(), self.n) }
+    }
 }
 
 /// The slab shape, checked for overflow and emptiness.
@@ -171,10 +204,8 @@ impl Quantizer {
         block: &Block,
         out: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let mut v = vec![0f32; block.inner.shape.len()];
-        py.detach(|| self.q.dequantize(&block.inner, &mut v))
-            .map_err(err)?;
-        write(py, out, &v, "out")
+        let mut out = Out::new(out, block.inner.shape.len(), "out")?;
+        self.q.dequantize(&block.inner, out.slice(py)).map_err(err)
     }
 }
 
@@ -301,19 +332,22 @@ impl ColdStore {
         v_out: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let n = self.k.first().map_or(0, |b| b.shape.len());
-        let (mut kd, mut vd) = (vec![0f32; n * self.k.len()], vec![0f32; n * self.v.len()]);
-        py.detach(|| -> kvforge_quant::Result<()> {
-            for (b, out) in self.k.iter().zip(kd.chunks_exact_mut(n.max(1))) {
-                self.keys.dequantize(b, out)?;
+        let mut ko = Out::new(k_out, n * self.k.len(), "k_out")?;
+        let mut vo = Out::new(v_out, n * self.v.len(), "v_out")?;
+        let (a, b) = (ko.span(), vo.span());
+        if a.start < b.end && b.start < a.end {
+            return Err(err("kvforge: k_out and v_out overlap"));
+        }
+        for (blocks, q, out) in [
+            (&self.k, &self.keys, &mut ko),
+            (&self.v, &self.values, &mut vo),
+        ] {
+            let out = out.slice(py);
+            for (b, o) in blocks.iter().zip(out.chunks_exact_mut(n.max(1))) {
+                q.dequantize(b, o).map_err(err)?;
             }
-            for (b, out) in self.v.iter().zip(vd.chunks_exact_mut(n.max(1))) {
-                self.values.dequantize(b, out)?;
-            }
-            Ok(())
-        })
-        .map_err(err)?;
-        write(py, k_out, &kd, "k_out")?;
-        write(py, v_out, &vd, "v_out")
+        }
+        Ok(())
     }
 
     /// Keeps the first `blocks` blocks (an undo for a caller whose step

@@ -97,6 +97,10 @@ def test_cold_store_keeps_blocks_in_order_and_a_failed_append_adds_nothing():
     s.dequantize_into(k, v)
     want = np.concatenate(blocks)
     assert np.abs(k - want).max() < 0.02 and np.abs(v + want).max() < 0.02
+    with pytest.raises(ValueError, match="overlap"):
+        s.dequantize_into(k, k)
+    with pytest.raises(ValueError, match="elements"):
+        s.dequantize_into(k[:64], v)
     nbytes = s.nbytes
     bad = blocks[0].copy()
     bad[0, 0, 0] = np.inf

@@ -41,6 +41,8 @@ const REFERENCE_PACKAGES: &[&str] = &[
     "kvpress==0.5.5",
     "matplotlib==3.11.2",
     "optimum-quanto==0.2.7",
+    // quanto compiles its C++ kernels on first use, with ninja.
+    "ninja==1.13.2",
 ];
 
 /// The Python package's build and test tools and what its transformers
@@ -186,8 +188,8 @@ pub(crate) fn setup(root: &Path, reference: bool) -> Result<Env> {
     if reference {
         ensure(
             &py,
-            "import accelerate, kvpress, matplotlib, optimum.quanto",
-            "the reference packages (accelerate, kvpress, matplotlib, optimum-quanto)",
+            "import accelerate, kvpress, matplotlib, ninja, optimum.quanto",
+            "the reference packages (accelerate, kvpress, matplotlib, optimum-quanto, ninja)",
             REFERENCE_PACKAGES,
         )?;
     }
