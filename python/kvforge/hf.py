@@ -21,7 +21,9 @@ leave the window are quantized after the step, and read back
 (dequantized) by the next one.
 
 One sequence per cache (batch 1), on the CPU: the cold tier is Rust code
-on host memory. Written against transformers 4.57's cache-layer API.
+on host memory; keys and values of one head dim (not MLA's). Legacy tuple
+access (``cache[i]``) gives a layer's newest (hot) tokens only. Written
+against transformers 4.57's cache-layer API.
 """
 
 from typing import Any, Optional
@@ -44,7 +46,8 @@ class QuantizedLayer(CacheLayerMixin):
                  group: int = 32, keys: str = "channel", rotate: bool = False):
         super().__init__()
         # Checks every parameter now (ValueError with the crate's message).
-        self.store = ColdStore(format, window, sink, block, group, keys, rotate)
+        self.settings = (format, window, sink, block, group, keys, rotate)
+        self.store = ColdStore(*self.settings)
         self.sink, self.block = sink, block
         self.length = 0
         self.sink_keys: Optional[torch.Tensor] = None
@@ -58,6 +61,12 @@ class QuantizedLayer(CacheLayerMixin):
             )
         if key_states.device.type != "cpu":
             raise ValueError(f"kvforge.hf: the cold tier runs on the CPU; got a tensor on {key_states.device}")
+        # What only the model's shape can tell (a group that does not divide
+        # the head dim, a rotation of one that is not a power of two) fails
+        # here, on a block of zeros, not a window later.
+        heads, dim = key_states.shape[1], key_states.shape[3]
+        zeros = torch.zeros((self.block, heads, dim)).numpy()
+        ColdStore(*self.settings).append(zeros, zeros, heads, dim)
         self.dtype, self.device = key_states.dtype, key_states.device
         empty = key_states[..., :0, :].clone()
         self.sink_keys, self.sink_values = empty, empty.clone()
@@ -74,6 +83,10 @@ class QuantizedLayer(CacheLayerMixin):
                 )
             if t.dtype != self.dtype:
                 raise ValueError(f"kvforge.hf: {name} are {t.dtype}, the cache holds {self.dtype}")
+            # Refused on arrival: a NaN kept in the hot window would fail
+            # every later step when its block is quantized.
+            if not torch.isfinite(t).all():
+                raise ValueError(f"kvforge.hf: the new {name} hold a non-finite value; refusing them")
         if k.shape[2] != v.shape[2]:
             raise ValueError(f"kvforge.hf: {k.shape[2]} new keys but {v.shape[2]} new values")
 
@@ -94,7 +107,7 @@ class QuantizedLayer(CacheLayerMixin):
         n = self.store.cold_blocks(self.length) - self.store.blocks
         b, heads, dim = self.block, self.keys.shape[1], self.keys.shape[3]
         for _ in range(n):
-            piece = lambda t: t[0, :, :b, :].transpose(0, 1).to(torch.float32).contiguous()  # noqa: E731
+            piece = lambda t: t[0, :, :b, :].detach().transpose(0, 1).to(torch.float32).contiguous()  # noqa: E731
             self.store.append(piece(self.keys).numpy(), piece(self.values).numpy(), heads, dim)
             # Each block leaves the hot part as it is stored, so that an
             # error on the next one still holds every token exactly once.
@@ -183,7 +196,8 @@ class QuantizedCache(Cache):
     whole blocks of ``block`` tokens; ``keys``: ``channel`` (KIVI) or
     ``token``; ``group``: elements per group (along the tokens of a block
     for per-channel keys, along the head dim otherwise). Bad values raise
-    ``ValueError`` here, not at the first step.
+    ``ValueError`` here; a group or rotation the model's head dim does not
+    fit raises at the first step, before anything is cached.
     """
 
     def __init__(self, config=None, *, num_layers: Optional[int] = None, format: str = "int4",

@@ -51,22 +51,31 @@ trait Qz: kvforge_quant::Quantizer {}
 impl<T: kvforge_quant::Quantizer> Qz for T {}
 
 /// The `float32` elements of a C-contiguous buffer of `n` of them.
-fn read(py: Python<'_>, x: &Bound<'_, PyAny>, n: usize, what: &str) -> PyResult<Vec<f32>> {
+fn read(py: Python<'_>, x: &Bound<'_, PyAny>, shape: [usize; 3], what: &str) -> PyResult<Vec<f32>> {
     let buf = PyBuffer::<f32>::get(x)
         .map_err(|e| err(format!("kvforge: {what} must be a float32 array ({e})")))?;
-    check(&buf, n, what)?;
+    check(&buf, shape, what)?;
     buf.to_vec(py)
 }
 
-/// Checks that `buf` is C-contiguous with `n` elements.
-fn check(buf: &PyBuffer<f32>, n: usize, what: &str) -> PyResult<()> {
+/// Checks that `buf` is C-contiguous with the elements of `shape`: flat,
+/// or of exactly that shape (so that a transposed slab is not grouped
+/// along the wrong axis).
+fn check(buf: &PyBuffer<f32>, shape: [usize; 3], what: &str) -> PyResult<()> {
     if !buf.is_c_contiguous() {
         return Err(err(format!("kvforge: {what} must be C-contiguous")));
     }
+    let n: usize = shape.iter().product();
     if buf.item_count() != n {
         return Err(err(format!(
             "kvforge: {what} holds {} elements, the shape needs {n}",
             buf.item_count()
+        )));
+    }
+    if buf.dimensions() > 1 && buf.shape() != shape {
+        return Err(err(format!(
+            "kvforge: {what} has shape {:?}, expected {shape:?} (tokens, heads, head_dim)",
+            buf.shape()
         )));
     }
     Ok(())
@@ -80,19 +89,19 @@ struct Out {
 }
 
 impl Out {
-    /// `out`, checked to be a writable, aligned, C-contiguous float32
-    /// buffer of `n` elements.
-    fn new(out: &Bound<'_, PyAny>, n: usize, what: &str) -> PyResult<Out> {
+    /// `out`, checked to be a writable, C-contiguous float32 buffer of
+    /// `shape` (PyO3 checks its alignment).
+    fn new(out: &Bound<'_, PyAny>, shape: [usize; 3], what: &str) -> PyResult<Out> {
         let buf = PyBuffer::<f32>::get(out)
             .map_err(|e| err(format!("kvforge: {what} must be a float32 array ({e})")))?;
         if buf.readonly() {
             return Err(err(format!("kvforge: {what} is read-only")));
         }
-        check(&buf, n, what)?;
-        if (buf.buf_ptr() as usize) % std::mem::align_of::<f32>() != 0 {
-            return Err(err(format!("kvforge: {what} is not aligned for float32")));
-        }
-        Ok(Out { buf, n })
+        check(&buf, shape, what)?;
+        Ok(Out {
+            buf,
+            n: shape.iter().product(),
+        })
     }
 
     /// The address range the buffer spans.
@@ -101,17 +110,22 @@ impl Out {
         start..start + self.n * std::mem::size_of::<f32>()
     }
 
-    /// The buffer's elements. The GIL is held for as long as the slice
-    /// lives (`Python<'py>`), so no Python code can touch the buffer.
+    /// The buffer's elements, for writing while this call holds the GIL.
+    ///
+    /// Precondition (the caller's, as for numpy's `out=` arguments): no
+    /// other thread writes this buffer during the call (numpy code that
+    /// releases the GIL could); the module's callers pass arrays they own.
     fn slice<'a>(&'a mut self, _py: Python<'a>) -> &'a mut [f32] {
         if self.n == 0 {
             return &mut [];
         }
         // SAFETY: `Out::new` checked that the buffer is writable,
-        // C-contiguous, aligned and holds exactly `n` f32s; `self.buf`
-        // keeps the exporting object alive and its memory in place for
-        // `'a`; `&mut self` makes this the only slice of it, and callers
-        // with two buffers check that their spans do not overlap.
+        // C-contiguous and holds exactly `n` f32s, and PyO3 checked its
+        // alignment; `self.buf` keeps the exporting object alive and its
+        // memory in place for `'a`; `&mut self` makes this the only slice
+        // of it in this module, and callers with two buffers check that
+        // their spans do not overlap; the precondition above rules out
+        // writers outside it.
         unsafe { std::slice::from_raw_parts_mut(self.buf.buf_ptr().cast::<f32>(), self.n) }
     }
 }
@@ -135,6 +149,9 @@ fn shape(tokens: usize, heads: usize, head_dim: usize) -> PyResult<BlockShape> {
 #[pyclass(frozen, module = "kvforge._native")]
 struct Block {
     inner: QuantizedBlock,
+    /// The quantizer that made it (a rotated block read back unrotated
+    /// would be garbage that no config check sees).
+    made_by: String,
 }
 
 #[pymethods]
@@ -191,9 +208,12 @@ impl Quantizer {
         head_dim: usize,
     ) -> PyResult<Block> {
         let s = shape(tokens, heads, head_dim)?;
-        let v = read(py, x, s.len(), "x")?;
+        let v = read(py, x, [tokens, heads, head_dim], "x")?;
         let inner = py.detach(|| self.q.quantize(s, &v)).map_err(err)?;
-        Ok(Block { inner })
+        Ok(Block {
+            inner,
+            made_by: self.q.name(),
+        })
     }
 
     /// Dequantizes `block` into `out`, a writable C-contiguous float32
@@ -204,7 +224,15 @@ impl Quantizer {
         block: &Block,
         out: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let mut out = Out::new(out, block.inner.shape.len(), "out")?;
+        if block.made_by != self.q.name() {
+            return Err(err(format!(
+                "kvforge: this block was quantized by {}, not {}",
+                block.made_by,
+                self.q.name()
+            )));
+        }
+        let s = block.inner.shape;
+        let mut out = Out::new(out, [s.tokens, s.heads, s.head_dim], "out")?;
         self.q.dequantize(&block.inner, out.slice(py)).map_err(err)
     }
 }
@@ -311,7 +339,8 @@ impl ColdStore {
             )));
         }
         let s = shape(self.block, heads, head_dim)?;
-        let (kx, vx) = (read(py, k, s.len(), "k")?, read(py, v, s.len(), "v")?);
+        let dims = [self.block, heads, head_dim];
+        let (kx, vx) = (read(py, k, dims, "k")?, read(py, v, dims, "v")?);
         let (kq, vq) = py
             .detach(|| -> kvforge_quant::Result<_> {
                 Ok((self.keys.quantize(s, &kx)?, self.values.quantize(s, &vx)?))
@@ -331,9 +360,24 @@ impl ColdStore {
         k_out: &Bound<'_, PyAny>,
         v_out: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let n = self.k.first().map_or(0, |b| b.shape.len());
-        let mut ko = Out::new(k_out, n * self.k.len(), "k_out")?;
-        let mut vo = Out::new(v_out, n * self.v.len(), "v_out")?;
+        let Some((heads, head_dim)) = self.dims else {
+            // Nothing held: the outputs must be empty too.
+            for (o, what) in [(k_out, "k_out"), (v_out, "v_out")] {
+                let buf = PyBuffer::<f32>::get(o)
+                    .map_err(|e| err(format!("kvforge: {what} must be a float32 array ({e})")))?;
+                if buf.item_count() != 0 {
+                    return Err(err(format!(
+                        "kvforge: {what} holds {} elements, the store holds none",
+                        buf.item_count()
+                    )));
+                }
+            }
+            return Ok(());
+        };
+        let n = self.block * heads * head_dim;
+        let dims = [self.k.len() * self.block, heads, head_dim];
+        let mut ko = Out::new(k_out, dims, "k_out")?;
+        let mut vo = Out::new(v_out, dims, "v_out")?;
         let (a, b) = (ko.span(), vo.span());
         if a.start < b.end && b.start < a.end {
             return Err(err("kvforge: k_out and v_out overlap"));

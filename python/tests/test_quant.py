@@ -16,16 +16,19 @@ def test_imports_and_version():
     assert kvforge.Quantizer("int4").name.startswith("int4")
 
 
-@pytest.mark.parametrize("fmt,bound", [("int8", 0.02), ("int4", 0.35), ("int2", 1.6)])
 @pytest.mark.parametrize("axis", ["token", "channel"])
-def test_roundtrip_error_shrinks_with_bits(fmt, bound, axis):
+def test_roundtrip_error_shrinks_with_bits(axis):
     x = slab()
-    y = kvforge.roundtrip(kvforge.Quantizer(fmt, group=32, axis=axis), x)
-    assert y.shape == x.shape and y.dtype == np.float32
-    err = np.abs(y - x).max()
-    # The crate bounds every element by half its group's scale: for a
-    # standard normal slab, about range / (2 · levels).
-    assert 0 < err < bound, err
+    errs = []
+    for fmt, bound in [("int8", 0.02), ("int4", 0.35), ("int2", 1.6)]:
+        y = kvforge.roundtrip(kvforge.Quantizer(fmt, group=32, axis=axis), x)
+        assert y.shape == x.shape and y.dtype == np.float32
+        err = np.abs(y - x).max()
+        # The crate bounds every element by half its group's scale: for a
+        # standard normal slab, about range / (2 · levels).
+        assert 0 < err < bound, (fmt, err)
+        errs.append(np.abs(y - x).mean())
+    assert errs[0] < errs[1] / 8 < errs[2] / 8, errs
 
 
 def test_rotation_is_undone_on_dequantize():
@@ -80,6 +83,13 @@ def test_bad_arrays_are_one_line_value_errors():
     out.setflags(write=False)
     cases.append((lambda: q.dequantize_into(q.quantize(x, *x.shape), out), "read-only"))
     cases.append((lambda: q.dequantize_into(q.quantize(x, *x.shape), np.empty(5, np.float32)), "elements"))
+    # A transposed slab of the right size, a block read by another
+    # quantizer, an output of the wrong dtype or layout.
+    cases.append((lambda: q.quantize(x, 64, 3, 32), "has shape"))
+    b = q.quantize(x, *x.shape)
+    cases.append((lambda: kvforge.Quantizer("int4", rotate=True).dequantize_into(b, np.empty_like(x)), "quantized by"))
+    cases.append((lambda: q.dequantize_into(b, np.empty(x.shape, np.float64)), "float32"))
+    cases.append((lambda: q.dequantize_into(b, np.empty((64, 3, 32), np.float32).transpose(1, 0, 2)), "C-contiguous"))
     for call, needle in cases:
         with pytest.raises(ValueError) as e:
             call()
@@ -108,8 +118,16 @@ def test_cold_store_keeps_blocks_in_order_and_a_failed_append_adds_nothing():
         s.append(blocks[0], bad, 3, 64)
     with pytest.raises(ValueError, match="heads"):
         s.append(slab(heads=2), slab(heads=2), 2, 64)
+    with pytest.raises(ValueError, match="elements"):
+        s.append(blocks[0][:16], blocks[0][:16], 3, 64)
     assert (s.blocks, s.nbytes) == (3, nbytes)
     s.truncate(1)
     assert s.tokens == 32
     s.clear()
     assert (s.blocks, s.nbytes) == (0, 0)
+    empty = np.empty((0, 3, 64), np.float32)
+    s.dequantize_into(empty, empty.copy())
+    with pytest.raises(ValueError, match="holds none"):
+        s.dequantize_into(k, v)
+    with pytest.raises(ValueError, match="quant:"):
+        kvforge.ColdStore("int4", window=32, sink=16, block=32)

@@ -264,6 +264,7 @@ fn ci(root: &Path) -> Result<()> {
         .current_dir(root)
         .env("HF_HUB_OFFLINE", "1")
         .env("TRANSFORMERS_OFFLINE", "1")
+        .env("KVFORGE_REQUIRE_ALL", "1")
         .args([
             "-m",
             "pytest",

@@ -201,15 +201,17 @@ pub(crate) fn setup(root: &Path, reference: bool) -> Result<Env> {
 }
 
 /// Builds the `kvforge` Python package (`python/`, PyO3) into the venv
-/// with maturin, when it does not import or when `rebuild` (CI: the
-/// sources may have changed; cargo rebuilds only what did).
+/// with maturin, when it does not import, when its native module is older
+/// than the Rust it is built from (the install is editable: `import`
+/// alone would not notice), or when `rebuild` (CI; cargo rebuilds only
+/// what changed).
 pub(crate) fn python_package(root: &Path, py: &Path, rebuild: bool) -> Result<()> {
     let imports = Command::new(py)
         .args(["-c", "import kvforge"])
         .current_dir(root)
         .output()
         .is_ok_and(|o| o.status.success());
-    if imports && !rebuild {
+    if imports && !rebuild && !native_is_stale(root) {
         return Ok(());
     }
     say("setup: maturin develop --release (the kvforge Python package, python/)");
@@ -231,6 +233,43 @@ pub(crate) fn python_package(root: &Path, py: &Path, rebuild: bool) -> Result<()
             ]),
     )
     .map(|_| ())
+}
+
+/// Whether a source of the package's native module (its crate, the
+/// quantized tier it wraps, the lock file) is newer than the built module.
+fn native_is_stale(root: &Path) -> bool {
+    fn newest(p: &Path) -> Option<std::time::SystemTime> {
+        let meta = std::fs::metadata(p).ok()?;
+        if !meta.is_dir() {
+            return meta.modified().ok();
+        }
+        std::fs::read_dir(p)
+            .ok()?
+            .flatten()
+            .filter_map(|e| newest(&e.path()))
+            .max()
+    }
+    let built = std::fs::read_dir(root.join("python/kvforge"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".so"))
+        .filter_map(|e| e.metadata().and_then(|m| m.modified()).ok())
+        .max();
+    let sources = [
+        "python/src",
+        "python/Cargo.toml",
+        "quant-tier/src",
+        "quant-tier/Cargo.toml",
+        "Cargo.lock",
+    ]
+    .iter()
+    .filter_map(|s| newest(&root.join(s)))
+    .max();
+    match (built, sources) {
+        (Some(b), Some(s)) => s > b,
+        _ => true,
+    }
 }
 
 /// `name` on `PATH`, if it is there.
