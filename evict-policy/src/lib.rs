@@ -203,6 +203,15 @@ pub trait EvictionPolicy: Send {
     fn forget(&mut self, seq: SeqKey) {
         let _ = seq;
     }
+
+    /// Why the policy could not answer since this was last asked, taken
+    /// (`None` when it could). A policy whose code runs outside Rust — one
+    /// written in Python, whose method raised or answered the wrong type —
+    /// answers nothing and says why here; the coordinator asks after every
+    /// victims call and fails that step with these words, changing nothing.
+    fn take_error(&mut self) -> Option<String> {
+        None
+    }
 }
 
 /// StreamingLLM: the first `sink` and the newest `window` positions stay;

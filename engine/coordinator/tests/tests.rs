@@ -1324,6 +1324,28 @@ fn a_policy_that_breaks_its_contract_is_an_error_that_changes_nothing() {
         "{e}"
     );
     assert_eq!(state(&c, &[s]), before);
+    // A policy that could not answer (its Python code raised) names a
+    // victim it means nothing by: the step fails with its words, the
+    // victim unapplied.
+    struct Raised;
+    impl EvictionPolicy for Raised {
+        fn name(&self) -> String {
+            "raised".into()
+        }
+        fn victims(&mut self, _: u64, _: &BlockTable, _: Pressure, out: &mut Vec<usize>) {
+            out.push(0);
+        }
+        fn take_error(&mut self) -> Option<String> {
+            Some("ValueError: no".into())
+        }
+    }
+    c.set_eviction_policy(Some(Box::new(Raised)));
+    let e = c.plan(s, 1).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "policy: the eviction policy raised failed: ValueError: no"
+    );
+    assert_eq!(state(&c, &[s]), before);
     c.set_eviction_policy(None);
     step(&mut c, s, 1);
     c.close(s).unwrap();

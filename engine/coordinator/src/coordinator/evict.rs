@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use kvforge_evict::Pressure;
+use kvforge_evict::{EvictionPolicy, Pressure};
 use kvforge_pool::{BlockAllocator, BlockId, BlockTable, Slot, TieredPool};
 
 use crate::error::{CoordError, Result};
@@ -25,6 +25,18 @@ pub(super) fn drop_victims(
         release.extend(old.block());
     }
     Ok(())
+}
+
+/// A policy that could not answer ([`EvictionPolicy::take_error`]) fails
+/// the step with its words, before anything it named is applied.
+fn answered(ev: &mut dyn EvictionPolicy) -> Result<()> {
+    match ev.take_error() {
+        Some(why) => Err(CoordError::Policy(format!(
+            "the eviction policy {} failed: {why}",
+            ev.name()
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// Marks the token-level policy's `victims` (`(entry, row)`, ascending)
@@ -84,16 +96,18 @@ impl Coordinator {
         };
         if ev.per_lane() {
             ev.lane_victims(d.seq, &d.next, pressure, self.lanes, &mut d.lane_drops);
-            return Ok(());
+            return answered(ev.as_mut());
         }
         if ev.token_level() {
             let mut rows = Vec::new();
             ev.token_victims(d.seq, &d.next, pressure, &mut rows);
+            answered(ev.as_mut())?;
             d.punched = punch_victims(&mut d.next, &rows, &mut d.release, &mut d.plan.drops)?;
             return Ok(());
         }
         let mut victims = Vec::new();
         ev.victims(d.seq, &d.next, pressure, &mut victims);
+        answered(ev.as_mut())?;
         drop_victims(&mut d.next, &victims, &mut d.release)?;
         d.plan.drops.extend_from_slice(&victims);
         Ok(())
@@ -149,6 +163,7 @@ impl Coordinator {
             }
             let mut victims = Vec::new();
             ev.victims(id, &s.table, pressure, &mut victims);
+            answered(ev.as_mut())?;
             if victims.is_empty() {
                 continue;
             }
