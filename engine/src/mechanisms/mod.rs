@@ -32,7 +32,7 @@ mod specs;
 #[cfg(test)]
 mod tests;
 
-pub use registry::{EvictionBuilder, PolicyParams, Registry};
+pub use registry::{EvictionBuilder, PolicyParams, Registry, Resolver};
 pub use specs::{
     BlockFormat, IndexName, KeyAxis, LifecycleSpec, PolicySpec, PrefixSpec, RemoteSpec, ShareSpec,
     TailName,

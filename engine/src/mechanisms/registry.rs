@@ -16,7 +16,7 @@
 //! ```
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use kvforge_evict::{EvictionPolicy, Score, Scored, SinkWindow, Trigger};
 use serde::Deserialize;
@@ -48,6 +48,13 @@ impl PolicyParams<'_> {
 /// Builds one eviction policy from its parameters (or says why not).
 pub type EvictionBuilder =
     Arc<dyn Fn(&PolicyParams<'_>) -> Result<Box<dyn EvictionPolicy>, String> + Send + Sync>;
+
+/// Builds the eviction policy a name no registry holds stands for, or
+/// `None` when the name is not its to build.
+pub type Resolver = Arc<dyn Fn(&str) -> Option<EvictionBuilder> + Send + Sync>;
+
+/// Where every registry of this process looks up a name it does not hold.
+static RESOLVER: OnceLock<Resolver> = OnceLock::new();
 
 /// The eviction policies a mechanisms file can name, by name.
 #[derive(Clone)]
@@ -144,6 +151,16 @@ impl Registry {
         self
     }
 
+    /// Installs, once per process, where every registry looks up an
+    /// eviction policy name it does not hold: the kvforge Python package
+    /// installs one at import that builds `"module:Class"` names from
+    /// Python classes, so a mechanisms file, the engine and the ablation
+    /// in that process reach them. `false` when one was installed before
+    /// (it stays).
+    pub fn install_resolver(resolver: Resolver) -> bool {
+        RESOLVER.set(resolver).is_ok()
+    }
+
     /// The eviction policies it knows.
     pub fn eviction_names(&self) -> Vec<&str> {
         self.eviction.keys().map(String::as_str).collect()
@@ -158,13 +175,20 @@ impl Registry {
         block_size: usize,
         cold_tier: bool,
     ) -> Result<EvictionFactory, String> {
-        let build = self.eviction.get(&spec.policy).ok_or_else(|| {
-            format!(
-                "unknown eviction policy {:?}; known: {}",
+        let resolved = || RESOLVER.get().and_then(|r| r(&spec.policy));
+        let build = self.eviction.get(&spec.policy).cloned().or_else(resolved);
+        let Some(build) = build else {
+            let python = if spec.policy.contains(':') {
+                " (a \"module:Class\" name is a policy written in Python: it runs under the kvforge Python package, as `cargo xtask ablate` runs such a file)"
+            } else {
+                ""
+            };
+            return Err(format!(
+                "unknown eviction policy {:?}; known: {}{python}",
                 spec.policy,
                 self.eviction_names().join(", ")
-            )
-        })?;
+            ));
+        };
         let name = spec.policy.clone();
         let built = |params: &serde_json::Map<String, serde_json::Value>| {
             let p = PolicyParams {
@@ -181,7 +205,7 @@ impl Registry {
                 spec.policy
             ));
         }
-        let (build, params) = (Arc::clone(build), spec.params.clone());
+        let params = spec.params.clone();
         let name = spec.policy.clone();
         Ok(Arc::new(move || {
             let p = PolicyParams {

@@ -227,3 +227,29 @@ fn the_ablations_own_keys_are_refused_by_the_engine() {
         assert!(e.contains("cargo xtask ablate"), "{e}");
     }
 }
+
+#[test]
+fn a_resolver_builds_names_no_registry_holds_and_says_what_a_colon_name_is() {
+    // The only resolver this test process installs: `rust-test:` names.
+    let installed = Registry::install_resolver(std::sync::Arc::new(|name: &str| {
+        let window: usize = name.strip_prefix("rust-test:window")?.parse().ok()?;
+        let b: EvictionBuilder = std::sync::Arc::new(move |_p| {
+            Ok(Box::new(
+                kvforge_evict::SinkWindow::new(0, window).map_err(|e| e.to_string())?,
+            ))
+        });
+        Some(b)
+    }));
+    assert!(installed);
+    assert!(!Registry::install_resolver(std::sync::Arc::new(|_| None)));
+    let m = parse("eviction = { policy = \"rust-test:window64\" }").unwrap();
+    let mut cfg = EngineConfig::default();
+    m.apply(&mut cfg, &Registry::builtin(), None).unwrap();
+    let built = (cfg.policies.eviction.unwrap())().unwrap();
+    assert_eq!(built.name(), "sink0-window64");
+    let e = parse("eviction = { policy = \"mymod:Mine\" }").unwrap_err();
+    assert!(e.contains("unknown eviction policy \"mymod:Mine\""), "{e}");
+    assert!(e.contains("written in Python"), "{e}");
+    let e = parse("eviction = { policy = \"nope\" }").unwrap_err();
+    assert!(!e.contains("Python"), "{e}");
+}
