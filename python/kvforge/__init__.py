@@ -1,6 +1,9 @@
 """kvforge from Python.
 
-kvforge's quantized KV tier (the Rust crate ``kvforge-quant``: INT8 / INT4 /
+The engine (:class:`Engine`: generate, chat sessions, perplexity, stats,
+with the mechanisms as a dict or a TOML file), policies written in Python
+(:class:`EvictionPolicy`, checked by :mod:`kvforge.testing`), the ablation
+(:func:`ablate`), and kvforge's quantized KV tier (the Rust crate ``kvforge-quant``: INT8 / INT4 /
 INT2 groups per token or per channel, Hadamard rotation, a sink and a hot
 window kept in full precision) for numpy arrays, and as a Hugging Face
 transformers cache (:mod:`kvforge.hf`)::
@@ -13,10 +16,27 @@ transformers cache (:mod:`kvforge.hf`)::
 """
 
 import numpy as np
+import torch  # noqa: F401  (loads the libtorch the native module links: one libtorch per process)
 
 from ._native import Block, ColdStore, Quantizer, __version__
+from .ablation import ablate
+from .engine import DEFAULT_MODEL, Engine, Session
+from .policy import EvictionPolicy, Pressure, Table
 
-__all__ = ["Block", "ColdStore", "Quantizer", "__version__", "roundtrip"]
+__all__ = [
+    "Block",
+    "ColdStore",
+    "DEFAULT_MODEL",
+    "Engine",
+    "EvictionPolicy",
+    "Pressure",
+    "Quantizer",
+    "Session",
+    "Table",
+    "__version__",
+    "ablate",
+    "roundtrip",
+]
 
 
 def roundtrip(q: Quantizer, x: np.ndarray) -> np.ndarray:

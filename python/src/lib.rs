@@ -12,6 +12,9 @@
 //! way; every bad input is a `ValueError` with the crate's one-line
 //! message, and a failed call changes nothing.
 
+mod engine;
+mod policy;
+
 use kvforge_quant::{
     Axis, BlockShape, GroupQuantizer, QuantConfig, QuantizedBlock, Rotated, TierPlan,
 };
@@ -419,5 +422,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Quantizer>()?;
     m.add_class::<Block>()?;
     m.add_class::<ColdStore>()?;
+    m.add_class::<engine::Engine>()?;
+    m.add_function(wrap_pyfunction!(engine::ablate, m)?)?;
+    m.add_function(wrap_pyfunction!(policy::check_eviction_policy, m)?)?;
+    policy::install_resolver();
     Ok(())
 }

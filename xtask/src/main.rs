@@ -78,6 +78,9 @@ fn run() -> Result<()> {
             setup::setup(&root, true).map(|_| ())
         }
         Some("ci") if args.len() == 1 => ci(&root),
+        Some("ablate") if names_python_policy(&root, &args[1..]) => {
+            python_ablate(&root, &args[1..])
+        }
         Some("ablate") => run_after_setup(&root, "kvforge-bench", "ablate", &args[1..]),
         Some("kvforge") => run_after_setup(&root, "kvforge-engine", "kvforge", &args[1..]),
         Some("serve") => run_after_setup(&root, "kvforge-server", "kvforge-serve", &args[1..]),
@@ -179,6 +182,62 @@ fn model_check(root: &Path, cases: u64) -> Result<()> {
             "1",
         ]);
     step(&format!("coordinator model, {cases} cases"), t)
+}
+
+/// The experiment file `ablate ARGS` reads (`--config FILE`, `--quick`,
+/// `--full`, else the default).
+fn ablate_config(root: &Path, args: &[String]) -> PathBuf {
+    let mut file = PathBuf::from("configs/ablate.toml");
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--quick" | "--full" => file = PathBuf::from(format!("configs/{}.toml", &a[2..])),
+            "--config" => file = it.next().map_or(file, PathBuf::from),
+            _ => {}
+        }
+    }
+    root.join(file)
+}
+
+/// Whether the experiment file names an eviction policy written in Python
+/// (`policy = "module:Class"` outside a comment). An unreadable file is
+/// left to the ablation's own error.
+fn names_python_policy(root: &Path, args: &[String]) -> bool {
+    std::fs::read_to_string(ablate_config(root, args)).is_ok_and(|t| python_policy_named(&t))
+}
+
+/// Whether a TOML text names `policy = "module:Class"` outside a comment.
+fn python_policy_named(text: &str) -> bool {
+    text.lines().any(|line| {
+        let code = line.split('#').next().unwrap_or("");
+        code.split("policy").skip(1).any(|rest| {
+            let rest = rest.trim_start();
+            let Some(value) = rest.strip_prefix('=') else {
+                return false;
+            };
+            let value = value.trim_start();
+            value
+                .strip_prefix('"')
+                .and_then(|v| v.split('"').next())
+                .is_some_and(|v| v.contains(':'))
+        })
+    })
+}
+
+/// The ablation of a file that names a policy written in Python: setup
+/// (which builds the Python package), then `python -m kvforge ablate ARGS`
+/// — the same runner, in a Python process; exits with its status.
+fn python_ablate(root: &Path, args: &[String]) -> Result<()> {
+    let env = setup::setup(root, false)?;
+    say("ablate: the experiment file names a policy written in Python: python -m kvforge ablate");
+    let status = Command::new(&env.python)
+        .current_dir(root)
+        .env("KVFORGE_REDIS_SERVER", &env.redis_server)
+        .args(["-m", "kvforge", "ablate"])
+        .args(args)
+        .status()
+        .context("could not start python -m kvforge")?;
+    std::process::exit(status.code().unwrap_or(1));
 }
 
 /// Setup, then `cargo run --release` of one binary with `args`; exits with
@@ -619,4 +678,22 @@ fn format_ns(ns: f64) -> String {
 
 fn format_rate(per_s: f64) -> String {
     format!("{per_s:.3e} elem/s")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::python_policy_named;
+
+    #[test]
+    fn a_python_policy_is_a_module_colon_class_name_outside_comments() {
+        assert!(python_policy_named(
+            "[[config]]\neviction = { policy = \"kvforge.examples.keydiff:KeyDiff\", sink = 16 }"
+        ));
+        assert!(python_policy_named("eviction.policy=\"m:C\""));
+        assert!(!python_policy_named(
+            "eviction = { policy = \"keydiff\", sink = 16 }"
+        ));
+        assert!(!python_policy_named("# eviction = { policy = \"m:C\" }"));
+        assert!(!python_policy_named("name = \"a:b\"\npolicy = \"h2o\""));
+    }
 }

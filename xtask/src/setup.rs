@@ -235,8 +235,8 @@ pub(crate) fn python_package(root: &Path, py: &Path, rebuild: bool) -> Result<()
     .map(|_| ())
 }
 
-/// Whether a source of the package's native module (its crate, the
-/// quantized tier it wraps, the lock file) is newer than the built module.
+/// Whether a source of the package's native module (its crate, the crates
+/// it links, the lock file) is newer than the built module.
 fn native_is_stale(root: &Path) -> bool {
     fn newest(p: &Path) -> Option<std::time::SystemTime> {
         let meta = std::fs::metadata(p).ok()?;
@@ -256,11 +256,26 @@ fn native_is_stale(root: &Path) -> bool {
         .filter(|e| e.file_name().to_string_lossy().ends_with(".so"))
         .filter_map(|e| e.metadata().and_then(|m| m.modified()).ok())
         .max();
+    // The module links the engine and the ablation runner: every crate of
+    // the workspace but the tools.
     let sources = [
         "python/src",
         "python/Cargo.toml",
-        "quant-tier/src",
-        "quant-tier/Cargo.toml",
+        "kv-pool",
+        "prefix-index",
+        "remote-tier",
+        "remote-redis",
+        "quant-tier",
+        "evict-policy",
+        "lsh-share",
+        "lifecycle",
+        "kernels",
+        "engine/src",
+        "engine/coordinator/src",
+        "engine/Cargo.toml",
+        "server/src",
+        "bench/src",
+        "bench/Cargo.toml",
         "Cargo.lock",
     ]
     .iter()

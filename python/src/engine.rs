@@ -1,0 +1,371 @@
+//! The engine from Python: [`Engine`] wraps the engine's `CacheManager`
+//! (a model, its tokenizer and the paged cache with the configured
+//! mechanisms); `kvforge/engine.py` gives it its Python shape (chat
+//! sessions, mechanisms as a dict or a TOML path, the default model).
+//! [`ablate`] runs `cargo xtask ablate`'s runner in this process, so a
+//! policy written in Python runs in it.
+//!
+//! Work runs with the GIL released; a Python policy takes it back for
+//! each call. Every bad input is a `ValueError`, every failed step (a
+//! policy that raised, a full cache) a `RuntimeError`, each with the
+//! engine's one-line message; a failed call changes nothing.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use kvforge_engine::mechanisms::Mechanisms;
+use kvforge_engine::{
+    CacheManager, EngineConfig, EngineError, Generation, Llama, LlamaConfig, Registry, ReuseConfig,
+    SamplingParams, Tokenizer, TurnReport, gguf, parse_device, parse_dtype,
+};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::policy::PyPolicy;
+
+/// An engine error as the Python exception of its kind.
+fn raise(e: EngineError) -> PyErr {
+    match e {
+        EngineError::Model(_)
+        | EngineError::Unsupported(_)
+        | EngineError::Tokenizer(_)
+        | EngineError::Request(_)
+        | EngineError::Sampling(_)
+        | EngineError::Device(_)
+        | EngineError::Quant(_) => PyValueError::new_err(e.to_string()),
+        _ => PyRuntimeError::new_err(e.to_string()),
+    }
+}
+
+fn bad(msg: impl Into<String>) -> PyErr {
+    PyValueError::new_err(msg.into())
+}
+
+/// The dimensions of a random-weight model: `(d_model, layers, heads,
+/// kv_heads, ffn, max_ctx)`.
+type RandomDims = (usize, usize, usize, usize, usize, usize);
+
+/// A model, its tokenizer and a paged KV cache with kvforge's mechanisms.
+#[pyclass(module = "kvforge._native", frozen)]
+pub(crate) struct Engine {
+    manager: CacheManager,
+}
+
+/// How to sample.
+#[derive(FromPyObject)]
+struct Sampling {
+    max_tokens: usize,
+    temperature: f32,
+    top_k: usize,
+    top_p: f32,
+    seed: u64,
+    ignore_eos: bool,
+}
+
+impl From<Sampling> for SamplingParams {
+    fn from(s: Sampling) -> Self {
+        SamplingParams {
+            temperature: s.temperature,
+            top_k: s.top_k,
+            top_p: s.top_p,
+            seed: s.seed,
+            max_tokens: s.max_tokens,
+            ignore_eos: s.ignore_eos,
+        }
+    }
+}
+
+/// The mechanisms of `json` (a table as JSON) or `path` (a TOML file).
+fn mechanisms(
+    json: Option<String>,
+    path: Option<PathBuf>,
+    block_size: usize,
+) -> PyResult<Option<Mechanisms>> {
+    let registry = Registry::builtin();
+    match (json, path) {
+        (Some(_), Some(_)) => Err(bad(
+            "kvforge: give the mechanisms as a table or a file, not both",
+        )),
+        (None, Some(path)) => Mechanisms::load(&path, block_size, &registry)
+            .map(Some)
+            .map_err(bad),
+        (Some(json), None) => {
+            let m: Mechanisms =
+                serde_json::from_str(&json).map_err(|e| bad(format!("mechanisms: {e}")))?;
+            m.check(m.block_size.unwrap_or(block_size), &registry)
+                .map_err(|e| bad(format!("mechanisms: {e}")))?;
+            Ok(Some(m))
+        }
+        (None, None) => Ok(None),
+    }
+}
+
+/// Loads the model at `path` (or a random-weight one of `random`'s
+/// dimensions with `path`'s tokenizer).
+fn load(
+    path: &std::path::Path,
+    random: Option<RandomDims>,
+    seed: i64,
+    cfg: &EngineConfig,
+) -> kvforge_engine::Result<kvforge_engine::Engine> {
+    let Some((d_model, layers, heads, kv_heads, ffn, max_ctx)) = random else {
+        return kvforge_engine::Engine::load(path, cfg);
+    };
+    if heads == 0 || d_model % heads != 0 || kv_heads == 0 || heads % kv_heads != 0 {
+        return Err(EngineError::Request(format!(
+            "random model: d_model {d_model} must split into heads {heads}, heads into kv_heads {kv_heads}"
+        )));
+    }
+    let g = gguf::GgufFile::open(path)?;
+    let tokenizer = Tokenizer::from_gguf(&g)?;
+    let mc = LlamaConfig {
+        vocab: tokenizer.vocab,
+        d_model,
+        n_layers: layers,
+        n_heads: heads,
+        n_kv_heads: kv_heads,
+        head_dim: d_model / heads,
+        ffn,
+        rms_eps: 1e-5,
+        rope_theta: 10_000.0,
+        max_ctx,
+    };
+    let model = Llama::random(mc, seed, cfg.device, cfg.kind)?;
+    kvforge_engine::Engine::new(model, tokenizer, cfg)
+}
+
+fn report<'py>(py: Python<'py>, r: &TurnReport) -> PyResult<Bound<'py, PyDict>> {
+    let d = generation(py, &r.generation)?;
+    d.set_item("prompt_tokens", r.prompt_tokens)?;
+    d.set_item("reused_tokens", r.reused_tokens)?;
+    d.set_item("prefilled_tokens", r.prefilled_tokens)?;
+    d.set_item("ttft_s", r.ttft_secs)?;
+    d.set_item("kv_bytes_in_use", r.kv_bytes_in_use)?;
+    Ok(d)
+}
+
+fn generation<'py>(py: Python<'py>, g: &Generation) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("tokens", &g.tokens)?;
+    d.set_item("new_tokens", g.tokens.len())?;
+    d.set_item("prefill_s", g.prefill_secs)?;
+    d.set_item("decode_s", g.decode_secs)?;
+    d.set_item("decode_tokens_per_s", g.decode_tokens_per_sec())?;
+    d.set_item("stopped_at_eos", g.stopped_at_eos)?;
+    Ok(d)
+}
+
+#[pymethods]
+impl Engine {
+    #[new]
+    #[pyo3(signature = (model, *, mechanisms_json = None, mechanisms_path = None, policy = None,
+        random = None, seed = 0, device = "cpu", dtype = "f32", kv_dtype = "f16", block_size = 16))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        model: PathBuf,
+        mechanisms_json: Option<String>,
+        mechanisms_path: Option<PathBuf>,
+        policy: Option<Bound<'_, PyAny>>,
+        random: Option<RandomDims>,
+        seed: i64,
+        device: &str,
+        dtype: &str,
+        kv_dtype: &str,
+        block_size: usize,
+    ) -> PyResult<Self> {
+        if block_size == 0 {
+            return Err(bad("kvforge: block_size must be at least 1"));
+        }
+        let mut cfg = EngineConfig {
+            device: parse_device(device).map_err(raise)?,
+            kind: parse_dtype(dtype).map_err(raise)?,
+            kv_kind: Some(parse_dtype(kv_dtype).map_err(raise)?),
+            block_size,
+            ..EngineConfig::default()
+        };
+        let mut reuse = ReuseConfig {
+            enabled: false,
+            ..ReuseConfig::default()
+        };
+        if let Some(m) = mechanisms(mechanisms_json, mechanisms_path, block_size)? {
+            reuse = m.apply(&mut cfg, &Registry::builtin(), None).map_err(bad)?;
+        }
+        if let Some(obj) = policy {
+            PyPolicy::wrap(&obj)?;
+            let obj = obj.unbind();
+            cfg.policies.eviction = Some(Arc::new(move || {
+                Python::attach(|py| PyPolicy::wrap(obj.bind(py)))
+                    .map(|p| Box::new(p) as Box<dyn kvforge_evict::EvictionPolicy>)
+                    .map_err(|e| e.to_string())
+            }));
+        }
+        let manager = py.detach(|| {
+            let engine = load(&model, random, seed, &cfg)?;
+            CacheManager::new(engine, reuse)
+        });
+        Ok(Engine {
+            manager: manager.map_err(raise)?,
+        })
+    }
+
+    /// The ids of `text`; control tokens in it are parsed only with
+    /// `special`.
+    #[pyo3(signature = (text, special = false))]
+    fn encode(&self, text: &str, special: bool) -> PyResult<Vec<u32>> {
+        let t = &self.manager.engine().tokenizer;
+        if special {
+            t.encode(text)
+        } else {
+            t.encode_text(text)
+        }
+        .map_err(raise)
+    }
+
+    /// The text of `ids`.
+    fn decode(&self, ids: Vec<u32>) -> PyResult<String> {
+        self.manager.engine().tokenizer.decode(&ids).map_err(raise)
+    }
+
+    /// `messages` (`(role, content)` pairs) in the chat template, the
+    /// assistant's turn opened.
+    fn chat_ids(&self, messages: Vec<(String, String)>) -> PyResult<Vec<u32>> {
+        let m: Vec<_> = messages
+            .iter()
+            .map(|(r, c)| kvforge_engine::Message::new(r, c))
+            .collect();
+        self.manager.engine().tokenizer.chat_ids(&m).map_err(raise)
+    }
+
+    /// A later user turn: `msg` after a reply (closed with `<|im_end|>`
+    /// first unless `closed`).
+    fn user_turn_ids(&self, closed: bool, msg: &str) -> PyResult<Vec<u32>> {
+        let t = &self.manager.engine().tokenizer;
+        t.user_turn_ids(!closed, msg).map_err(raise)
+    }
+
+    /// One stateless request: the reply to `ids` (reusing a cached prefix
+    /// when prefix reuse is on) and its report.
+    fn complete<'py>(
+        &self,
+        py: Python<'py>,
+        ids: Vec<u32>,
+        sampling: Sampling,
+    ) -> PyResult<(String, Bound<'py, PyDict>)> {
+        let params = SamplingParams::from(sampling);
+        let (text, r) = py
+            .detach(|| {
+                let mut text = String::new();
+                let r = self.manager.complete(&ids, "", &params, &mut |_, piece| {
+                    text.push_str(piece);
+                    true
+                });
+                r.map(|r| (text, r))
+            })
+            .map_err(raise)?;
+        Ok((text, report(py, &r)?))
+    }
+
+    /// Opens a chat session; its id.
+    fn open_session(&self) -> u64 {
+        self.manager.open_session("")
+    }
+
+    /// One turn of session `id`: `ids` follow the previous reply.
+    fn turn<'py>(
+        &self,
+        py: Python<'py>,
+        id: u64,
+        ids: Vec<u32>,
+        sampling: Sampling,
+    ) -> PyResult<(String, Bound<'py, PyDict>)> {
+        let params = SamplingParams::from(sampling);
+        let (text, r) = py
+            .detach(|| {
+                let mut text = String::new();
+                let r = self.manager.turn(id, &ids, &params, &mut |_, piece| {
+                    text.push_str(piece);
+                    true
+                });
+                r.map(|r| (text, r))
+            })
+            .map_err(raise)?;
+        Ok((text, report(py, &r)?))
+    }
+
+    /// Closes session `id`, releasing its blocks.
+    fn close_session(&self, id: u64) -> PyResult<()> {
+        self.manager.close_session(id).map_err(raise)
+    }
+
+    /// Perplexity of `ids` through the cache: streaming (prefill
+    /// `prefix`, then chunks of `chunk`; `decode` timed greedy steps at
+    /// the end) or, with `window`, windows from an empty cache.
+    #[pyo3(signature = (ids, prefix, chunk, decode = 0, window = None))]
+    fn ppl<'py>(
+        &self,
+        py: Python<'py>,
+        ids: Vec<u32>,
+        prefix: usize,
+        chunk: usize,
+        decode: usize,
+        window: Option<usize>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let e = self.manager.engine();
+        let r = py
+            .detach(|| match window {
+                Some(w) => e.window_ppl(&ids, w),
+                None => e.streaming_ppl(&ids, prefix, chunk, decode),
+            })
+            .map_err(raise)?;
+        let d = PyDict::new(py);
+        d.set_item("ppl", r.ppl)?;
+        d.set_item("scored", r.scored)?;
+        d.set_item("nll_sum", r.nll_sum)?;
+        d.set_item("kv_bytes", r.kv_bytes)?;
+        d.set_item("hot_bytes", r.hot_bytes)?;
+        d.set_item("cold_bytes", r.cold_bytes)?;
+        d.set_item("kv_bytes_per_token", r.kv_bytes_per_token)?;
+        d.set_item("tokens_per_s", r.tokens_per_sec)?;
+        d.set_item("decode_tokens_per_s", r.decode_tokens_per_sec)?;
+        d.set_item("chunks", r.chunks)?;
+        Ok(d)
+    }
+
+    /// The manager's metrics (counters, tiers, policies) as JSON.
+    fn metrics_json(&self) -> String {
+        self.manager.metrics().to_string()
+    }
+
+    /// Blocks in use in each tier, hot first.
+    fn blocks_in_use(&self) -> Vec<usize> {
+        let e = self.manager.engine();
+        e.cache.tier_stats().iter().map(|t| t.pool.in_use).collect()
+    }
+}
+
+/// `kvforge.ablate`: `cargo xtask ablate`'s runner on `config`, in this
+/// process; the output folder and how many items failed.
+#[pyfunction]
+#[pyo3(signature = (config, out = None, resume = false, progress = false, root = None))]
+pub(crate) fn ablate(
+    py: Python<'_>,
+    config: PathBuf,
+    out: Option<PathBuf>,
+    resume: bool,
+    progress: bool,
+    root: Option<PathBuf>,
+) -> PyResult<(PathBuf, usize, usize)> {
+    let opts = kvforge_bench::ablate::run::Options {
+        config,
+        out,
+        resume,
+        progress,
+        root: root.unwrap_or_else(|| PathBuf::from(".")),
+    };
+    let done = py
+        .detach(|| kvforge_bench::ablate::run::run(&opts))
+        .map_err(|e| bad(format!("{e:#}")))?;
+    Ok((done.out, done.measured, done.failed))
+}
