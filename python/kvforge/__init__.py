@@ -19,6 +19,7 @@ import numpy as np
 import torch  # noqa: F401  (loads the libtorch the native module links: one libtorch per process)
 
 from ._native import Block, ColdStore, Quantizer, __version__
+from . import testing
 from .ablation import ablate
 from .engine import DEFAULT_MODEL, Engine, Session
 from .policy import EvictionPolicy, Pressure, Table
@@ -36,6 +37,7 @@ __all__ = [
     "__version__",
     "ablate",
     "roundtrip",
+    "testing",
 ]
 
 

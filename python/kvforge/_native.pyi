@@ -1,4 +1,4 @@
-"""Type stubs of kvforge's native module (``python/src/lib.rs``)."""
+"""Type stubs of kvforge's native module (``python/src/``)."""
 
 from typing import Any
 
@@ -53,3 +53,43 @@ class ColdStore:
     def dequantize_into(self, k_out: Any, v_out: Any) -> None: ...
     def truncate(self, blocks: int) -> None: ...
     def clear(self) -> None: ...
+
+class Engine:
+    """The engine (``kvforge.Engine`` wraps it): a model, its tokenizer and
+    the paged KV cache with kvforge's mechanisms."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        mechanisms_json: str | None = None,
+        mechanisms_path: str | None = None,
+        policy: Any = None,
+        random: tuple[int, int, int, int, int, int] | None = None,
+        seed: int = 0,
+        device: str = "cpu",
+        dtype: str = "f32",
+        kv_dtype: str = "f16",
+        block_size: int = 16,
+    ) -> None: ...
+    def encode(self, text: str, special: bool = False) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+    def chat_ids(self, messages: list[tuple[str, str]]) -> list[int]: ...
+    def user_turn_ids(self, closed: bool, msg: str) -> list[int]: ...
+    def complete(self, ids: list[int], sampling: Any) -> tuple[str, dict[str, Any]]: ...
+    def open_session(self) -> int: ...
+    def turn(self, id: int, ids: list[int], sampling: Any) -> tuple[str, dict[str, Any]]: ...
+    def close_session(self, id: int) -> None: ...
+    def ppl(
+        self, ids: list[int], prefix: int, chunk: int, decode: int = 0, window: int | None = None
+    ) -> dict[str, Any]: ...
+    def metrics_json(self) -> str: ...
+    def blocks_in_use(self) -> list[int]: ...
+
+def ablate(
+    config: str, out: str | None = None, resume: bool = False, progress: bool = False, root: str | None = None
+) -> tuple[str, int, int]:
+    """Runs an experiment file; ``(output folder, items measured, items failed)``."""
+
+def check_eviction_policy(policy: Any, block_size: int = 16) -> None:
+    """The Rust eviction conformance suite on a Python policy."""

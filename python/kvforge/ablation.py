@@ -26,10 +26,12 @@ def ablate(
     relative to ``root`` (default: the kvforge checkout). An eviction
     policy named ``"module:Class"`` in the file is the Python class.
 
-    Returns the results table, one row per configuration and workload: a
-    pandas ``DataFrame`` when pandas is installed, else a list of dicts
-    (numbers as floats). Its ``.attrs`` / the ``ablate.last`` dict hold the
-    output folder and counts. Raises ``ValueError`` for a bad file and
+    Returns the results table (``results.csv``), one row per configuration
+    and item, with its measurements (``kv_bytes``, ``ppl``, ``correct`` …):
+    a pandas ``DataFrame`` when pandas is installed (its ``.attrs`` hold
+    the output folder and counts), else a list of dicts (numbers as floats,
+    empty cells None). ``ablate.last`` holds the output folder and counts
+    of the last run either way. Raises ``ValueError`` for a bad file and
     ``RuntimeError`` when items failed (after the report is written).
     """
     root = Path(root) if root is not None else ROOT
