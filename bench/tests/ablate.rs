@@ -34,8 +34,13 @@ fn every_experiment_file_in_configs_parses() {
     for e in std::fs::read_dir(root().join("configs")).unwrap() {
         let p = e.unwrap().path();
         if p.extension().is_some_and(|x| x == "toml") {
-            let exp = Experiment::load(&p).unwrap_or_else(|e| panic!("{e}"));
-            assert!(!exp.matrix().is_empty());
+            match Experiment::load(&p) {
+                Ok(exp) => assert!(!exp.matrix().is_empty()),
+                // A file naming a policy written in Python parses only in
+                // the Python package's process (pytest runs one).
+                Err(e) if e.to_string().contains("is a policy written in Python") => {}
+                Err(e) => panic!("{e}"),
+            }
             n += 1;
         }
     }

@@ -30,8 +30,9 @@ class _Sampling:
     __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos")
 
     def __init__(self, max_tokens, temperature, top_k, top_p, seed, ignore_eos):
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"kvforge: max_tokens must be a positive int, not {max_tokens!r}")
+        for name, v, low in (("max_tokens", max_tokens, 1), ("top_k", top_k, 0), ("seed", seed, 0)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < low or v >= 2**64:
+                raise ValueError(f"kvforge: {name} must be an int ≥ {low}, not {v!r}")
         self.max_tokens, self.temperature, self.top_k = max_tokens, float(temperature), top_k
         self.top_p, self.seed, self.ignore_eos = float(top_p), seed, ignore_eos
 
@@ -75,7 +76,10 @@ class Engine:
             raise ValueError(f"kvforge: model {path} not found{hint}")
         table = path_ = None
         if isinstance(mechanisms, dict):
-            table = json.dumps(mechanisms)
+            try:
+                table = json.dumps(mechanisms, allow_nan=False)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"kvforge: mechanisms: {e}") from None
         elif mechanisms is not None:
             path_ = os.fspath(mechanisms)
         dims = None

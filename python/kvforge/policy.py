@@ -9,9 +9,13 @@ pressure on the byte budget (:class:`Pressure`), and, when it asks for
 them, the attention mass or the key novelty of each entry after every step.
 
 It answers which entries to drop. The coordinator checks the answer (an
-entry that does not exist or is already dropped fails the step); a method
-that raises, or answers anything but a sequence of ints, fails the step
-with the exception's words. Either way the cache is left as it was.
+entry that does not exist or is already dropped fails the step); a
+``victims`` that raises, or answers anything but a sequence of ints, fails
+the step with the exception's words; an ``observe`` / ``observe_keys`` that
+raises fails the sequence's next step (or, when the sequence ends first,
+goes to ``sys.unraisablehook``, as a raising ``forget`` does). Either way
+the cache is left as it was. A policy must not call the engine from its
+methods.
 
 A page-level policy only: per-head and token-level eviction stay Rust's.
 """

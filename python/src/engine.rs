@@ -22,10 +22,14 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::policy::PyPolicy;
+use crate::policy::{PyPolicy, not_in_policy, take_interrupt};
 
-/// An engine error as the Python exception of its kind.
+/// An engine error as the Python exception of its kind (or the
+/// interrupt a policy raised during the call, raised again).
 fn raise(e: EngineError) -> PyErr {
+    if let Some(interrupt) = take_interrupt() {
+        return interrupt;
+    }
     match e {
         EngineError::Model(_)
         | EngineError::Unsupported(_)
@@ -35,6 +39,16 @@ fn raise(e: EngineError) -> PyErr {
         | EngineError::Device(_)
         | EngineError::Quant(_) => PyValueError::new_err(e.to_string()),
         _ => PyRuntimeError::new_err(e.to_string()),
+    }
+}
+
+/// An engine call's result; an interrupt a policy raised during it wins
+/// even when the call got through (the policy's failure was reported
+/// elsewhere), so that Ctrl-C is never lost.
+fn done<T>(r: Result<T, EngineError>) -> PyResult<T> {
+    match take_interrupt() {
+        Some(interrupt) => Err(interrupt),
+        None => r.map_err(raise),
     }
 }
 
@@ -91,8 +105,12 @@ fn mechanisms(
             .map(Some)
             .map_err(bad),
         (Some(json), None) => {
-            let m: Mechanisms =
-                serde_json::from_str(&json).map_err(|e| bad(format!("mechanisms: {e}")))?;
+            let m: Mechanisms = serde_json::from_str(&json).map_err(|e| {
+                // Without " at line 1 column 21" of JSON the caller never wrote.
+                let words = e.to_string();
+                let words = words.split(" at line ").next().unwrap_or_default();
+                bad(format!("mechanisms: {words}"))
+            })?;
             m.check(m.block_size.unwrap_or(block_size), &registry)
                 .map_err(|e| bad(format!("mechanisms: {e}")))?;
             Ok(Some(m))
@@ -225,7 +243,14 @@ impl Engine {
 
     /// The text of `ids`.
     fn decode(&self, ids: Vec<u32>) -> PyResult<String> {
-        self.manager.engine().tokenizer.decode(&ids).map_err(raise)
+        let t = &self.manager.engine().tokenizer;
+        if let Some(bad_id) = ids.iter().find(|&&i| i as usize >= t.vocab) {
+            return Err(bad(format!(
+                "kvforge: token id {bad_id} is outside the vocabulary of {}",
+                t.vocab
+            )));
+        }
+        t.decode(&ids).map_err(raise)
     }
 
     /// `messages` (`(role, content)` pairs) in the chat template, the
@@ -253,23 +278,23 @@ impl Engine {
         ids: Vec<u32>,
         sampling: Sampling,
     ) -> PyResult<(String, Bound<'py, PyDict>)> {
+        not_in_policy()?;
         let params = SamplingParams::from(sampling);
-        let (text, r) = py
-            .detach(|| {
-                let mut text = String::new();
-                let r = self.manager.complete(&ids, "", &params, &mut |_, piece| {
-                    text.push_str(piece);
-                    true
-                });
-                r.map(|r| (text, r))
-            })
-            .map_err(raise)?;
+        let (text, r) = done(py.detach(|| {
+            let mut text = String::new();
+            let r = self.manager.complete(&ids, "", &params, &mut |_, piece| {
+                text.push_str(piece);
+                true
+            });
+            r.map(|r| (text, r))
+        }))?;
         Ok((text, report(py, &r)?))
     }
 
     /// Opens a chat session; its id.
-    fn open_session(&self) -> u64 {
-        self.manager.open_session("")
+    fn open_session(&self) -> PyResult<u64> {
+        not_in_policy()?;
+        Ok(self.manager.open_session(""))
     }
 
     /// One turn of session `id`: `ids` follow the previous reply.
@@ -280,23 +305,23 @@ impl Engine {
         ids: Vec<u32>,
         sampling: Sampling,
     ) -> PyResult<(String, Bound<'py, PyDict>)> {
+        not_in_policy()?;
         let params = SamplingParams::from(sampling);
-        let (text, r) = py
-            .detach(|| {
-                let mut text = String::new();
-                let r = self.manager.turn(id, &ids, &params, &mut |_, piece| {
-                    text.push_str(piece);
-                    true
-                });
-                r.map(|r| (text, r))
-            })
-            .map_err(raise)?;
+        let (text, r) = done(py.detach(|| {
+            let mut text = String::new();
+            let r = self.manager.turn(id, &ids, &params, &mut |_, piece| {
+                text.push_str(piece);
+                true
+            });
+            r.map(|r| (text, r))
+        }))?;
         Ok((text, report(py, &r)?))
     }
 
     /// Closes session `id`, releasing its blocks.
-    fn close_session(&self, id: u64) -> PyResult<()> {
-        self.manager.close_session(id).map_err(raise)
+    fn close_session(&self, py: Python<'_>, id: u64) -> PyResult<()> {
+        not_in_policy()?;
+        done(py.detach(|| self.manager.close_session(id)))
     }
 
     /// Perplexity of `ids` through the cache: streaming (prefill
@@ -312,13 +337,12 @@ impl Engine {
         decode: usize,
         window: Option<usize>,
     ) -> PyResult<Bound<'py, PyDict>> {
+        not_in_policy()?;
         let e = self.manager.engine();
-        let r = py
-            .detach(|| match window {
-                Some(w) => e.window_ppl(&ids, w),
-                None => e.streaming_ppl(&ids, prefix, chunk, decode),
-            })
-            .map_err(raise)?;
+        let r = done(py.detach(|| match window {
+            Some(w) => e.window_ppl(&ids, w),
+            None => e.streaming_ppl(&ids, prefix, chunk, decode),
+        }))?;
         let d = PyDict::new(py);
         d.set_item("ppl", r.ppl)?;
         d.set_item("scored", r.scored)?;
@@ -334,14 +358,16 @@ impl Engine {
     }
 
     /// The manager's metrics (counters, tiers, policies) as JSON.
-    fn metrics_json(&self) -> String {
-        self.manager.metrics().to_string()
+    fn metrics_json(&self, py: Python<'_>) -> PyResult<String> {
+        not_in_policy()?;
+        Ok(py.detach(|| self.manager.metrics().to_string()))
     }
 
     /// Blocks in use in each tier, hot first.
-    fn blocks_in_use(&self) -> Vec<usize> {
+    fn blocks_in_use(&self, py: Python<'_>) -> PyResult<Vec<usize>> {
+        not_in_policy()?;
         let e = self.manager.engine();
-        e.cache.tier_stats().iter().map(|t| t.pool.in_use).collect()
+        Ok(py.detach(|| e.cache.tier_stats().iter().map(|t| t.pool.in_use).collect()))
     }
 }
 
@@ -357,6 +383,7 @@ pub(crate) fn ablate(
     progress: bool,
     root: Option<PathBuf>,
 ) -> PyResult<(PathBuf, usize, usize)> {
+    not_in_policy()?;
     let opts = kvforge_bench::ablate::run::Options {
         config,
         out,
@@ -366,6 +393,9 @@ pub(crate) fn ablate(
     };
     let done = py
         .detach(|| kvforge_bench::ablate::run::run(&opts))
-        .map_err(|e| bad(format!("{e:#}")))?;
+        .map_err(|e| take_interrupt().unwrap_or_else(|| bad(format!("{e:#}"))))?;
+    if let Some(interrupt) = take_interrupt() {
+        return Err(interrupt);
+    }
     Ok((done.out, done.measured, done.failed))
 }

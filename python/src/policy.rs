@@ -1,22 +1,32 @@
 //! Eviction policies written in Python, run by the coordinator through the
 //! Rust trait: [`PyPolicy`] holds the Python object and answers each trait
 //! call by calling its method under the GIL (`kvforge.policy` builds the
-//! table and pressure objects it sees). A method that raises, or answers
-//! anything but a sequence of ints, answers nothing and keeps the words
-//! for [`EvictionPolicy::take_error`]: the coordinator fails the step with
-//! them, changing nothing.
+//! table and pressure objects it sees). A `victims` that raises, or
+//! answers anything but a sequence of ints, answers nothing and keeps the
+//! words for [`EvictionPolicy::take_error`]: the coordinator fails the
+//! step with them, changing nothing. An `observe` / `observe_keys` that
+//! raises fails the sequence's next step the same way (or, if the
+//! sequence ends first, is reported through `sys.unraisablehook`, as is a
+//! `forget` that raises: neither can fail anything that is still running).
+//! An interrupt (`KeyboardInterrupt`, `SystemExit`) is kept whole and
+//! raised again by the engine call that ran the policy.
 //!
 //! [`install_resolver`] makes `"module:Class"` names reach every registry
 //! of the process (mechanisms tables, the ablation).
 
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use kvforge_engine::mechanisms::{EvictionBuilder, PolicyParams, Registry};
 use kvforge_evict::{EvictionPolicy, Pressure, SeqKey};
 use kvforge_pool::{BlockTable, Slot};
-use pyo3::exceptions::{PyAssertionError, PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::exceptions::{
+    PyAssertionError, PyAttributeError, PyException, PyOverflowError, PyRuntimeError, PyTypeError,
+    PyValueError,
+};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyBytes, PyDict, PyString};
+use pyo3::types::{PyBool, PyByteArray, PyBytes, PyDict, PyInt, PyString};
 
 /// A Python object as the coordinator's eviction policy.
 pub(crate) struct PyPolicy {
@@ -27,6 +37,43 @@ pub(crate) struct PyPolicy {
     wants_keys: bool,
     /// The first failure since the coordinator last asked.
     error: Option<String>,
+    /// An `observe` / `observe_keys` that raised, per sequence: it fails
+    /// that sequence's next step.
+    observed: HashMap<SeqKey, String>,
+}
+
+thread_local! {
+    /// Whether this thread is inside a Python policy's method (the engine
+    /// refuses to be called from there: its cache is locked by the step).
+    static IN_POLICY: Cell<bool> = const { Cell::new(false) };
+    /// An interrupt a policy raised (`KeyboardInterrupt`, `SystemExit`),
+    /// raised again by the engine call that ran the policy.
+    static INTERRUPT: RefCell<Option<PyErr>> = const { RefCell::new(None) };
+}
+
+/// Refuses an engine call made from inside a policy's method.
+pub(crate) fn not_in_policy() -> PyResult<()> {
+    if IN_POLICY.with(Cell::get) {
+        return Err(PyRuntimeError::new_err(
+            "kvforge: a policy cannot call the engine from inside its methods (the step in progress holds the cache)",
+        ));
+    }
+    Ok(())
+}
+
+/// The interrupt a policy raised during the last engine call, taken.
+pub(crate) fn take_interrupt() -> Option<PyErr> {
+    INTERRUPT.with(|i| i.borrow_mut().take())
+}
+
+/// `obj.name`, or `None` when it has no such attribute (any other error
+/// raised while reading it is the caller's).
+fn attr<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Option<Bound<'py, PyAny>>> {
+    match obj.getattr(name) {
+        Ok(v) => Ok(Some(v)),
+        Err(e) if e.is_instance_of::<PyAttributeError>(obj.py()) => Ok(None),
+        Err(e) => Err(e),
+    }
 }
 
 /// A Python exception in one line: `TypeError: …`.
@@ -38,29 +85,28 @@ impl PyPolicy {
     /// Wraps `obj`, reading its name and what it wants once (class
     /// attributes of `kvforge.EvictionPolicy`).
     pub(crate) fn wrap(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
-        let attr = |name: &str| obj.getattr(name).ok();
         let flag = |name: &str| -> PyResult<bool> {
-            attr(name).map_or(Ok(false), |v| {
+            attr(obj, name)?.map_or(Ok(false), |v| {
                 v.extract()
                     .map_err(|_| PyTypeError::new_err(format!("policy.{name} must be a bool")))
             })
         };
-        if !attr("victims").is_some_and(|v| v.is_callable()) {
+        if !attr(obj, "victims")?.is_some_and(|v| v.is_callable()) {
             return Err(PyTypeError::new_err(format!(
                 "kvforge: a {} is not an eviction policy: it has no victims() method (subclass kvforge.EvictionPolicy)",
                 obj.get_type().name()?
             )));
         }
-        let name = match attr("name") {
+        let name = match attr(obj, "name")? {
             Some(n) => n
                 .extract::<String>()
                 .map_err(|_| PyTypeError::new_err("policy.name must be a str"))?,
             None => obj.get_type().name()?.to_string(),
         };
-        let observation_window = match attr("observation_window") {
-            Some(w) => w.extract().map_err(|_| {
-                PyTypeError::new_err("policy.observation_window must be an int ≥ 0")
-            })?,
+        let observation_window = match attr(obj, "observation_window")? {
+            Some(w) => w.extract::<u32>().map_err(|_| {
+                PyTypeError::new_err("policy.observation_window must be an int from 0 to 2**32 - 1")
+            })? as usize,
             None => 0,
         };
         Ok(PyPolicy {
@@ -70,30 +116,52 @@ impl PyPolicy {
             observation_window,
             wants_keys: flag("wants_keys")?,
             error: None,
+            observed: HashMap::new(),
         })
     }
 
-    /// Runs `f` with the object under the GIL; a failure is kept (the
-    /// first one) for `take_error`.
-    fn call<T>(&mut self, f: impl FnOnce(&Bound<'_, PyAny>) -> PyResult<T>) -> Option<T> {
-        let r = Python::attach(|py| f(self.obj.bind(py)).map_err(|e| one_line(&e)));
-        match r {
-            Ok(v) => Some(v),
-            Err(e) => {
-                self.error.get_or_insert(e);
-                None
-            }
-        }
+    /// Runs `f` with the object under the GIL: its value, or the failure
+    /// in one line (an interrupt is also kept whole for the engine call
+    /// to raise again).
+    fn run<T>(&self, f: impl FnOnce(&Bound<'_, PyAny>) -> PyResult<T>) -> Result<T, String> {
+        Python::attach(|py| {
+            IN_POLICY.with(|p| p.set(true));
+            let r = f(self.obj.bind(py));
+            IN_POLICY.with(|p| p.set(false));
+            r.map_err(|e| {
+                let words = one_line(&e);
+                if !e.is_instance_of::<PyException>(py) {
+                    INTERRUPT.with(|i| {
+                        i.borrow_mut().get_or_insert(e);
+                    });
+                }
+                words
+            })
+        })
+    }
+
+    /// A failure nothing running can be failed with: to
+    /// `sys.unraisablehook` (Python prints "Exception ignored in …").
+    fn unraisable(&self, method: &str, why: String) {
+        Python::attach(|py| {
+            let e = PyRuntimeError::new_err(format!("{}.{method}: {why}", self.name));
+            e.write_unraisable(py, Some(self.obj.bind(py)));
+        });
     }
 
     fn signal(&mut self, method: &str, seq: SeqKey, table: &BlockTable, values: &[f32]) {
-        self.call(|obj| {
+        let r = self.run(|obj| {
             let py = obj.py();
             let raw: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
             let arr = policy_module(py)?.call_method1("_floats", (PyBytes::new(py, &raw),))?;
             obj.call_method1(method, (seq, table_object(py, table)?, arr))?;
             Ok(())
         });
+        if let Err(why) = r {
+            self.observed
+                .entry(seq)
+                .or_insert(format!("{method}: {why}"));
+        }
     }
 }
 
@@ -149,7 +217,12 @@ fn indexes(ans: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
             kind(ans)
         ))
     };
-    if ans.is_none() || ans.is_instance_of::<PyString>() || ans.is_instance_of::<PyDict>() {
+    if ans.is_none()
+        || ans.is_instance_of::<PyString>()
+        || ans.is_instance_of::<PyBytes>()
+        || ans.is_instance_of::<PyByteArray>()
+        || ans.is_instance_of::<PyDict>()
+    {
         return Err(wrong());
     }
     let mut out = Vec::new();
@@ -160,11 +233,15 @@ fn indexes(ans: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
                 "victims() returned a bool: answer entry indexes, not a mask",
             ));
         }
-        let i: i64 = x.extract().map_err(|_| {
-            PyTypeError::new_err(format!(
-                "victims() returned a {} among its indexes: entry indexes are ints",
-                kind(&x)
-            ))
+        let i: i64 = x.extract().map_err(|e: PyErr| {
+            if e.is_instance_of::<PyOverflowError>(x.py()) || x.is_instance_of::<PyInt>() {
+                PyValueError::new_err(format!("victims() named entry {x}, out of range"))
+            } else {
+                PyTypeError::new_err(format!(
+                    "victims() returned a {} among its indexes: entry indexes are ints",
+                    kind(&x)
+                ))
+            }
         })?;
         let i = usize::try_from(i)
             .map_err(|_| PyValueError::new_err(format!("victims() named entry {i}")))?;
@@ -199,7 +276,11 @@ impl EvictionPolicy for PyPolicy {
     }
 
     fn victims(&mut self, seq: SeqKey, table: &BlockTable, p: Pressure, out: &mut Vec<usize>) {
-        let named = self.call(|obj| {
+        if let Some(why) = self.observed.remove(&seq) {
+            self.error.get_or_insert(why);
+            return;
+        }
+        let named = self.run(|obj| {
             let py = obj.py();
             let pressure = policy_module(py)?.getattr("Pressure")?.call1((
                 p.used,
@@ -211,11 +292,21 @@ impl EvictionPolicy for PyPolicy {
             let ans = obj.call_method1("victims", (seq, table_object(py, table)?, pressure))?;
             indexes(&ans)
         });
-        out.extend(named.unwrap_or_default());
+        match named {
+            Ok(v) => out.extend(v),
+            Err(why) => {
+                self.error.get_or_insert(why);
+            }
+        }
     }
 
     fn forget(&mut self, seq: SeqKey) {
-        self.call(|obj| obj.call_method1("forget", (seq,)).map(drop));
+        if let Some(why) = self.observed.remove(&seq) {
+            self.unraisable("observe", why);
+        }
+        if let Err(why) = self.run(|obj| obj.call_method1("forget", (seq,)).map(drop)) {
+            self.unraisable("forget", why);
+        }
     }
 
     fn take_error(&mut self) -> Option<String> {

@@ -218,3 +218,135 @@ def test_smollm2_answers_from_python_as_the_cli_does():
     text = e.generate("What is the capital of France?", max_tokens=12)
     assert "Paris" in text
     assert e.blocks_in_use() == [0]
+
+
+class Calls(kvforge.EvictionPolicy):
+    """Answers [] (or runs ``hook``) from its ``after``-th victims call on."""
+
+    wants_keys = True
+
+    def __init__(self, hook=None, after=0, observe=None, forget=None):
+        self.hook, self.after, self.calls = hook, after, 0
+        self._observe, self._forget = observe, forget
+
+    def victims(self, seq, table, pressure):
+        self.calls += 1
+        if self.hook is not None and self.calls > self.after:
+            return self.hook()
+        return []
+
+    def observe_keys(self, seq, table, novelty):
+        if self._observe is not None:
+            self._observe()
+
+    def forget(self, seq):
+        if self._forget is not None:
+            self._forget()
+
+
+def test_a_raising_forget_or_late_observe_fails_nothing_later(monkeypatch):
+    import sys
+
+    def boom():
+        raise ValueError("boom")
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(str(u.exc_value)))
+    e = tiny(policy=Calls(forget=boom))
+    for _ in range(3):
+        e.generate(IDS[:40], max_tokens=2)
+    assert seen == ["Calls.forget: ValueError: boom"] * 3
+    assert e.blocks_in_use() == [0]
+    state = {"raise": True}
+
+    def once():
+        if state.pop("raise", False):
+            raise ValueError("observe boom")
+
+    e = tiny(policy=Calls(observe=once))
+    with pytest.raises(RuntimeError, match="observe_keys: ValueError: observe boom"):
+        e.generate(IDS[:40], max_tokens=4)  # its next step fails
+    assert e.blocks_in_use() == [0]
+    e.generate(IDS[:40], max_tokens=4)  # and the next request is fine
+
+
+def test_a_policy_that_calls_the_engine_is_refused_not_hung():
+    box = {}
+    e = tiny(policy=Calls(hook=lambda: box["e"].blocks_in_use()))
+    box["e"] = e
+    with pytest.raises(RuntimeError, match="cannot call the engine from inside"):
+        e.generate(IDS[:40], max_tokens=2)
+    assert e.blocks_in_use() == [0]
+
+
+def test_a_second_thread_reading_stats_does_not_deadlock_a_python_policy():
+    import threading
+    import time
+
+    e = tiny(policy=Calls(hook=lambda: time.sleep(0.002) or []))
+    stop = threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            e.blocks_in_use()
+            e.stats()
+
+    t = threading.Thread(target=poll, daemon=True)
+    t.start()
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (e.generate(IDS[:100], max_tokens=8), done.set()), daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    stop.set()
+    t.join(timeout=10)
+    assert done.is_set(), "generate did not finish: a deadlock"
+
+
+def test_an_interrupt_in_a_policy_comes_out_as_itself():
+    def interrupt():
+        raise KeyboardInterrupt
+
+    e = tiny(policy=Calls(hook=interrupt))
+    with pytest.raises(KeyboardInterrupt):
+        e.generate(IDS[:40], max_tokens=2)
+    assert e.blocks_in_use() == [0]
+    e2 = tiny(policy=Calls(hook=lambda: [2**70]))
+    with pytest.raises(RuntimeError, match="named entry 1180591620717411303424, out of range"):
+        e2.generate(IDS[:40], max_tokens=2)
+
+
+def test_a_policy_attribute_that_raises_is_an_error_not_a_default():
+    class BadName(kvforge.EvictionPolicy):
+        @property
+        def name(self):
+            raise KeyError("no name")
+
+        def victims(self, seq, table, pressure):
+            return []
+
+    with pytest.raises(KeyError, match="no name"):
+        tiny(policy=BadName())
+
+    class HugeWindow(BadName):
+        name = "huge"
+        wants_attention = True
+        observation_window = 2**63
+
+    with pytest.raises(TypeError, match="observation_window"):
+        tiny(policy=HugeWindow())
+
+
+def test_more_bad_arguments_are_value_errors():
+    e = tiny()
+    with pytest.raises(ValueError, match="top_k"):
+        e.generate("x", top_k=-1)
+    with pytest.raises(ValueError, match="seed"):
+        e.generate("x", seed=-1)
+    with pytest.raises(ValueError, match="mechanisms: Out of range float"):
+        tiny(mechanisms={"budget_mib": float("nan")})
+    with pytest.raises(ValueError, match="^mechanisms: invalid type: floating point"):
+        tiny(mechanisms={"budget_mib": 0.5})
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        e.decode([10**9])
+    with pytest.raises(ValueError, match="window"):
+        KeyDiff(budget_tokens=96, sink=16, window=0)

@@ -200,27 +200,24 @@ fn ablate_config(root: &Path, args: &[String]) -> PathBuf {
 }
 
 /// Whether the experiment file names an eviction policy written in Python
-/// (`policy = "module:Class"` outside a comment). An unreadable file is
-/// left to the ablation's own error.
+/// (a `[[config]]` whose `eviction.policy` is `"module:Class"`). A file
+/// that cannot be read or parsed is left to the ablation's own error.
 fn names_python_policy(root: &Path, args: &[String]) -> bool {
     std::fs::read_to_string(ablate_config(root, args)).is_ok_and(|t| python_policy_named(&t))
 }
 
-/// Whether a TOML text names `policy = "module:Class"` outside a comment.
+/// Whether a TOML experiment text has a `[[config]]` whose eviction
+/// policy is a `"module:Class"` name.
 fn python_policy_named(text: &str) -> bool {
-    text.lines().any(|line| {
-        let code = line.split('#').next().unwrap_or("");
-        code.split("policy").skip(1).any(|rest| {
-            let rest = rest.trim_start();
-            let Some(value) = rest.strip_prefix('=') else {
-                return false;
-            };
-            let value = value.trim_start();
-            value
-                .strip_prefix('"')
-                .and_then(|v| v.split('"').next())
-                .is_some_and(|v| v.contains(':'))
-        })
+    let Ok(doc) = text.parse::<toml::Table>() else {
+        return false;
+    };
+    let configs = doc.get("config").and_then(|c| c.as_array());
+    configs.into_iter().flatten().any(|c| {
+        c.get("eviction")
+            .and_then(|e| e.get("policy"))
+            .and_then(|p| p.as_str())
+            .is_some_and(|p| p.contains(':'))
     })
 }
 
@@ -685,15 +682,17 @@ mod tests {
     use super::python_policy_named;
 
     #[test]
-    fn a_python_policy_is_a_module_colon_class_name_outside_comments() {
-        assert!(python_policy_named(
-            "[[config]]\neviction = { policy = \"kvforge.examples.keydiff:KeyDiff\", sink = 16 }"
+    fn a_python_policy_is_a_module_colon_class_name_of_a_configs_eviction() {
+        let named = |c: &str| python_policy_named(&format!("[[config]]\nname = \"x\"\n{c}\n"));
+        assert!(named(
+            "eviction = { policy = \"kvforge.examples.keydiff:KeyDiff\", sink = 16 }"
         ));
-        assert!(python_policy_named("eviction.policy=\"m:C\""));
-        assert!(!python_policy_named(
-            "eviction = { policy = \"keydiff\", sink = 16 }"
-        ));
-        assert!(!python_policy_named("# eviction = { policy = \"m:C\" }"));
-        assert!(!python_policy_named("name = \"a:b\"\npolicy = \"h2o\""));
+        assert!(named("eviction = { policy = 'm:C' }"));
+        assert!(named("eviction = { \"policy\" = \"m:C\", note = \"v#2\" }"));
+        assert!(named("[config.eviction]\npolicy = \"m:C\""));
+        assert!(!named("eviction = { policy = \"keydiff\", sink = 16 }"));
+        assert!(!named("# eviction = { policy = \"m:C\" }"));
+        assert!(!named("lifecycle = { policy = \"a:b\" }"));
+        assert!(!python_policy_named("not toml = = ="));
     }
 }

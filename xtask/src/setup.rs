@@ -37,6 +37,9 @@ const MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea3
 /// Pinned packages for the reference scripts only.
 const REFERENCE_PACKAGES: &[&str] = &[
     "kvpress==0.5.5",
+    // Named again so that pip keeps it: kvpress alone was seen to pull
+    // transformers 5.2 (kvpress 0.5.5 allows >=4.56,<5.3).
+    "transformers==4.57.6",
     "matplotlib==3.11.2",
     "optimum-quanto==0.2.7",
     // quanto compiles its C++ kernels on first use, with ninja.

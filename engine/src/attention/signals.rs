@@ -81,8 +81,9 @@ pub(super) fn entry_mass(
     }
     let mut w = scores.f_softmax(-1, Kind::Float)?; // [1, h, n, keys]
     let n = w.size()[2];
-    if observe.window > 0 && (observe.window as i64) < n {
-        let last = observe.window as i64;
+    // A window of at least the step's queries (however large) is all of them.
+    let last = i64::try_from(observe.window).unwrap_or(i64::MAX);
+    if last > 0 && last < n {
         w = w.f_narrow(2, n - last, last)?;
     }
     if !observe.per_head {

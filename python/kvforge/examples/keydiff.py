@@ -14,6 +14,8 @@ class KeyDiff(EvictionPolicy):
     wants_keys = True
 
     def __init__(self, budget_tokens: int, sink: int = 0, window: int = 1):
+        if sink < 0 or window < 1:
+            raise ValueError("the sink must be ≥ 0 tokens and the recent window keep at least one")
         if budget_tokens <= sink + window:
             raise ValueError(f"a budget of {budget_tokens} tokens leaves nothing beyond sink + window")
         self.budget, self.sink, self.window = budget_tokens, sink, window
