@@ -17,6 +17,11 @@ Needs `cargo xtask setup --reference` (kvpress 0.5.5, transformers 4.57.6,
 matplotlib). Usage:
 
     .venv/bin/python scripts/kvpress_passkey.py [RUN_DIR] [--ratios 0.25,0.5,0.75]
+        [--presses KeyDiff,StreamingLLM] [--kvforge-press]
+
+`--kvforge-press` adds kvforge's numpy KeyDiff run inside kvpress's pipeline
+(`kvforge.kvpress.PolicyPress`, configs/passkey-press.toml's sink and
+windows): plotted with kvforge's squares, labelled as a press.
 
 Presses that download from the Hugging Face hub (QFilter, KVzip's trained
 variants, DuoAttention's patterns, ExpectedAttention with precomputed
@@ -60,6 +65,21 @@ def presses(kv_kept):
         ("ObservedAttention", ObservedAttentionPress(compression_ratio=r), True),
         ("AdaKV(SnapKV)", AdaKVPress(SnapKVPress(compression_ratio=r)), False),
     ]
+
+
+def kvforge_presses(kv_kept):
+    """kvforge's numpy KeyDiff (kvforge/examples/keydiff.py) as a kvpress
+    press: the sink and window of configs/passkey-press.toml's rows."""
+    from kvforge.examples.keydiff import KeyDiff
+    from kvforge.kvpress import PolicyPress
+
+    window = 256 if kv_kept >= 0.5 else 128
+    press = PolicyPress(
+        lambda budget: KeyDiff(budget_tokens=budget, sink=32, window=window),
+        compression_ratio=1.0 - kv_kept,
+        block_size=32,
+    )
+    return [(f"kvforge KeyDiff press (numpy, pages of 32, window {window})", press, False)]
 
 
 def first_number(text):
@@ -144,6 +164,16 @@ def main():
         help="another kvforge run on the very same items whose configurations join the table",
     )
     ap.add_argument(
+        "--presses",
+        default="",
+        help="comma-separated kvpress press names to run (default: all)",
+    )
+    ap.add_argument(
+        "--kvforge-press",
+        action="store_true",
+        help="also run kvforge's numpy KeyDiff inside kvpress's pipeline (kvforge.kvpress.PolicyPress)",
+    )
+    ap.add_argument(
         "--table-only",
         action="store_true",
         help="rebuild the table and plot from kvpress.csv and results.csv (no model run)",
@@ -210,8 +240,12 @@ def main():
         print(f"{name} at {share:.2f}: {sum(r['correct'] for r in done)}/{len(done)}  ({time.time() - t0:.0f} s)", flush=True)
 
     run("full cache", None, False, 1.0)
+    only = {p for p in a.presses.split(",") if p}
     for share in kept:
-        for name, press, eager in presses(share):
+        chosen = [p for p in presses(share) if not only or p[0] in only]
+        if a.kvforge_press:
+            chosen += kvforge_presses(share)
+        for name, press, eager in chosen:
             run(name, press, eager, share)
 
     with open(out_csv, "w", newline="") as f:
@@ -235,7 +269,8 @@ def report(a, items, items_path, rows, out_csv, t0):
             # AdaKV masks entries instead of removing them: the cache keeps
             # its length, the share attended to is the target.
             kv, name = share, name + " (masked; target share)"
-        table.append(("kvpress " + name, share, kv, None, sum(r["correct"] for r in rs), len(rs)))
+        label = name if name.startswith("kvforge ") else "kvpress " + name
+        table.append((label, share, kv, None, sum(r["correct"] for r in rs), len(rs)))
     seen_names = set()
     for run in [a.run] + a.also:
         for name, kv, peak, ok, n in kvforge_rows(run):

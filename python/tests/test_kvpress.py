@@ -1,0 +1,70 @@
+"""kvforge.kvpress.PolicyPress inside kvpress's pipeline, on a tiny random
+LLaMA. kvpress is a reference package (`cargo xtask setup --reference`), not
+one of CI's: without it these tests skip, even under KVFORGE_REQUIRE_ALL."""
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("kvpress")
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from kvforge.examples.keydiff import KeyDiff  # noqa: E402
+from kvforge.kvpress import PolicyPress, block_novelty, layout  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def prefill(model, press, n=200):
+    ids = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (1, n)))
+    cache = DynamicCache()
+    with torch.no_grad(), press(model):
+        model.model(input_ids=ids, past_key_values=cache)
+    return cache
+
+
+def test_the_press_keeps_what_keydiff_keeps_in_whole_blocks(tiny):
+    press = PolicyPress(lambda b: KeyDiff(budget_tokens=b, sink=16, window=32), compression_ratio=0.5)
+    cache = prefill(tiny, press)
+    # 200 tokens, budget 100: whole blocks of 16 go until at most 100 stay.
+    assert cache.get_seq_length() == 200 - 7 * 16
+    full = prefill(tiny, PolicyPress(lambda b: KeyDiff(budget_tokens=b, sink=16, window=32)))
+    assert full.get_seq_length() == 200
+    # Layer 0 sees the same input either way: its kept keys are the full
+    # cache's minus the seven least novel blocks between sink and window.
+    k_full = full.layers[0].keys
+    nov = block_novelty(k_full, 16)
+    table = layout(200, 16)
+    cand = [i for i in range(len(table)) if table.first[i] >= 16 and table.end[i] <= 200 - 32]
+    drop = sorted(sorted(cand, key=lambda i: (nov[i], i))[:7])
+    keep = [t for t in range(200) if t // 16 not in drop]
+    assert torch.equal(cache.layers[0].keys, k_full[:, :, keep])
+
+
+def test_layout_and_novelty_follow_kvforges_blocks():
+    t = layout(40, 16)
+    assert t.first.tolist() == [0, 16, 32] and t.tokens.tolist() == [16, 16, 8] and t.open
+    assert not layout(32, 16).open
+    k = torch.randn(1, 2, 40, 8)
+    nov = block_novelty(k, 16)
+    cos = torch.nn.functional.cosine_similarity(k[0], k[0].mean(1, keepdim=True), dim=-1)
+    want = (1 - cos).mean(0)
+    assert np.allclose(nov, [want[:16].mean(), want[16:32].mean(), want[32:].mean()], atol=1e-6)
+
+
+def test_bad_settings_and_answers_are_value_errors(tiny):
+    with pytest.raises(ValueError, match="compression_ratio"):
+        PolicyPress(lambda b: KeyDiff(budget_tokens=b), compression_ratio=1.0)
+
+    class Newest(KeyDiff):
+        def victims(self, seq, table, pressure):
+            return [len(table)]
+
+    with pytest.raises(ValueError, match="named entries"):
+        prefill(tiny, PolicyPress(lambda b: Newest(budget_tokens=b, sink=16, window=32), compression_ratio=0.5))
