@@ -174,6 +174,30 @@ fn generation<'py>(py: Python<'py>, g: &Generation) -> PyResult<Bound<'py, PyDic
     Ok(d)
 }
 
+/// Runs one reply (`run`: a request or a session turn) with the GIL
+/// released, collecting its text: the text and its report.
+fn replied<'py>(
+    py: Python<'py>,
+    sampling: Sampling,
+    run: impl FnOnce(
+        &SamplingParams,
+        &mut dyn FnMut(u32, &str) -> bool,
+    ) -> kvforge_engine::Result<TurnReport>
+    + Send,
+) -> PyResult<(String, Bound<'py, PyDict>)> {
+    not_in_policy()?;
+    let params = SamplingParams::from(sampling);
+    let (text, r) = done(py.detach(|| {
+        let mut text = String::new();
+        let r = run(&params, &mut |_, piece| {
+            text.push_str(piece);
+            true
+        });
+        r.map(|r| (text, r))
+    }))?;
+    Ok((text, report(py, &r)?))
+}
+
 #[pymethods]
 impl Engine {
     #[new]
@@ -278,17 +302,9 @@ impl Engine {
         ids: Vec<u32>,
         sampling: Sampling,
     ) -> PyResult<(String, Bound<'py, PyDict>)> {
-        not_in_policy()?;
-        let params = SamplingParams::from(sampling);
-        let (text, r) = done(py.detach(|| {
-            let mut text = String::new();
-            let r = self.manager.complete(&ids, "", &params, &mut |_, piece| {
-                text.push_str(piece);
-                true
-            });
-            r.map(|r| (text, r))
-        }))?;
-        Ok((text, report(py, &r)?))
+        replied(py, sampling, |params, on_token| {
+            self.manager.complete(&ids, "", params, on_token)
+        })
     }
 
     /// Opens a chat session; its id.
@@ -305,17 +321,9 @@ impl Engine {
         ids: Vec<u32>,
         sampling: Sampling,
     ) -> PyResult<(String, Bound<'py, PyDict>)> {
-        not_in_policy()?;
-        let params = SamplingParams::from(sampling);
-        let (text, r) = done(py.detach(|| {
-            let mut text = String::new();
-            let r = self.manager.turn(id, &ids, &params, &mut |_, piece| {
-                text.push_str(piece);
-                true
-            });
-            r.map(|r| (text, r))
-        }))?;
-        Ok((text, report(py, &r)?))
+        replied(py, sampling, |params, on_token| {
+            self.manager.turn(id, &ids, params, on_token)
+        })
     }
 
     /// Closes session `id`, releasing its blocks.

@@ -11,19 +11,11 @@ import torch
 # instead of skipping.
 REQUIRE = bool(os.environ.get("KVFORGE_REQUIRE_ALL"))
 transformers = __import__("transformers") if REQUIRE else pytest.importorskip("transformers")
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
 
 import kvforge.hf  # noqa: E402
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    return LlamaForCausalLM(cfg).eval()
 
 
 def chunked_logits(model, ids, cache, chunk=48):

@@ -7,18 +7,10 @@ import pytest
 import torch
 
 pytest.importorskip("kvpress")
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
 
 from kvforge.examples.keydiff import KeyDiff  # noqa: E402
 from kvforge.kvpress import PolicyPress, block_novelty, layout  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    return LlamaForCausalLM(cfg).eval()
 
 
 def prefill(model, press, n=200):
