@@ -2,7 +2,8 @@
 
 The engine (:class:`Engine`: generate, chat sessions, perplexity, stats,
 with the mechanisms as a dict or a TOML file), policies written in Python
-(:class:`EvictionPolicy`, checked by :mod:`kvforge.testing`), the ablation
+(:class:`EvictionPolicy`, :class:`TierPolicy`, checked by
+:mod:`kvforge.testing`), the ablation
 (:func:`ablate`), and kvforge's quantized KV tier (the Rust crate ``kvforge-quant``: INT8 / INT4 /
 INT2 groups per token or per channel, Hadamard rotation, a sink and a hot
 window kept in full precision) for numpy arrays, and as a Hugging Face
@@ -22,7 +23,7 @@ from ._native import Block, ColdStore, Quantizer, __version__
 from . import testing
 from .ablation import ablate
 from .engine import DEFAULT_MODEL, Engine, Session
-from .policy import EvictionPolicy, Pressure, Table
+from .policy import EvictionPolicy, Pressure, Table, TierPolicy
 
 __all__ = [
     "Block",
@@ -34,6 +35,7 @@ __all__ = [
     "Quantizer",
     "Session",
     "Table",
+    "TierPolicy",
     "__version__",
     "ablate",
     "roundtrip",

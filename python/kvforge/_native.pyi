@@ -65,6 +65,7 @@ class Engine:
         mechanisms_json: str | None = None,
         mechanisms_path: str | None = None,
         policy: Any = None,
+        tier_policy: Any = None,
         random: tuple[int, int, int, int, int, int] | None = None,
         seed: int = 0,
         device: str = "cpu",
@@ -93,3 +94,6 @@ def ablate(
 
 def check_eviction_policy(policy: Any, block_size: int = 16) -> None:
     """The Rust eviction conformance suite on a Python policy."""
+
+def check_tier_policy(policy: Any, block_size: int = 16) -> None:
+    """The Rust tier-policy conformance suite on a Python policy."""

@@ -47,7 +47,10 @@ class Engine:
     a TOML file; absent, every mechanism is off. An eviction policy is
     named there (``"keydiff"``, or ``"module:Class"`` for one written in
     Python) or handed as an object with ``policy`` (a
-    :class:`kvforge.EvictionPolicy`; it replaces the table's). ``random``:
+    :class:`kvforge.EvictionPolicy`; it replaces the table's). A
+    :class:`kvforge.TierPolicy` object given as ``tier_policy`` decides
+    which hot blocks go to the cold tier in place of the table's ``cold``
+    sink and window (the table must have a cold tier). ``random``:
     the dimensions of a random-weight model (``d_model``, ``layers``,
     ``heads``, ``kv_heads``, ``ffn``, ``max_ctx``) with ``model``'s
     tokenizer, for tests.
@@ -63,6 +66,7 @@ class Engine:
         mechanisms: dict[str, Any] | str | os.PathLike | None = None,
         *,
         policy: Any = None,
+        tier_policy: Any = None,
         random: dict[str, int] | None = None,
         seed: int = 0,
         device: str = "cpu",
@@ -94,6 +98,7 @@ class Engine:
             mechanisms_json=table,
             mechanisms_path=path_,
             policy=policy,
+            tier_policy=tier_policy,
             random=dims,
             seed=seed,
             device=device,

@@ -18,6 +18,8 @@ the cache is left as it was. A policy must not call the engine from its
 methods.
 
 A page-level policy only: per-head and token-level eviction stay Rust's.
+:class:`TierPolicy` is the other policy a Python object can be: which hot
+blocks go to the quantized cold tier.
 """
 
 from __future__ import annotations
@@ -70,6 +72,13 @@ class Table:
     """Whether the last entry is still being written (never a victim)."""
     live_tokens: int
     """Tokens in entries that are not dropped."""
+    holes: np.ndarray | None = None
+    """``uint64``: the rows of each entry that token-level eviction marked
+    invalid, bit ``r`` for row ``r`` (zeros when not given)."""
+
+    def __post_init__(self):
+        if self.holes is None:
+            object.__setattr__(self, "holes", np.zeros(len(self.first), dtype=np.uint64))
 
     @property
     def end(self) -> np.ndarray:
@@ -85,7 +94,7 @@ class Table:
         return len(self.first)
 
     @classmethod
-    def _from_native(cls, first, tokens, tier, positions, block_size, open_, live_tokens):
+    def _from_native(cls, first, tokens, tier, positions, block_size, open_, live_tokens, holes):
         return cls(
             np.frombuffer(first, dtype="<u8"),
             np.frombuffer(tokens, dtype="<u4"),
@@ -94,6 +103,7 @@ class Table:
             block_size,
             open_,
             live_tokens,
+            np.frombuffer(holes, dtype="<u8"),
         )
 
 
@@ -146,3 +156,30 @@ class EvictionPolicy:
 
     def forget(self, seq: int) -> None:
         """The sequence ended: forget its state."""
+
+
+class TierPolicy:
+    """Names the hot entries of a block table that go to the quantized cold
+    tier before the next step (the engine needs a cold tier: ``cold`` in its
+    mechanisms; this object replaces that table's sink-and-window plan).
+
+    Override :meth:`demote`. The contract is the Rust trait's
+    ``kvforge_quant::TierPolicy`` (checked by
+    :func:`kvforge.testing.check_tier_policy`): the indexes ascend, exist
+    and name hot, full entries without holes, never the open last entry;
+    once they are cold, asking again with the same table does not name
+    them. The coordinator checks each answer: one it cannot take, or a
+    ``demote`` that raises, fails the step with the cache left as it was.
+    A tier policy sees only the table (no attention signals) and keeps no
+    state per sequence.
+    """
+
+    @property
+    def name(self) -> str:
+        """A short name for reports (the class name unless overridden)."""
+        return type(self).__name__
+
+    def demote(self, table: Table):
+        """The entries of ``table`` to quantize now: a list (or 1-D integer
+        array) of indexes, ascending; empty for none."""
+        raise NotImplementedError(f"{type(self).__name__}.demote")

@@ -2,6 +2,7 @@
 own suites, run on the Python object."""
 
 from ._native import check_eviction_policy as _check
+from ._native import check_tier_policy as _check_tier
 
 
 def check_eviction_policy(policy, block_size: int = 16) -> None:
@@ -18,3 +19,18 @@ def check_eviction_policy(policy, block_size: int = 16) -> None:
     object is not a policy.
     """
     _check(policy, block_size)
+
+
+def check_tier_policy(policy, block_size: int = 16) -> None:
+    """Runs ``kvforge_quant::testing::check_tier_policy`` — the suite every
+    Rust tier policy passes — on ``policy``: tables of every kind of entry
+    (full and partial hot blocks, blocks with holes, cold and dropped
+    ones, an open last entry) and length. Each answer must ascend, exist,
+    name hot full entries without holes other than the open one, and name
+    none of them again once they are cold.
+
+    Raises ``AssertionError`` with the first violation, ``RuntimeError``
+    when ``demote`` raised (its words), ``TypeError`` when the object is
+    not a tier policy.
+    """
+    _check_tier(policy, block_size)

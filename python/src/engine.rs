@@ -23,6 +23,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::policy::{PyPolicy, not_in_policy, take_interrupt};
+use crate::tier::PyTier;
 
 /// An engine error as the Python exception of its kind (or the
 /// interrupt a policy raised during the call, raised again).
@@ -202,7 +203,7 @@ fn replied<'py>(
 impl Engine {
     #[new]
     #[pyo3(signature = (model, *, mechanisms_json = None, mechanisms_path = None, policy = None,
-        random = None, seed = 0, device = "cpu", dtype = "f32", kv_dtype = "f16", block_size = 16))]
+        tier_policy = None, random = None, seed = 0, device = "cpu", dtype = "f32", kv_dtype = "f16", block_size = 16))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -210,6 +211,7 @@ impl Engine {
         mechanisms_json: Option<String>,
         mechanisms_path: Option<PathBuf>,
         policy: Option<Bound<'_, PyAny>>,
+        tier_policy: Option<Bound<'_, PyAny>>,
         random: Option<RandomDims>,
         seed: i64,
         device: &str,
@@ -240,6 +242,15 @@ impl Engine {
             cfg.policies.eviction = Some(Arc::new(move || {
                 Python::attach(|py| PyPolicy::wrap(obj.bind(py)))
                     .map(|p| Box::new(p) as Box<dyn kvforge_evict::EvictionPolicy>)
+                    .map_err(|e| e.to_string())
+            }));
+        }
+        if let Some(obj) = tier_policy {
+            PyTier::wrap(&obj)?;
+            let obj = obj.unbind();
+            cfg.policies.tier = Some(Arc::new(move || {
+                Python::attach(|py| PyTier::wrap(obj.bind(py)))
+                    .map(|p| Box::new(p) as Box<dyn kvforge_quant::TierPolicy>)
                     .map_err(|e| e.to_string())
             }));
         }

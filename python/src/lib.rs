@@ -14,6 +14,7 @@
 
 mod engine;
 mod policy;
+mod tier;
 
 use kvforge_quant::{
     Axis, BlockShape, GroupQuantizer, QuantConfig, QuantizedBlock, Rotated, TierPlan,
@@ -425,6 +426,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::Engine>()?;
     m.add_function(wrap_pyfunction!(engine::ablate, m)?)?;
     m.add_function(wrap_pyfunction!(policy::check_eviction_policy, m)?)?;
+    m.add_function(wrap_pyfunction!(tier::check_tier_policy, m)?)?;
     policy::install_resolver();
     Ok(())
 }

@@ -66,9 +66,35 @@ pub(crate) fn take_interrupt() -> Option<PyErr> {
     INTERRUPT.with(|i| i.borrow_mut().take())
 }
 
+/// Runs `f` with a policy object under the GIL: its value, or the failure
+/// in one line (an interrupt is also kept whole for the engine call to
+/// raise again).
+pub(crate) fn run_policy<T>(
+    obj: &Py<PyAny>,
+    f: impl FnOnce(&Bound<'_, PyAny>) -> PyResult<T>,
+) -> Result<T, String> {
+    Python::attach(|py| {
+        IN_POLICY.with(|p| p.set(true));
+        let r = f(obj.bind(py));
+        IN_POLICY.with(|p| p.set(false));
+        r.map_err(|e| {
+            let words = one_line(&e);
+            if !e.is_instance_of::<PyException>(py) {
+                INTERRUPT.with(|i| {
+                    i.borrow_mut().get_or_insert(e);
+                });
+            }
+            words
+        })
+    })
+}
+
 /// `obj.name`, or `None` when it has no such attribute (any other error
 /// raised while reading it is the caller's).
-fn attr<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Option<Bound<'py, PyAny>>> {
+pub(crate) fn attr<'py>(
+    obj: &Bound<'py, PyAny>,
+    name: &str,
+) -> PyResult<Option<Bound<'py, PyAny>>> {
     match obj.getattr(name) {
         Ok(v) => Ok(Some(v)),
         Err(e) if e.is_instance_of::<PyAttributeError>(obj.py()) => Ok(None),
@@ -77,7 +103,7 @@ fn attr<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Option<Bound<'py, 
 }
 
 /// A Python exception in one line: `TypeError: …`.
-fn one_line(e: &PyErr) -> String {
+pub(crate) fn one_line(e: &PyErr) -> String {
     e.to_string().replace('\n', " ")
 }
 
@@ -120,24 +146,8 @@ impl PyPolicy {
         })
     }
 
-    /// Runs `f` with the object under the GIL: its value, or the failure
-    /// in one line (an interrupt is also kept whole for the engine call
-    /// to raise again).
     fn run<T>(&self, f: impl FnOnce(&Bound<'_, PyAny>) -> PyResult<T>) -> Result<T, String> {
-        Python::attach(|py| {
-            IN_POLICY.with(|p| p.set(true));
-            let r = f(self.obj.bind(py));
-            IN_POLICY.with(|p| p.set(false));
-            r.map_err(|e| {
-                let words = one_line(&e);
-                if !e.is_instance_of::<PyException>(py) {
-                    INTERRUPT.with(|i| {
-                        i.borrow_mut().get_or_insert(e);
-                    });
-                }
-                words
-            })
-        })
+        run_policy(&self.obj, f)
     }
 
     /// A failure nothing running can be failed with: to
@@ -165,12 +175,12 @@ impl PyPolicy {
     }
 }
 
-fn policy_module(py: Python<'_>) -> PyResult<Bound<'_, PyModule>> {
+pub(crate) fn policy_module(py: Python<'_>) -> PyResult<Bound<'_, PyModule>> {
     py.import("kvforge.policy")
 }
 
 /// `kvforge.policy.Table` of `t`: numpy views of its entries.
-fn table_object<'py>(py: Python<'py>, t: &BlockTable) -> PyResult<Bound<'py, PyAny>> {
+pub(crate) fn table_object<'py>(py: Python<'py>, t: &BlockTable) -> PyResult<Bound<'py, PyAny>> {
     let entries = t.entries();
     let first: Vec<u8> = entries
         .iter()
@@ -179,6 +189,10 @@ fn table_object<'py>(py: Python<'py>, t: &BlockTable) -> PyResult<Bound<'py, PyA
     let tokens: Vec<u8> = entries
         .iter()
         .flat_map(|e| e.tokens().to_le_bytes())
+        .collect();
+    let holes: Vec<u8> = entries
+        .iter()
+        .flat_map(|e| e.holes().to_le_bytes())
         .collect();
     let tier: Vec<u8> = entries
         .iter()
@@ -199,13 +213,14 @@ fn table_object<'py>(py: Python<'py>, t: &BlockTable) -> PyResult<Bound<'py, PyA
             t.block_size(),
             t.is_open(),
             t.live_tokens(),
+            PyBytes::new(py, &holes),
         ),
     )
 }
 
-/// The entry indexes a `victims()` answer names: any iterable of ints
-/// (a list, a tuple, a 1-D integer array), none negative.
-fn indexes(ans: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
+/// The entry indexes a `method()` answer names (`victims`, `demote`): any
+/// iterable of ints (a list, a tuple, a 1-D integer array), none negative.
+pub(crate) fn indexes(ans: &Bound<'_, PyAny>, method: &str) -> PyResult<Vec<usize>> {
     let kind = |x: &Bound<'_, PyAny>| {
         x.get_type()
             .name()
@@ -213,7 +228,7 @@ fn indexes(ans: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
     };
     let wrong = || {
         PyTypeError::new_err(format!(
-            "victims() returned a {}, not a sequence of entry indexes (an empty list for none)",
+            "{method}() returned a {}, not a sequence of entry indexes (an empty list for none)",
             kind(ans)
         ))
     };
@@ -229,22 +244,22 @@ fn indexes(ans: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
     for x in ans.try_iter().map_err(|_| wrong())? {
         let x = x?;
         if x.is_instance_of::<PyBool>() {
-            return Err(PyTypeError::new_err(
-                "victims() returned a bool: answer entry indexes, not a mask",
-            ));
+            return Err(PyTypeError::new_err(format!(
+                "{method}() returned a bool: answer entry indexes, not a mask"
+            )));
         }
         let i: i64 = x.extract().map_err(|e: PyErr| {
             if e.is_instance_of::<PyOverflowError>(x.py()) || x.is_instance_of::<PyInt>() {
-                PyValueError::new_err(format!("victims() named entry {x}, out of range"))
+                PyValueError::new_err(format!("{method}() named entry {x}, out of range"))
             } else {
                 PyTypeError::new_err(format!(
-                    "victims() returned a {} among its indexes: entry indexes are ints",
+                    "{method}() returned a {} among its indexes: entry indexes are ints",
                     kind(&x)
                 ))
             }
         })?;
         let i = usize::try_from(i)
-            .map_err(|_| PyValueError::new_err(format!("victims() named entry {i}")))?;
+            .map_err(|_| PyValueError::new_err(format!("{method}() named entry {i}")))?;
         out.push(i);
     }
     Ok(out)
@@ -290,7 +305,7 @@ impl EvictionPolicy for PyPolicy {
                 p.cold_block_bytes,
             ))?;
             let ans = obj.call_method1("victims", (seq, table_object(py, table)?, pressure))?;
-            indexes(&ans)
+            indexes(&ans, "victims")
         });
         match named {
             Ok(v) => out.extend(v),
@@ -369,12 +384,17 @@ pub(crate) fn check_eviction_policy(policy: &Bound<'_, PyAny>, block_size: u32) 
     if let Some(e) = p.take_error() {
         return Err(PyRuntimeError::new_err(format!("the policy failed: {e}")));
     }
-    r.map_err(|payload| {
-        let why = payload
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_else(|| "the contract was broken".into());
-        PyAssertionError::new_err(format!("{}: {why}", p.name))
-    })
+    r.map_err(|payload| broken(&p.name, payload.as_ref()))
+}
+
+/// A conformance suite's panic as `AssertionError: NAME: why`.
+pub(crate) fn broken(name: &str, payload: &(dyn std::any::Any + Send)) -> PyErr {
+    let why = payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "the contract was broken".into());
+    // One line: `assert_eq!` adds its `left:` / `right:` lines.
+    let why = why.split_whitespace().collect::<Vec<_>>().join(" ");
+    PyAssertionError::new_err(format!("{name}: {why}"))
 }

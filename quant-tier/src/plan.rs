@@ -15,6 +15,13 @@ pub trait TierPolicy: Send + Sync {
     /// eviction marked invalid keep an entry hot until it is compacted or
     /// dropped), never the open last entry.
     fn demote(&self, table: &BlockTable, out: &mut Vec<usize>);
+
+    /// Why the last [`demote`](Self::demote) could not answer (a policy
+    /// written in Python raised), taken: the coordinator fails the step
+    /// with these words and demotes nothing. Rust policies always answer.
+    fn take_error(&self) -> Option<String> {
+        None
+    }
 }
 
 /// The newest `window` tokens stay in the compute dtype, and so do the

@@ -1347,6 +1347,27 @@ fn a_policy_that_breaks_its_contract_is_an_error_that_changes_nothing() {
     );
     assert_eq!(state(&c, &[s]), before);
     c.set_eviction_policy(None);
+    // The same for a tier policy that could not answer.
+    struct Failed;
+    impl TierPolicy for Failed {
+        fn demote(&self, t: &BlockTable, out: &mut Vec<usize>) {
+            out.push(t.entries().len() - 2);
+        }
+        fn take_error(&self) -> Option<String> {
+            Some("TypeError: no".into())
+        }
+    }
+    c.set_tier_policy(Box::new(Failed)).unwrap();
+    let e = c.plan(s, 1).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "policy: the tier policy failed: TypeError: no"
+    );
+    assert_eq!(state(&c, &[s]), before);
+    c.set_tier_policy(Box::new(
+        kvforge_quant::TierPlan::new(BS as usize, 8).unwrap(),
+    ))
+    .unwrap();
     step(&mut c, s, 1);
     c.close(s).unwrap();
     // No cold tier, no tier policy to set.

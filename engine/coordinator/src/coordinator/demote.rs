@@ -36,8 +36,8 @@ impl Coordinator {
         Ok(())
     }
 
-    /// The tier policy's answer for `next`, checked: strictly ascending
-    /// entries, each a full, closed hot block without holes. Entries a
+    /// The tier policy's answer for `next`, checked: given (not an
+    /// error), strictly ascending entries, each a full, closed hot block without holes. Entries a
     /// head-wise pack or a compaction rewrites this step stay hot.
     pub(super) fn demotions(
         &self,
@@ -49,6 +49,9 @@ impl Coordinator {
         };
         let mut demote = Vec::new();
         tp.demote(next, &mut demote);
+        if let Some(why) = tp.take_error() {
+            return Err(CoordError::Policy(format!("the tier policy failed: {why}")));
+        }
         if let Some(rw) = rewrite {
             demote.retain(|i| rw.entries.binary_search(i).is_err());
         }
