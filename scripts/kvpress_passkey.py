@@ -33,6 +33,7 @@ import csv
 import json
 import os
 import re
+import shlex
 import sys
 import time
 
@@ -69,17 +70,34 @@ def presses(kv_kept):
 
 def kvforge_presses(kv_kept):
     """kvforge's numpy KeyDiff (kvforge/examples/keydiff.py) as a kvpress
-    press: the sink and window of configs/passkey-press.toml's rows."""
+    press, each layer choosing its own blocks and all layers choosing
+    together (as kvforge's engine does): the sink and window of
+    configs/passkey-press.toml's rows."""
     from kvforge.examples.keydiff import KeyDiff
     from kvforge.kvpress import PolicyPress
 
     window = 256 if kv_kept >= 0.5 else 128
-    press = PolicyPress(
-        lambda budget: KeyDiff(budget_tokens=budget, sink=32, window=window),
-        compression_ratio=1.0 - kv_kept,
-        block_size=32,
-    )
-    return [(f"kvforge KeyDiff press (numpy, pages of 32, window {window})", press, False)]
+    out = []
+    for across, how in ((False, "per layer"), (True, "across layers")):
+        press = PolicyPress(
+            lambda budget: KeyDiff(budget_tokens=budget, sink=32, window=window),
+            compression_ratio=1.0 - kv_kept,
+            block_size=32,
+            across_layers=across,
+        )
+        out.append((f"kvforge KeyDiff press (numpy, pages of 32, window {window}, {how})", press, False))
+    return out
+
+
+def rust_twin(run, press, share):
+    """The per-item results of kvforge's own run of a kvforge press's
+    policy (configs/passkey-press.toml's `keydiff-kvNN` rows), or None."""
+    path = os.path.join(run, "results.csv")
+    if not press.startswith("kvforge KeyDiff press") or not os.path.exists(path):
+        return None
+    config = f"keydiff-kv{round(share * 100)}"
+    got = {r["item"]: int(float(r["correct"])) for r in csv.DictReader(open(path)) if r["config"] == config and r["correct"]}
+    return (config, got) if got else None
 
 
 def first_number(text):
@@ -309,14 +327,31 @@ def report(a, items, items_path, rows, out_csv, t0):
         pk = "–" if peak is None else f"{peak:.0%}"
         md.append(f"| {name} | {tgt} | {kv:.0%} | {pk} | {ok}/{n} | {ok / n:.0%} |")
     md.append("")
+    pairs = []
+    for name, share in dict.fromkeys((r["press"], r["kv_kept"]) for r in rows):
+        twin = rust_twin(a.run, name, share)
+        if twin is None:
+            continue
+        config, rust = twin
+        rs = [r for r in rows if r["press"] == name and r["kv_kept"] == share and r["item"] in rust]
+        agree = sum(r["correct"] == rust[r["item"]] for r in rs)
+        only_press = sum(r["correct"] and not rust[r["item"]] for r in rs)
+        only_rust = sum(rust[r["item"]] and not r["correct"] for r in rs)
+        pairs.append(f"| {name} | kvforge {config} | {agree}/{len(rs)} | {only_press} | {only_rust} |")
+    if pairs:
+        md += [
+            "Item by item, each kvforge press against kvforge's own run of the same policy at the same share:",
+            "",
+            "| press | kvforge run | same outcome | right only in the press | right only in kvforge |",
+            "|---|---|---:|---:|---:|",
+            *pairs,
+            "",
+        ]
+    command = " ".join(shlex.quote(x) for x in [".venv/bin/python", "scripts/kvpress_passkey.py", *sys.argv[1:]])
     if a.table_only:
-        also = "".join(f" --also {d}" for d in a.also)
-        md.append(
-            f"Presses run by `.venv/bin/python scripts/kvpress_passkey.py {a.run} --ratios {a.ratios}`; "
-            f"this table rebuilt with `--table-only{also}` from its `kvpress.csv` and kvforge's `results.csv`."
-        )
+        md.append(f"This table rebuilt by `{command}` from the presses' `kvpress.csv` and kvforge's `results.csv`.")
     else:
-        md.append(f"`.venv/bin/python scripts/kvpress_passkey.py {a.run} --ratios {a.ratios}`, {time.time() - t0:.0f} s.")
+        md.append(f"`{command}`, {time.time() - t0:.0f} s.")
     with open(os.path.join(a.run, "kvpress.md"), "w") as f:
         f.write("\n".join(md) + "\n")
 

@@ -20,10 +20,16 @@ the tokens, gives it each block's key novelty (``1 − cos(key, mean key)``,
 averaged over the block's tokens and the layer's KV heads) when it wants
 keys, asks for victims, and removes those blocks' tokens from every head of
 the layer. kvforge's engine averages novelty over the layers too and drops
-the same entries in every layer; a press sees one layer at a time, so here
-each layer chooses its own (the policy keeps each layer's state under its
-own ``seq``, the layer index). Page level: whole blocks go, as in kvforge's
-page-level eviction; kvpress's presses drop single tokens per head.
+the same entries in every layer. A press sees one layer at a time, so by
+default each layer chooses its own (the policy keeps each layer's state
+under its own ``seq``, the layer index), as kvpress's presses do. With
+``across_layers=True`` the press does what kvforge's engine does: it sums
+each block's novelty over the layers and, at the last layer's hook, asks the
+policy once and drops the same blocks from every layer (the prefill's
+hidden states never depend on the cache being compressed, so waiting for
+the last layer changes nothing else). Page level: whole blocks go, as in
+kvforge's page-level eviction; kvpress's presses drop single tokens per
+head.
 
 Needs kvpress (``cargo xtask setup --reference`` installs 0.5.5). A policy
 that wants attention mass is refused (kvpress computes attention weights
@@ -32,7 +38,7 @@ only under eager attention); a policy's bad answer raises ``ValueError``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -40,6 +46,7 @@ import torch
 
 try:
     from kvpress import BasePress
+    from transformers import QuantizedCache
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(f"kvforge.kvpress needs kvpress ({e}); run `cargo xtask setup --reference`") from e
 
@@ -76,11 +83,15 @@ class PolicyPress(BasePress):
 
     ``policy(budget_tokens)`` builds the policy for a layer's budget: the
     tokens it may keep, ``(1 − compression_ratio)`` of the prefilled ones.
+    ``across_layers``: one choice for all layers from their summed novelty,
+    as kvforge's engine makes it, instead of one per layer.
     """
 
     policy: Callable[[int], EvictionPolicy]
     compression_ratio: float = 0.0
     block_size: int = 16
+    across_layers: bool = False
+    _novelty: list = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self):
         if not 0.0 <= self.compression_ratio < 1.0:
@@ -95,22 +106,39 @@ class PolicyPress(BasePress):
             raise ValueError("PolicyPress compresses one sequence at a time (batch 1)")
         n = keys.shape[2]
         layer = int(getattr(module, "layer_idx", 0))
-        budget = int(n * (1.0 - self.compression_ratio))
-        policy = self.policy(budget)
+        policy = self.policy(int(n * (1.0 - self.compression_ratio)))
         if policy.wants_attention:
             raise ValueError(f"{policy.name} wants attention mass, which PolicyPress does not compute")
+        if not self.across_layers:
+            keep = self._keep(policy, layer, n, block_novelty(keys, self.block_size))
+            return keys[:, :, keep].contiguous(), values[:, :, keep].contiguous()
+        cache = kwargs["past_key_values"]
+        if isinstance(cache, QuantizedCache):
+            raise ValueError("PolicyPress(across_layers=True) needs an unquantized cache")
+        if layer == 0:
+            self._novelty = []
+        self._novelty.append(block_novelty(keys, self.block_size))
+        if layer + 1 < module.config.num_hidden_layers:
+            return keys, values
+        novelty, self._novelty = np.sum(self._novelty, axis=0), []
+        keep = self._keep(policy, 0, n, novelty)
+        for other in cache.layers[:layer]:
+            other.keys = other.keys[:, :, keep].contiguous()
+            other.values = other.values[:, :, keep].contiguous()
+        return keys[:, :, keep].contiguous(), values[:, :, keep].contiguous()
+
+    def _keep(self, policy: EvictionPolicy, seq: int, n: int, novelty: np.ndarray) -> torch.Tensor:
+        """The token mask of what ``policy`` keeps of ``n`` tokens in blocks."""
         table = layout(n, self.block_size)
         if policy.wants_keys:
-            policy.observe_keys(layer, table, block_novelty(keys, self.block_size))
-        victims = policy.victims(layer, table, Pressure(1.0, 0, 0, 0, 0))
-        policy.forget(layer)
+            policy.observe_keys(seq, table, novelty)
+        victims = policy.victims(seq, table, Pressure(1.0, 0, 0, 0, 0))
+        policy.forget(seq)
         victims = np.asarray(victims, dtype=np.int64).reshape(-1)
-        if len(victims) == 0:
-            return keys, values
-        if victims.min() < 0 or victims.max() >= len(table) or np.any(np.diff(victims) <= 0):
+        if len(victims) and (victims.min() < 0 or victims.max() >= len(table) or np.any(np.diff(victims) <= 0)):
             raise ValueError(f"{policy.name} named entries {victims.tolist()} of {len(table)}")
         keep = torch.ones(n, dtype=torch.bool)
         for i in victims.tolist():
             start = i * self.block_size
             keep[start : start + int(table.tokens[i])] = False
-        return keys[:, :, keep].contiguous(), values[:, :, keep].contiguous()
+        return keep

@@ -39,6 +39,25 @@ def test_the_press_keeps_what_keydiff_keeps_in_whole_blocks(tiny):
     assert torch.equal(cache.layers[0].keys, k_full[:, :, keep])
 
 
+def test_across_layers_drops_the_same_blocks_from_every_layer_by_their_summed_novelty(tiny):
+    def keydiff(b):
+        return KeyDiff(budget_tokens=b, sink=16, window=32)
+
+    full = prefill(tiny, PolicyPress(keydiff))
+    cache = prefill(tiny, PolicyPress(keydiff, compression_ratio=0.5, across_layers=True))
+    nov = sum(block_novelty(layer.keys, 16) for layer in full.layers)
+    table = layout(200, 16)
+    cand = [i for i in range(len(table)) if table.first[i] >= 16 and table.end[i] <= 200 - 32]
+    drop = sorted(sorted(cand, key=lambda i: (nov[i], i))[:7])
+    keep = [t for t in range(200) if t // 16 not in drop]
+    for got, want in zip(cache.layers, full.layers):
+        assert torch.equal(got.keys, want.keys[:, :, keep])
+        assert torch.equal(got.values, want.values[:, :, keep])
+    # Per layer, the two layers choose differently here: the modes differ.
+    each = prefill(tiny, PolicyPress(keydiff, compression_ratio=0.5))
+    assert any(not torch.equal(a.keys, b.keys) for a, b in zip(each.layers, cache.layers))
+
+
 def test_layout_and_novelty_follow_kvforges_blocks():
     t = layout(40, 16)
     assert t.first.tolist() == [0, 16, 32] and t.tokens.tolist() == [16, 16, 8] and t.open
