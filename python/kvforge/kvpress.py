@@ -27,7 +27,8 @@ under its own ``seq``, the layer index), as kvpress's presses do. With
 each block's novelty over the layers and, at the last layer's hook, asks the
 policy once and drops the same blocks from every layer (the prefill's
 hidden states never depend on the cache being compressed, so waiting for
-the last layer changes nothing else). Page level: whole blocks go, as in
+the last layer changes nothing else; a model with sliding-window layers,
+which kvpress does not hook, is refused). Page level: whole blocks go, as in
 kvforge's page-level eviction; kvpress's presses drop single tokens per
 head.
 
@@ -92,6 +93,17 @@ class PolicyPress(BasePress):
     block_size: int = 16
     across_layers: bool = False
     _novelty: list = field(default_factory=list, init=False, repr=False)
+    _layers: int | None = field(default=None, init=False, repr=False)
+
+    def post_init_from_model(self, model):
+        # The layers kvpress hooks (it skips Gemma3's sliding-window ones):
+        # across layers, the choice is made at the last and applies to all.
+        lm = model.model.language_model if hasattr(model.model, "language_model") else model.model
+        sliding = [getattr(layer.self_attn, "is_sliding", False) for layer in lm.layers]
+        if self.across_layers and any(sliding):
+            raise ValueError("PolicyPress(across_layers=True) needs every layer full-attention (this model has sliding-window layers)")
+        self._layers = len(lm.layers)
+        self._novelty = []
 
     def __post_init__(self):
         if not 0.0 <= self.compression_ratio < 1.0:
@@ -104,6 +116,8 @@ class PolicyPress(BasePress):
             return keys, values
         if keys.shape[0] != 1:
             raise ValueError("PolicyPress compresses one sequence at a time (batch 1)")
+        if self.across_layers and self._layers is None:
+            raise ValueError("PolicyPress(across_layers=True) runs as `with press(model):`")
         n = keys.shape[2]
         layer = int(getattr(module, "layer_idx", 0))
         policy = self.policy(int(n * (1.0 - self.compression_ratio)))
@@ -117,8 +131,11 @@ class PolicyPress(BasePress):
             raise ValueError("PolicyPress(across_layers=True) needs an unquantized cache")
         if layer == 0:
             self._novelty = []
+        if len(self._novelty) != layer or any(c.keys.shape[2] != n for c in cache.layers[:layer]):
+            self._novelty = []
+            raise ValueError(f"PolicyPress(across_layers=True): layer {layer} came without every layer before it, at {n} tokens")
         self._novelty.append(block_novelty(keys, self.block_size))
-        if layer + 1 < module.config.num_hidden_layers:
+        if layer + 1 < self._layers:
             return keys, values
         novelty, self._novelty = np.sum(self._novelty, axis=0), []
         keep = self._keep(policy, 0, n, novelty)

@@ -12,6 +12,7 @@
 //! way; every bad input is a `ValueError` with the crate's one-line
 //! message, and a failed call changes nothing.
 
+mod conformance;
 mod engine;
 mod policy;
 mod tier;
@@ -425,8 +426,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ColdStore>()?;
     m.add_class::<engine::Engine>()?;
     m.add_function(wrap_pyfunction!(engine::ablate, m)?)?;
-    m.add_function(wrap_pyfunction!(policy::check_eviction_policy, m)?)?;
-    m.add_function(wrap_pyfunction!(tier::check_tier_policy, m)?)?;
+    m.add_function(wrap_pyfunction!(conformance::check_eviction_policy, m)?)?;
+    m.add_function(wrap_pyfunction!(conformance::check_tier_policy, m)?)?;
     policy::install_resolver();
     Ok(())
 }

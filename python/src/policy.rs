@@ -22,8 +22,7 @@ use kvforge_engine::mechanisms::{EvictionBuilder, PolicyParams, Registry};
 use kvforge_evict::{EvictionPolicy, Pressure, SeqKey};
 use kvforge_pool::{BlockTable, Slot};
 use pyo3::exceptions::{
-    PyAssertionError, PyAttributeError, PyException, PyOverflowError, PyRuntimeError, PyTypeError,
-    PyValueError,
+    PyAttributeError, PyException, PyOverflowError, PyRuntimeError, PyTypeError, PyValueError,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyByteArray, PyBytes, PyDict, PyInt, PyString};
@@ -31,7 +30,7 @@ use pyo3::types::{PyBool, PyByteArray, PyBytes, PyDict, PyInt, PyString};
 /// A Python object as the coordinator's eviction policy.
 pub(crate) struct PyPolicy {
     obj: Py<PyAny>,
-    name: String,
+    pub(crate) name: String,
     wants_attention: bool,
     observation_window: usize,
     wants_keys: bool,
@@ -74,9 +73,11 @@ pub(crate) fn run_policy<T>(
     f: impl FnOnce(&Bound<'_, PyAny>) -> PyResult<T>,
 ) -> Result<T, String> {
     Python::attach(|py| {
-        IN_POLICY.with(|p| p.set(true));
+        // Restored, not cleared: a policy may run another one (a
+        // conformance check) and must stay refused the engine after it.
+        let outer = IN_POLICY.with(|p| p.replace(true));
         let r = f(obj.bind(py));
-        IN_POLICY.with(|p| p.set(false));
+        IN_POLICY.with(|p| p.set(outer));
         r.map_err(|e| {
             let words = one_line(&e);
             if !e.is_instance_of::<PyException>(py) {
@@ -363,38 +364,4 @@ pub(crate) fn install_resolver() {
         let b: EvictionBuilder = Arc::new(move |p| build(&module, &class, p));
         Some(b)
     }));
-}
-
-/// `kvforge.testing.check_eviction_policy`: the Rust trait's conformance
-/// suite (`kvforge_evict::testing::check_policy`) on a Python policy.
-#[pyfunction]
-#[pyo3(signature = (policy, block_size = 16))]
-pub(crate) fn check_eviction_policy(policy: &Bound<'_, PyAny>, block_size: u32) -> PyResult<()> {
-    if block_size == 0 {
-        return Err(PyValueError::new_err(
-            "kvforge: block_size must be at least 1",
-        ));
-    }
-    let mut p = PyPolicy::wrap(policy)?;
-    // A violation panics in the suite (its panic message also reaches
-    // stderr through the panic hook); it comes back as AssertionError.
-    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        kvforge_evict::testing::check_policy(&mut p, block_size)
-    }));
-    if let Some(e) = p.take_error() {
-        return Err(PyRuntimeError::new_err(format!("the policy failed: {e}")));
-    }
-    r.map_err(|payload| broken(&p.name, payload.as_ref()))
-}
-
-/// A conformance suite's panic as `AssertionError: NAME: why`.
-pub(crate) fn broken(name: &str, payload: &(dyn std::any::Any + Send)) -> PyErr {
-    let why = payload
-        .downcast_ref::<String>()
-        .cloned()
-        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
-        .unwrap_or_else(|| "the contract was broken".into());
-    // One line: `assert_eq!` adds its `left:` / `right:` lines.
-    let why = why.split_whitespace().collect::<Vec<_>>().join(" ");
-    PyAssertionError::new_err(format!("{name}: {why}"))
 }

@@ -10,15 +10,15 @@ use std::sync::Mutex;
 
 use kvforge_pool::BlockTable;
 use kvforge_quant::TierPolicy;
-use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 
-use crate::policy::{attr, broken, indexes, run_policy, table_object};
+use crate::policy::{attr, indexes, run_policy, table_object};
 
 /// A Python object as the coordinator's tier policy.
 pub(crate) struct PyTier {
     obj: Py<PyAny>,
-    name: String,
+    pub(crate) name: String,
     /// The failure of the last `demote`, until the coordinator asks.
     error: Mutex<Option<String>>,
 }
@@ -70,24 +70,4 @@ impl TierPolicy for PyTier {
     fn take_error(&self) -> Option<String> {
         self.failed().take()
     }
-}
-
-/// `kvforge.testing.check_tier_policy`: the Rust trait's conformance suite
-/// (`kvforge_quant::testing::check_tier_policy`) on a Python policy.
-#[pyfunction]
-#[pyo3(signature = (policy, block_size = 16))]
-pub(crate) fn check_tier_policy(policy: &Bound<'_, PyAny>, block_size: u32) -> PyResult<()> {
-    if block_size == 0 {
-        return Err(PyValueError::new_err(
-            "kvforge: block_size must be at least 1",
-        ));
-    }
-    let p = PyTier::wrap(policy)?;
-    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        kvforge_quant::testing::check_tier_policy(&p, block_size)
-    }));
-    if let Some(e) = p.take_error() {
-        return Err(PyRuntimeError::new_err(format!("the policy failed: {e}")));
-    }
-    r.map_err(|payload| broken(&p.name, payload.as_ref()))
 }

@@ -58,6 +58,21 @@ def test_across_layers_drops_the_same_blocks_from_every_layer_by_their_summed_no
     assert any(not torch.equal(a.keys, b.keys) for a, b in zip(each.layers, cache.layers))
 
 
+def test_across_layers_refuses_sliding_window_layers_and_a_bare_call(tiny):
+    press = PolicyPress(lambda b: KeyDiff(budget_tokens=b, sink=16, window=32), compression_ratio=0.5,
+                        across_layers=True)
+    tiny.model.layers[1].self_attn.is_sliding = True  # as Gemma3's, which kvpress does not hook
+    try:
+        with pytest.raises(ValueError, match="sliding-window layers"):
+            prefill(tiny, press)
+    finally:
+        del tiny.model.layers[1].self_attn.is_sliding
+    with pytest.raises(ValueError, match="runs as `with press"):
+        press.compress(tiny.model.layers[0].self_attn, None, torch.zeros(1, 2, 40, 8), torch.zeros(1, 2, 40, 8),
+                       None, {"past_key_values": DynamicCache()})
+    assert prefill(tiny, press).get_seq_length() == 200 - 7 * 16
+
+
 def test_layout_and_novelty_follow_kvforges_blocks():
     t = layout(40, 16)
     assert t.first.tolist() == [0, 16, 32] and t.tokens.tolist() == [16, 16, 8] and t.open

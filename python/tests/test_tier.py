@@ -125,3 +125,35 @@ def test_a_tier_policy_needs_a_cold_tier_and_a_demote_method():
         tiny(tier_policy=SinkWindow(window=32))
     with pytest.raises(TypeError, match="not a tier policy"):
         tiny(mechanisms=COLD, tier_policy=kvforge.EvictionPolicy())
+
+
+def test_an_interrupt_in_a_checked_policy_comes_out_of_the_check_not_a_later_call():
+    class Interrupts(kvforge.TierPolicy):
+        def demote(self, table):
+            raise KeyboardInterrupt("from check")
+
+    with pytest.raises(KeyboardInterrupt, match="from check"):
+        kvforge.testing.check_tier_policy(Interrupts())
+
+    class Evicts(kvforge.EvictionPolicy):
+        def victims(self, seq, table, pressure):
+            raise KeyboardInterrupt("from the eviction check")
+
+    with pytest.raises(KeyboardInterrupt, match="from the eviction check"):
+        kvforge.testing.check_eviction_policy(Evicts())
+    e = tiny(mechanisms=COLD)
+    assert e.generate("hello", max_tokens=2) == e.generate("hello", max_tokens=2)
+
+
+def test_a_policy_that_runs_a_check_is_still_refused_the_engine():
+    class Nested(kvforge.TierPolicy):
+        def demote(self, table):
+            kvforge.testing.check_tier_policy(SinkWindow(32, 16))
+            self.engine.stats()
+            return []
+
+    policy = Nested()
+    e = policy.engine = tiny(mechanisms=COLD, tier_policy=policy)
+    with pytest.raises(RuntimeError, match="cannot call the engine from inside its methods"):
+        e.ppl(IDS, prefix=64, chunk=16)
+    assert e.blocks_in_use() == [0, 0]
