@@ -18,7 +18,7 @@ use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use kvforge_engine::mechanisms::{EvictionBuilder, PolicyParams, Registry};
+use kvforge_engine::mechanisms::{EvictionBuilder, PolicyParams, Registry, TierBuilder};
 use kvforge_evict::{EvictionPolicy, Pressure, SeqKey};
 use kvforge_pool::{BlockTable, Slot};
 use pyo3::exceptions::{
@@ -26,6 +26,8 @@ use pyo3::exceptions::{
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyByteArray, PyBytes, PyDict, PyInt, PyString};
+
+use crate::tier::PyTier;
 
 /// A Python object as the coordinator's eviction policy.
 pub(crate) struct PyPolicy {
@@ -331,12 +333,13 @@ impl EvictionPolicy for PyPolicy {
 }
 
 /// Builds `module:Class` with a mechanisms table's parameters as keyword
-/// arguments.
-fn build(
+/// arguments, and wraps it.
+fn build<T>(
     module: &str,
     class: &str,
     p: &PolicyParams<'_>,
-) -> Result<Box<dyn EvictionPolicy>, String> {
+    wrap: impl FnOnce(&Bound<'_, PyAny>) -> PyResult<T>,
+) -> Result<T, String> {
     let params: serde_json::Map<String, serde_json::Value> = p.parse()?;
     let json = serde_json::Value::Object(params).to_string();
     Python::attach(|py| {
@@ -346,22 +349,37 @@ fn build(
             cls = cls.getattr(part)?;
         }
         let kwargs = py.import("json")?.call_method1("loads", (json,))?;
-        let obj = cls.call((), Some(kwargs.cast::<PyDict>()?))?;
-        Ok(Box::new(PyPolicy::wrap(&obj)?) as Box<dyn EvictionPolicy>)
+        wrap(&cls.call((), Some(kwargs.cast::<PyDict>()?))?)
     })
     .map_err(|e: PyErr| format!("{module}:{class}: {}", one_line(&e)))
 }
 
-/// Lets every registry of this process build `"module:Class"` names from
-/// Python (once; later calls change nothing).
+/// `"module:Class"` split, or `None` for any other name.
+fn python_name(name: &str) -> Option<(String, String)> {
+    let (module, class) = name.split_once(':')?;
+    (!module.is_empty() && !class.is_empty()).then(|| (module.to_string(), class.to_string()))
+}
+
+/// Lets every registry of this process build `"module:Class"` names of
+/// eviction and tier policies from Python (once; later calls change
+/// nothing).
 pub(crate) fn install_resolver() {
     Registry::install_resolver(Arc::new(|name: &str| {
-        let (module, class) = name.split_once(':')?;
-        if module.is_empty() || class.is_empty() {
-            return None;
-        }
-        let (module, class) = (module.to_string(), class.to_string());
-        let b: EvictionBuilder = Arc::new(move |p| build(&module, &class, p));
+        let (module, class) = python_name(name)?;
+        let b: EvictionBuilder = Arc::new(move |p| {
+            build(&module, &class, p, |obj| {
+                Ok(Box::new(PyPolicy::wrap(obj)?) as Box<dyn EvictionPolicy>)
+            })
+        });
+        Some(b)
+    }));
+    Registry::install_tier_resolver(Arc::new(|name: &str| {
+        let (module, class) = python_name(name)?;
+        let b: TierBuilder = Arc::new(move |p| {
+            build(&module, &class, p, |obj| {
+                Ok(Box::new(PyTier::wrap(obj)?) as Box<dyn kvforge_quant::TierPolicy>)
+            })
+        });
         Some(b)
     }));
 }

@@ -3,6 +3,7 @@ window plan demotes exactly what the Rust plan does, the Rust conformance
 suite runs on them, and one that misbehaves fails its step with the cache
 left as it was. On the tiny random-weight model."""
 
+import json
 import os
 
 import numpy as np
@@ -157,3 +158,41 @@ def test_a_policy_that_runs_a_check_is_still_refused_the_engine():
     with pytest.raises(RuntimeError, match="cannot call the engine from inside its methods"):
         e.ppl(IDS, prefix=64, chunk=16)
     assert e.blocks_in_use() == [0, 0]
+
+
+def test_by_name_in_a_mechanisms_table_and_in_an_experiment_file(tmp_path):
+    named = {**COLD, "tier": {"policy": "kvforge.examples.tiers:Every", "window": 32, "stride": 2}}
+    by_name = tiny(mechanisms=named).ppl(IDS, prefix=64, chunk=16)
+    by_object = tiny(mechanisms=COLD, tier_policy=Every(window=32, stride=2)).ppl(IDS, prefix=64, chunk=16)
+    assert by_name["chunks"] == by_object["chunks"] and by_name["cold_bytes"] == by_object["cold_bytes"] > 0
+    with pytest.raises(ValueError, match="tier needs a cold tier"):
+        tiny(mechanisms={"tier": named["tier"]})
+    with pytest.raises(ValueError, match="kvforge.examples.tiers:Nope: AttributeError"):
+        tiny(mechanisms={**COLD, "tier": {"policy": "kvforge.examples.tiers:Nope"}})
+    with pytest.raises(ValueError, match="unexpected keyword argument 'strides'"):
+        tiny(mechanisms={**COLD, "tier": {"policy": "kvforge.examples.tiers:Every", "window": 32, "strides": 2}})
+
+    src = (kvforge.engine.ROOT / "configs" / "python-policy.toml").read_text()
+    head = src[: src.index("[[config]]")]
+    exp = tmp_path / "tiers.toml"
+    exp.write_text(
+        head.replace('name = "python-policy"', 'name = "python-tiers"')
+        + '[[config]]\nname = "plan"\ncold = { format = "int4", window = 32, sink = 16 }\n\n'
+        + '[[config]]\nname = "plan-numpy"\ncold = { format = "int4", window = 32, sink = 16 }\n'
+        + 'tier = { policy = "kvforge.examples.tiers:SinkWindow", window = 32, sink = 16 }\n\n'
+        + '[[config]]\nname = "every-numpy"\ncold = { format = "int4", window = 32, sink = 16 }\n'
+        + 'tier = { policy = "kvforge.examples.tiers:Every", window = 32, stride = 2 }\n'
+    )
+    kvforge.ablate(exp, tmp_path / "out")
+    items = [json.loads(line) for line in open(tmp_path / "out" / "items.jsonl")]
+    by = {}
+    for r in items:
+        assert r["error"] is None, r
+        by.setdefault(r["config"], {})[r["item"]] = r
+    assert set(by["plan"]) == set(by["plan-numpy"]) and len(by["plan"]) == 4
+    for item, r in by["plan"].items():
+        n = by["plan-numpy"][item]
+        assert n["answer"] == r["answer"] and n.get("chunks") == r.get("chunks")
+        assert n["values"]["kv_bytes"] == r["values"]["kv_bytes"]
+        # The other plan ran: it keeps every other old block in f16.
+        assert by["every-numpy"][item]["values"]["kv_bytes"] > r["values"]["kv_bytes"]

@@ -206,18 +206,20 @@ fn names_python_policy(root: &Path, args: &[String]) -> bool {
     std::fs::read_to_string(ablate_config(root, args)).is_ok_and(|t| python_policy_named(&t))
 }
 
-/// Whether a TOML experiment text has a `[[config]]` whose eviction
-/// policy is a `"module:Class"` name.
+/// Whether a TOML experiment text has a `[[config]]` whose eviction or
+/// tier policy is a `"module:Class"` name.
 fn python_policy_named(text: &str) -> bool {
     let Ok(doc) = text.parse::<toml::Table>() else {
         return false;
     };
     let configs = doc.get("config").and_then(|c| c.as_array());
     configs.into_iter().flatten().any(|c| {
-        c.get("eviction")
-            .and_then(|e| e.get("policy"))
-            .and_then(|p| p.as_str())
-            .is_some_and(|p| p.contains(':'))
+        ["eviction", "tier"].iter().any(|k| {
+            c.get(k)
+                .and_then(|e| e.get("policy"))
+                .and_then(|p| p.as_str())
+                .is_some_and(|p| p.contains(':'))
+        })
     })
 }
 
@@ -682,7 +684,7 @@ mod tests {
     use super::python_policy_named;
 
     #[test]
-    fn a_python_policy_is_a_module_colon_class_name_of_a_configs_eviction() {
+    fn a_python_policy_is_a_module_colon_class_name_of_a_configs_eviction_or_tier() {
         let named = |c: &str| python_policy_named(&format!("[[config]]\nname = \"x\"\n{c}\n"));
         assert!(named(
             "eviction = { policy = \"kvforge.examples.keydiff:KeyDiff\", sink = 16 }"
@@ -692,6 +694,10 @@ mod tests {
         assert!(named("[config.eviction]\npolicy = \"m:C\""));
         assert!(!named("eviction = { policy = \"keydiff\", sink = 16 }"));
         assert!(!named("# eviction = { policy = \"m:C\" }"));
+        assert!(named(
+            "tier = { policy = \"kvforge.examples.tiers:Every\" }"
+        ));
+        assert!(!named("tier = { policy = \"plan\" }"));
         assert!(!named("lifecycle = { policy = \"a:b\" }"));
         assert!(!python_policy_named("not toml = = ="));
     }

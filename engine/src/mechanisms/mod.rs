@@ -16,7 +16,10 @@
 //! Each mechanism is off when absent. An eviction policy is named: the
 //! [`Registry`] builds it from its parameters (a researcher registers
 //! their own with one line); a policy object can also be handed to an
-//! engine directly ([`Policies`](crate::policies::Policies)).
+//! engine directly ([`Policies`](crate::policies::Policies)). `tier = {
+//! policy = "module:Class", … }` replaces the cold tier's window-and-sink
+//! plan with a tier policy a process-wide resolver builds (the Python
+//! package's).
 
 use std::ops::Range;
 use std::path::Path;
@@ -31,12 +34,14 @@ mod registry;
 mod specs;
 #[cfg(test)]
 mod tests;
+mod tiers;
 
 pub use registry::{EvictionBuilder, PolicyParams, Registry, Resolver};
 pub use specs::{
     BlockFormat, IndexName, KeyAxis, LifecycleSpec, PolicySpec, PrefixSpec, RemoteSpec, ShareSpec,
     TailName,
 };
+pub use tiers::{TierBuilder, TierResolver};
 
 /// The largest `budget_mib`: 1 PiB (larger values would wrap in bytes).
 pub const MAX_BUDGET_MIB: u64 = 1 << 30;
@@ -54,6 +59,9 @@ pub struct Mechanisms {
     pub cold: Option<KvQuant>,
     /// Eviction: a policy of the [`Registry`] and its parameters.
     pub eviction: Option<PolicySpec>,
+    /// Which hot blocks go cold, when not the cold tier's own window and
+    /// sink: a tier policy [`Registry::tier`] resolves, and its parameters.
+    pub tier: Option<PolicySpec>,
     /// Sharing of duplicate cold blocks.
     pub share: Option<ShareSpec>,
     /// Context lifecycle at turn ends.
@@ -136,6 +144,14 @@ impl Mechanisms {
                 ));
             }
         }
+        if let Some(t) = &self.tier {
+            if self.cold.is_none() {
+                return Err(
+                    "tier needs a cold tier (cold = { … }): it decides which blocks go cold".into(),
+                );
+            }
+            registry.tier(t, block)?;
+        }
         if self.share.is_some() && self.cold.is_none() {
             return Err("share needs a cold tier (it shares quantized blocks)".into());
         }
@@ -201,6 +217,11 @@ impl Mechanisms {
             .as_ref()
             .map(|e| registry.eviction(e, cfg.block_size, self.cold.is_some()))
             .transpose()?;
+        cfg.policies.tier = self
+            .tier
+            .as_ref()
+            .map(|t| registry.tier(t, cfg.block_size))
+            .transpose()?;
         cfg.dedup = self.share.map(ShareSpec::config);
         cfg.lifecycle = self.lifecycle.map(LifecycleSpec::config);
         cfg.kv_budget = self.budget_bytes().unwrap_or(0);
@@ -238,6 +259,9 @@ impl Mechanisms {
                 Ok(p) => format!("evict {}", p.name()),
                 Err(_) => format!("evict {}", e.policy),
             });
+        }
+        if let Some(t) = &self.tier {
+            parts.push(format!("tier {}", t.policy));
         }
         if let Some(share) = self.share {
             parts.push(share.label());

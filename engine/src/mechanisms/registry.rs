@@ -36,7 +36,19 @@ pub struct PolicyParams<'a> {
     pub cold_tier: bool,
 }
 
-impl PolicyParams<'_> {
+impl<'a> PolicyParams<'a> {
+    pub(crate) fn new(
+        params: &'a serde_json::Map<String, serde_json::Value>,
+        block_size: usize,
+        cold_tier: bool,
+    ) -> Self {
+        PolicyParams {
+            params,
+            block_size,
+            cold_tier,
+        }
+    }
+
     /// The parameters read into `T`: a serde struct (deny unknown fields
     /// in it, and a misspelt parameter is an error).
     pub fn parse<T: DeserializeOwned>(&self) -> Result<T, String> {
@@ -191,12 +203,8 @@ impl Registry {
         };
         let name = spec.policy.clone();
         let built = |params: &serde_json::Map<String, serde_json::Value>| {
-            let p = PolicyParams {
-                params,
-                block_size,
-                cold_tier,
-            };
-            build(&p).map_err(|e| format!("eviction {name}: {e}"))
+            build(&PolicyParams::new(params, block_size, cold_tier))
+                .map_err(|e| format!("eviction {name}: {e}"))
         };
         let first = built(&spec.params)?;
         if cold_tier && (first.per_lane() || first.token_level()) {
@@ -208,12 +216,8 @@ impl Registry {
         let params = spec.params.clone();
         let name = spec.policy.clone();
         Ok(Arc::new(move || {
-            let p = PolicyParams {
-                params: &params,
-                block_size,
-                cold_tier,
-            };
-            build(&p).map_err(|e| format!("eviction {name}: {e}"))
+            build(&PolicyParams::new(&params, block_size, cold_tier))
+                .map_err(|e| format!("eviction {name}: {e}"))
         }))
     }
 }

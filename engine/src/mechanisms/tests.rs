@@ -253,3 +253,48 @@ fn a_resolver_builds_names_no_registry_holds_and_says_what_a_colon_name_is() {
     let e = parse("eviction = { policy = \"nope\" }").unwrap_err();
     assert!(!e.contains("Python"), "{e}");
 }
+
+#[test]
+fn a_tier_policy_is_named_through_the_tier_resolver_and_needs_a_cold_tier() {
+    // The only tier resolver this test process installs: `rust-test:` names.
+    let installed = Registry::install_tier_resolver(std::sync::Arc::new(|name: &str| {
+        let window: usize = name.strip_prefix("rust-test:plan")?.parse().ok()?;
+        let b: TierBuilder = std::sync::Arc::new(move |p| {
+            let plan = kvforge_quant::TierPlan::new(p.block_size, window);
+            Ok(Box::new(plan.map_err(|e| e.to_string())?))
+        });
+        Some(b)
+    }));
+    assert!(installed);
+    let cold = "cold = { format = \"int4\", window = 32 }\n";
+    let m = parse(&format!("{cold}tier = {{ policy = \"rust-test:plan64\" }}")).unwrap();
+    let mut cfg = EngineConfig::default();
+    m.apply(&mut cfg, &Registry::builtin(), None).unwrap();
+    assert!((cfg.policies.tier.unwrap())().is_ok());
+    assert_eq!(
+        m.describe(16, &Registry::builtin()),
+        "cold int4 w32 s0, tier rust-test:plan64"
+    );
+    // Its builder's refusal, an unknown name, no cold tier: one line each.
+    for (src, want) in [
+        (
+            format!("{cold}tier = {{ policy = \"rust-test:plan20\" }}"),
+            "tier rust-test:plan20: ",
+        ),
+        (
+            format!("{cold}tier = {{ policy = \"mymod:Mine\" }}"),
+            "unknown tier policy \"mymod:Mine\" (a \"module:Class\" name is a policy written in Python",
+        ),
+        (
+            format!("{cold}tier = {{ policy = \"plan\" }}"),
+            "unknown tier policy \"plan\" (kvforge's own plan is the cold tier's window and sink)",
+        ),
+        (
+            "tier = { policy = \"rust-test:plan64\" }".to_string(),
+            "tier needs a cold tier",
+        ),
+    ] {
+        let e = parse(&src).unwrap_err();
+        assert!(e.contains(want) && !e.contains('\n'), "{src:?}: {e}");
+    }
+}
