@@ -23,8 +23,8 @@ def ablate(
     workload, item by item — and writes the report (``report.md``,
     ``results.csv``, ``iso.csv``, ``intervals.csv``, plots) to ``out``
     (default ``target/ablate/<name>/``). Relative paths in the file are
-    relative to ``root`` (default: the kvforge checkout). An eviction
-    policy named ``"module:Class"`` in the file is the Python class.
+    relative to ``root`` (default: the kvforge checkout). An eviction or
+    tier policy named ``"module:Class"`` in the file is the Python class.
 
     Returns the results table (``results.csv``), one row per configuration
     and item, with its measurements (``kv_bytes``, ``ppl``, ``correct`` …):

@@ -42,15 +42,17 @@ class Engine:
 
     ``model``: a GGUF file or a Hugging Face directory (default: the
     SmolLM2 model setup fetched). ``mechanisms``: a mechanisms table as a
-    dict (the TOML file's keys: ``prefix``, ``cold``, ``eviction``,
-    ``share``, ``lifecycle``, ``budget_mib``, ``block_size``) or the path of
-    a TOML file; absent, every mechanism is off. An eviction policy is
+    dict (the TOML file's keys: ``prefix``, ``cold``, ``tier``,
+    ``eviction``, ``share``, ``lifecycle``, ``budget_mib``,
+    ``block_size``) or the path of a TOML file; absent, every mechanism is
+    off. An eviction policy is
     named there (``"keydiff"``, or ``"module:Class"`` for one written in
     Python) or handed as an object with ``policy`` (a
     :class:`kvforge.EvictionPolicy`; it replaces the table's). A
     :class:`kvforge.TierPolicy` object given as ``tier_policy`` decides
     which hot blocks go to the cold tier in place of the table's ``cold``
-    sink and window (the table must have a cold tier). ``random``:
+    sink and window (the table must have a cold tier; the object replaces
+    the table's ``tier``). ``random``:
     the dimensions of a random-weight model (``d_model``, ``layers``,
     ``heads``, ``kv_heads``, ``ffn``, ``max_ctx``) with ``model``'s
     tokenizer, for tests.

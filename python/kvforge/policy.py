@@ -123,8 +123,10 @@ class EvictionPolicy:
     table does not name them again.
 
     Built from a mechanisms table by ``"module:Class"``, the class is
-    called with the table's other keys as keyword arguments, once per
-    cache (a policy keeps per-sequence state, keyed by ``seq``).
+    called with the table's other keys as keyword arguments each time the
+    engine builds the policy: to check the table, then once per cache it
+    configures (a few times per engine; a policy keeps per-sequence
+    state, keyed by ``seq``, and nothing across objects).
     """
 
     wants_attention: bool = False

@@ -53,8 +53,10 @@ fn done<T>(r: Result<T, EngineError>) -> PyResult<T> {
     }
 }
 
+/// A bad input's `ValueError` — or the interrupt a policy's constructor
+/// raised while the input was checked, as itself.
 fn bad(msg: impl Into<String>) -> PyErr {
-    PyValueError::new_err(msg.into())
+    take_interrupt().unwrap_or_else(|| PyValueError::new_err(msg.into()))
 }
 
 /// The dimensions of a random-weight model: `(d_model, layers, heads,

@@ -67,9 +67,8 @@ pub(crate) fn take_interrupt() -> Option<PyErr> {
     INTERRUPT.with(|i| i.borrow_mut().take())
 }
 
-/// Runs `f` with a policy object under the GIL: its value, or the failure
-/// in one line (an interrupt is also kept whole for the engine call to
-/// raise again).
+/// Runs `f` with a policy object under the GIL: its value, or the
+/// [`failure`].
 pub(crate) fn run_policy<T>(
     obj: &Py<PyAny>,
     f: impl FnOnce(&Bound<'_, PyAny>) -> PyResult<T>,
@@ -80,16 +79,20 @@ pub(crate) fn run_policy<T>(
         let outer = IN_POLICY.with(|p| p.replace(true));
         let r = f(obj.bind(py));
         IN_POLICY.with(|p| p.set(outer));
-        r.map_err(|e| {
-            let words = one_line(&e);
-            if !e.is_instance_of::<PyException>(py) {
-                INTERRUPT.with(|i| {
-                    i.borrow_mut().get_or_insert(e);
-                });
-            }
-            words
-        })
+        r.map_err(|e| failure(py, e))
     })
+}
+
+/// A policy's failure in one line; an interrupt (`KeyboardInterrupt`,
+/// `SystemExit`) is also kept whole for the engine call to raise again.
+fn failure(py: Python<'_>, e: PyErr) -> String {
+    let words = one_line(&e);
+    if !e.is_instance_of::<PyException>(py) {
+        INTERRUPT.with(|i| {
+            i.borrow_mut().get_or_insert(e);
+        });
+    }
+    words
 }
 
 /// `obj.name`, or `None` when it has no such attribute (any other error
@@ -333,7 +336,8 @@ impl EvictionPolicy for PyPolicy {
 }
 
 /// Builds `module:Class` with a mechanisms table's parameters as keyword
-/// arguments, and wraps it.
+/// arguments, and wraps it. An interrupt raised on the way (the class's
+/// `__init__`, the module's import) is kept to come out as itself.
 fn build<T>(
     module: &str,
     class: &str,
@@ -343,15 +347,17 @@ fn build<T>(
     let params: serde_json::Map<String, serde_json::Value> = p.parse()?;
     let json = serde_json::Value::Object(params).to_string();
     Python::attach(|py| {
-        let m = py.import(module)?;
-        let mut cls = m.into_any();
-        for part in class.split('.') {
-            cls = cls.getattr(part)?;
-        }
-        let kwargs = py.import("json")?.call_method1("loads", (json,))?;
-        wrap(&cls.call((), Some(kwargs.cast::<PyDict>()?))?)
+        let built = (|| {
+            let mut cls = py.import(module)?.into_any();
+            for part in class.split('.') {
+                cls = cls.getattr(part)?;
+            }
+            let kwargs = py.import("json")?.call_method1("loads", (json,))?;
+            wrap(&cls.call((), Some(kwargs.cast::<PyDict>()?))?)
+        })();
+        // The registry names the policy ("tier NAME: …").
+        built.map_err(|e| failure(py, e))
     })
-    .map_err(|e: PyErr| format!("{module}:{class}: {}", one_line(&e)))
 }
 
 /// `"module:Class"` split, or `None` for any other name.

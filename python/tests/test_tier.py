@@ -196,3 +196,21 @@ def test_by_name_in_a_mechanisms_table_and_in_an_experiment_file(tmp_path):
         assert n["values"]["kv_bytes"] == r["values"]["kv_bytes"]
         # The other plan ran: it keeps every other old block in f16.
         assert by["every-numpy"][item]["values"]["kv_bytes"] > r["values"]["kv_bytes"]
+
+
+def test_an_interrupt_in_a_named_classs_init_comes_out_as_itself(monkeypatch):
+    import types
+
+    class Interrupts(kvforge.TierPolicy):
+        def __init__(self):
+            raise KeyboardInterrupt("in __init__")
+
+    mod = types.ModuleType("kvforge_test_interrupts")
+    mod.Interrupts = Interrupts
+    monkeypatch.setitem(__import__("sys").modules, "kvforge_test_interrupts", mod)
+    with pytest.raises(KeyboardInterrupt, match="in __init__"):
+        tiny(mechanisms={**COLD, "tier": {"policy": "kvforge_test_interrupts:Interrupts"}})
+    # Nothing left pending for a later call; a plain error names the policy once.
+    with pytest.raises(ValueError) as err:
+        tiny(mechanisms={**COLD, "tier": {"policy": "kvforge.examples.tiers:Every", "strides": 2}})
+    assert str(err.value).count("kvforge.examples.tiers:Every") == 1, err.value

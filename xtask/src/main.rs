@@ -199,8 +199,9 @@ fn ablate_config(root: &Path, args: &[String]) -> PathBuf {
     root.join(file)
 }
 
-/// Whether the experiment file names an eviction policy written in Python
-/// (a `[[config]]` whose `eviction.policy` is `"module:Class"`). A file
+/// Whether the experiment file names a policy written in Python (a
+/// `[[config]]` whose `eviction.policy` or `tier.policy` is
+/// `"module:Class"`). A file
 /// that cannot be read or parsed is left to the ablation's own error.
 fn names_python_policy(root: &Path, args: &[String]) -> bool {
     std::fs::read_to_string(ablate_config(root, args)).is_ok_and(|t| python_policy_named(&t))

@@ -282,7 +282,8 @@ fn check_engages(exp: &Experiment, max_ctx: usize) -> Result<(), String> {
     let turns = exp.workloads.chat.as_ref().map(|c| c.turns as u64);
     for m in exp.matrix() {
         let name = m.name();
-        if let Some(q) = &m.cold
+        // A tier policy replaces the window and sink it would check.
+        if let Some(q) = m.cold.as_ref().filter(|_| m.tier.is_none())
             && q.sink.saturating_add(q.window) >= max_ctx
         {
             return Err(format!(

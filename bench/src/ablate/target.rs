@@ -12,6 +12,8 @@
 //!   dtype's block size and every other kept block at the quantized one.
 //! * only a cold tier: its hot window (full-precision newest tokens); the
 //!   format's floor (sink kept, window 0) is the least it can hold.
+//! * a tier policy (`tier = { … }`): refused — it replaces the window
+//!   these sizes count.
 //!
 //! The sizes are whole blocks (what the pools account), and they count
 //! what the cache holds when the share is measured: the policies act on
@@ -40,6 +42,14 @@ pub enum Knob {
 
 /// The knob `target_kv` sets on `m`, or why it has none.
 pub fn knob(m: &Mechanisms) -> Result<Knob, String> {
+    if let Some(t) = &m.tier {
+        // It decides what goes cold; the cold tier's window it replaces
+        // sizes nothing.
+        return Err(format!(
+            "target_kv cannot size a tier policy ({}): give its own window in tier = {{ … }}, or size an eviction budget without it",
+            t.policy
+        ));
+    }
     match (&m.eviction, &m.cold) {
         (Some(e), _) if e.policy == "sink-window" => Ok(Knob::Window),
         (Some(e), _) if e.params.contains_key("budget_tokens") => Ok(Knob::BudgetTokens),
@@ -197,6 +207,21 @@ mod tests {
         hot: 1000,
         cold: Some(300),
     };
+
+    #[test]
+    fn a_tier_policy_has_no_knob() {
+        let mut m = mech("cold = { format = \"int4\", window = 64 }");
+        assert!(matches!(knob(&m), Ok(Knob::HotWindow)));
+        m.tier = Some(kvforge_engine::mechanisms::PolicySpec {
+            policy: "m:Every".into(),
+            params: Default::default(),
+        });
+        let e = knob(&m).unwrap_err();
+        assert!(
+            e.starts_with("target_kv cannot size a tier policy (m:Every)"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn an_eviction_budget_is_the_target_share_of_the_blocks() {

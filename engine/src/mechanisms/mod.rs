@@ -165,7 +165,9 @@ impl Mechanisms {
             // A policy's protected recent window inside the hot window would
             // drop blocks before they could go cold.
             let window = e.params.get("window").and_then(serde_json::Value::as_u64);
-            if let (Some(c), Some(w)) = (&self.cold, window) {
+            // Against the cold tier's own plan (a tier policy replaces it).
+            let plan = self.cold.as_ref().filter(|_| self.tier.is_none());
+            if let (Some(c), Some(w)) = (plan, window) {
                 if (w as usize) < c.window {
                     return Err(format!(
                         "an eviction window of {w} tokens inside the cold tier's hot window of {} drops blocks before they could go cold: make it at least as long",
@@ -249,7 +251,11 @@ impl Mechanisms {
         }
         if let Some(c) = self.cold {
             let rot = if c.rotate { " rot" } else { "" };
-            parts.push(format!("cold int{} w{} s{}{rot}", c.bits, c.window, c.sink));
+            parts.push(match &self.tier {
+                // Its window and sink are the tier policy's business.
+                Some(_) => format!("cold int{}{rot}", c.bits),
+                None => format!("cold int{} w{} s{}{rot}", c.bits, c.window, c.sink),
+            });
         }
         if let Some(e) = &self.eviction {
             let built = registry
@@ -261,7 +267,8 @@ impl Mechanisms {
             });
         }
         if let Some(t) = &self.tier {
-            parts.push(format!("tier {}", t.policy));
+            let params = t.params.iter().map(|(k, v)| format!(" {k}={v}"));
+            parts.push(format!("tier {}{}", t.policy, params.collect::<String>()));
         }
         if let Some(share) = self.share {
             parts.push(share.label());

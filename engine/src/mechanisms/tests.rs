@@ -273,7 +273,7 @@ fn a_tier_policy_is_named_through_the_tier_resolver_and_needs_a_cold_tier() {
     assert!((cfg.policies.tier.unwrap())().is_ok());
     assert_eq!(
         m.describe(16, &Registry::builtin()),
-        "cold int4 w32 s0, tier rust-test:plan64"
+        "cold int4, tier rust-test:plan64"
     );
     // Its builder's refusal, an unknown name, no cold tier: one line each.
     for (src, want) in [
