@@ -156,3 +156,73 @@ fn a_failing_store_is_a_recompute_with_the_same_tokens() {
     assert!(s.errors_timeout >= 2, "{s:?}");
     assert_eq!(b.engine().cache.bytes_in_use(), 0);
 }
+
+/// In cold mode the sink's blocks travel hot, the rest cold
+/// (`PagedKvCache::import_remote`). When the hot tier has room for fewer
+/// sink blocks than the remote tier holds, the hot run is cut to that room
+/// before it is fetched; the cold run after it must then not be imported
+/// (block 2's KV would sit at positions 4..8, block 3's at 8..12, …).
+#[test]
+fn an_import_cut_short_in_the_sink_does_not_shift_the_cold_blocks() {
+    let store = Arc::new(MemoryTier::new());
+    let a = manager(&store, 7, 1, true);
+    greedy(&a, &prompt());
+    assert!(a.engine().cache.remote_flush(Duration::from_secs(10)));
+    // Three hot blocks, bytes to spare.
+    let cfg = EngineConfig {
+        block_size: 4,
+        kv_tokens: 12,
+        kv_budget: 1 << 22,
+        kv_quant: Some(KvQuant {
+            window: 8,
+            sink: 8,
+            group_size: 8,
+            ..KvQuant::parse("int4").unwrap()
+        }),
+        ..Default::default()
+    };
+    let model = Llama::random(LlamaConfig::tiny(), 7, Device::Cpu, Kind::Float).unwrap();
+    let mut e = Engine::new(model, tokenizer(), &cfg).unwrap();
+    let fingerprint = e.fingerprint().unwrap();
+    e.cache
+        .set_remote(Some(RemoteSetup {
+            store: store.clone(),
+            seed: 1,
+            model: fingerprint,
+            cold: true,
+            options: RemoteOptions::default(),
+        }))
+        .unwrap();
+    e.cache.check_every_call(true);
+    let cache = &e.cache;
+    let layout = |seq: &kvforge_engine::Sequence| -> String {
+        cache
+            .table(seq)
+            .unwrap()
+            .entries()
+            .iter()
+            .map(|e| match e.slot() {
+                Slot::Hot(_) => 'H',
+                _ => 'C',
+            })
+            .collect()
+    };
+    // One request takes two of the three hot blocks (its sink).
+    let mut x = cache.open(&prompt(), &ExtraKeys::default()).unwrap();
+    assert_eq!((x.len(), layout(&x).as_str()), (36, "HHCCCCCCC"));
+    // The next one finds room for one hot block only: it imports that
+    // block and stops (the cold run would not follow on).
+    let mut y = cache.open(&prompt(), &ExtraKeys::default()).unwrap();
+    let got = layout(&y);
+    assert!(
+        y.len() <= 4 && got.chars().all(|c| c == 'H'),
+        "the hot run was cut to one block, yet {} positions were imported: {got} (x: HHCCCCCCC) — block k+1's KV at block k's positions",
+        y.len()
+    );
+    cache.free(&mut y).unwrap();
+    // With room again, the whole chain comes in order.
+    cache.free(&mut x).unwrap();
+    let mut z = cache.open(&prompt(), &ExtraKeys::default()).unwrap();
+    assert_eq!((z.len(), layout(&z).as_str()), (36, "HHCCCCCCC"));
+    cache.free(&mut z).unwrap();
+}

@@ -208,7 +208,10 @@ pub trait EvictionPolicy: Send {
     /// (`None` when it could). A policy whose code runs outside Rust — one
     /// written in Python, whose method raised or answered the wrong type —
     /// answers nothing and says why here; the coordinator asks after every
-    /// victims call and fails that step with these words, changing nothing.
+    /// victims call and fails the step of the sequence the call was about
+    /// with these words, changing nothing. When that sequence is idle
+    /// (asked for room by another's step), nothing is cut from it, the
+    /// other step goes on, and the idle sequence's own next step fails.
     fn take_error(&mut self) -> Option<String> {
         None
     }

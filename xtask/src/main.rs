@@ -159,7 +159,7 @@ fn run() -> Result<()> {
 
 /// The coordinator's randomized model-based test (`engine/coordinator/
 /// tests/model.rs`) at `cases` cases, in release: no setup needed (pure
-/// Rust). CI runs 2,000 of them on every test run.
+/// Rust). CI runs 1,500 of them on every test run.
 fn model_check(root: &Path, cases: u64) -> Result<()> {
     let mut t = cargo();
     t.current_dir(root)

@@ -9,11 +9,23 @@
 //! the setters), the configured lifecycles and a researcher's own
 //! (contract-bending) lifecycle policy.
 //!
-//! From the adversarial review of `004489b` (twelve defects, each kept as
-//! a regression in `regressions.rs`). Knobs (env): `KVFORGE_MODEL_CASES`
-//! (default 2000), `KVFORGE_MODEL_OPS` (200), `KVFORGE_MODEL_SEED` (replay
-//! one case with its op log), `KVFORGE_MODEL_THREAD_ROUNDS` (20);
-//! `cargo xtask model-check [CASES]` runs the long version in release.
+//! The cold tier's storage is freed *by slot*, as the engine's
+//! `ColdTier::free` does, and a freed block whose slot a table lists is a
+//! defect. Besides steps, turns, forks and lifecycles: imports of remote
+//! blocks (hot and cold, `Coordinator::import`, now and then at a wrong
+//! position, which must be refused), preemption by recompute (register,
+//! close, reopen with the whole context, as the server's scheduler does),
+//! tier and eviction policies that fail (`take_error`) or answer out of
+//! range mid-plan — on the stepping sequence or on an idle one, whose own
+//! next step must then fail —, an aggressive valid tier policy (every full
+//! hot entry), adapters and salted namespaces.
+//!
+//! From the adversarial reviews of `004489b` (twelve defects, each kept as
+//! a regression in `regressions.rs`) and of `d047843` (four, in
+//! `freed_slots.rs`). Knobs (env): `KVFORGE_MODEL_CASES` (default 1500),
+//! `KVFORGE_MODEL_OPS` (200), `KVFORGE_MODEL_SEED` (replay one case with
+//! its op log), `KVFORGE_MODEL_THREAD_ROUNDS` (20); `cargo xtask
+//! model-check [CASES]` runs the long version in release.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -24,9 +36,166 @@ use kvforge_coordinator::{
     Score, Segment, SeqId, SimHashConfig, Slot, TieredPool, Trigger, TurnTail,
 };
 use kvforge_evict::Scored;
+use kvforge_evict::{EvictionPolicy, Pressure, SinkWindow};
 use kvforge_lifecycle::{LifecycleParams, LifecyclePolicy};
 use kvforge_pool::{BlockAllocator, BlockId, BlockTable, KvLayout, StorageFormat};
 use kvforge_prefix::ExtraKeys;
+use kvforge_quant::{TierPlan, TierPolicy};
+use std::sync::{Arc, Mutex};
+
+/// Policy failures armed by the model for the next plan.
+#[derive(Default)]
+struct Flaky {
+    /// 1 tier error, 2 tier out of range, 3 tier twice out of range,
+    /// 4 eviction error, 5 eviction out of range, 6 eviction error on an
+    /// idle sequence only (an idle cut).
+    armed: u8,
+    fired: bool,
+    stepping: u64,
+    /// Demote every full, closed, hot entry without holes (valid).
+    greedy: bool,
+    /// Mode 6 fired while this idle sequence was asked.
+    failed_idle: Option<u64>,
+    tier_error: Option<String>,
+    evict_error: Option<String>,
+    fired_total: usize,
+}
+type SharedFlaky = Arc<Mutex<Flaky>>;
+
+struct FlakyTier {
+    inner: TierPlan,
+    s: SharedFlaky,
+}
+
+impl TierPolicy for FlakyTier {
+    fn demote(&self, t: &BlockTable, out: &mut Vec<usize>) {
+        let mut s = self.s.lock().unwrap();
+        let n = t.entries().len();
+        let last = n.wrapping_sub(1);
+        match s.armed {
+            1 => {
+                self.inner.demote(t, out);
+                s.tier_error = Some("RuntimeError: demote raised".into());
+            }
+            2 => out.push(n + 1),
+            3 => out.extend([n + 2, n + 2]),
+            _ => {
+                if s.greedy {
+                    for (i, e) in t.entries().iter().enumerate() {
+                        if matches!(e.slot(), Slot::Hot(_))
+                            && e.tokens() == t.block_size()
+                            && e.holes() == 0
+                            && !(t.is_open() && i == last)
+                        {
+                            out.push(i);
+                        }
+                    }
+                } else {
+                    self.inner.demote(t, out);
+                }
+                return;
+            }
+        }
+        s.armed = 0;
+        s.fired = true;
+        s.fired_total += 1;
+    }
+    fn take_error(&self) -> Option<String> {
+        self.s.lock().unwrap().tier_error.take()
+    }
+}
+
+struct FlakyEvict {
+    inner: Box<dyn EvictionPolicy>,
+    s: SharedFlaky,
+}
+
+impl FlakyEvict {
+    /// Whether this call fails (and how): `Some(true)` an error, `Some(false)` out of range.
+    fn fail(&mut self, seq: u64) -> Option<bool> {
+        let mut s = self.s.lock().unwrap();
+        let how = match s.armed {
+            4 => Some(true),
+            5 => Some(false),
+            6 if seq != s.stepping => Some(true),
+            _ => None,
+        }?;
+        if how {
+            s.evict_error = Some("ValueError: victims raised".into());
+        }
+        if s.armed == 6 {
+            s.failed_idle = Some(seq);
+        }
+        s.armed = 0;
+        s.fired = true;
+        s.fired_total += 1;
+        Some(how)
+    }
+}
+
+impl EvictionPolicy for FlakyEvict {
+    fn name(&self) -> String {
+        format!("flaky-{}", self.inner.name())
+    }
+    fn wants_attention(&self) -> bool {
+        self.inner.wants_attention()
+    }
+    fn observe(&mut self, seq: u64, t: &BlockTable, m: &[f32]) {
+        self.inner.observe(seq, t, m)
+    }
+    fn observation_window(&self) -> usize {
+        self.inner.observation_window()
+    }
+    fn wants_keys(&self) -> bool {
+        self.inner.wants_keys()
+    }
+    fn observe_keys(&mut self, seq: u64, t: &BlockTable, v: &[f32]) {
+        self.inner.observe_keys(seq, t, v)
+    }
+    fn per_lane(&self) -> bool {
+        self.inner.per_lane()
+    }
+    fn lane_victims(
+        &mut self,
+        seq: u64,
+        t: &BlockTable,
+        p: Pressure,
+        lanes: usize,
+        out: &mut Vec<usize>,
+    ) {
+        self.inner.lane_victims(seq, t, p, lanes, out);
+        if self.fail(seq) == Some(false) {
+            out.push(t.entries().len() + 3);
+        }
+    }
+    fn token_level(&self) -> bool {
+        self.inner.token_level()
+    }
+    fn token_victims(
+        &mut self,
+        seq: u64,
+        t: &BlockTable,
+        p: Pressure,
+        out: &mut Vec<(usize, u32)>,
+    ) {
+        self.inner.token_victims(seq, t, p, out);
+        if self.fail(seq) == Some(false) {
+            out.push((t.entries().len() + 3, 0));
+        }
+    }
+    fn victims(&mut self, seq: u64, t: &BlockTable, p: Pressure, out: &mut Vec<usize>) {
+        self.inner.victims(seq, t, p, out);
+        if self.fail(seq) == Some(false) {
+            out.push(t.entries().len() + 3);
+        }
+    }
+    fn forget(&mut self, seq: u64) {
+        self.inner.forget(seq)
+    }
+    fn take_error(&mut self) -> Option<String> {
+        self.s.lock().unwrap().evict_error.take()
+    }
+}
 
 const BS: u32 = 4;
 const LANES: usize = 4;
@@ -158,9 +327,9 @@ impl Store {
     }
     fn free(&mut self, b: BlockId) {
         if let Some(Stored::Live(e, _)) = self.blocks.get(&b.index()) {
-            if *e == b.epoch() {
-                self.blocks.insert(b.index(), Stored::Freed(b.epoch()));
-            }
+            // The engine's ColdTier::free drops whatever the slot holds.
+            let e = *e;
+            self.blocks.insert(b.index(), Stored::Freed(e));
         }
     }
 }
@@ -209,13 +378,15 @@ struct Feat {
     lifecycle: u8,
     hot_blocks: usize,
     budget_blocks: usize,
+    flaky: bool,
+    greedy_tier: bool,
 }
 
 fn layout() -> KvLayout {
     KvLayout::new(2, 2, 8, BS, StorageFormat::F16).unwrap()
 }
 
-fn make(r: &mut Rng) -> (Feat, Coordinator) {
+fn make(r: &mut Rng) -> (Feat, Coordinator, Option<SharedFlaky>) {
     loop {
         let prefix = match r.below(4) {
             0 => None,
@@ -258,6 +429,8 @@ fn make(r: &mut Rng) -> (Feat, Coordinator) {
             lifecycle,
             hot_blocks,
             budget_blocks,
+            flaky: false,
+            greedy_tier: false,
         };
         let mut cfg = CoordinatorConfig::new(layout(), hot_blocks);
         cfg.budget_bytes = budget_blocks as u64 * layout().block_bytes();
@@ -373,7 +546,55 @@ fn make(r: &mut Rng) -> (Feat, Coordinator) {
             c.set_lifecycle_policy(Some((Box::new(Chaos(Rng(chaos_seed))), params)))
                 .unwrap();
         }
-        return (f, c);
+        // Policies that fail mid-plan, or answer aggressively.
+        let mut f = f;
+        let mut flaky = None;
+        if r.chance(40) && (cold.is_some() || eviction.is_some()) {
+            let shared: SharedFlaky = Arc::new(Mutex::new(Flaky::default()));
+            f.flaky = true;
+            f.greedy_tier = cold.is_some() && r.chance(30);
+            shared.lock().unwrap().greedy = f.greedy_tier;
+            if let Some((window, sink)) = cold {
+                let inner = TierPlan::new(BS as usize, window)
+                    .unwrap()
+                    .with_sink(sink)
+                    .unwrap();
+                c.set_tier_policy(Box::new(FlakyTier {
+                    inner,
+                    s: shared.clone(),
+                }))
+                .unwrap();
+            }
+            let inner: Option<Box<dyn EvictionPolicy>> = match eviction {
+                None => None,
+                Some(EvictionConfig::SinkWindow { sink, window }) => {
+                    Some(Box::new(SinkWindow::new(sink, window).unwrap()))
+                }
+                Some(EvictionConfig::Scored {
+                    score,
+                    trigger,
+                    sink,
+                    window,
+                    per_head,
+                    per_token,
+                }) => {
+                    let p = Scored::new(score, trigger, sink, window).unwrap();
+                    Some(match (per_head, per_token) {
+                        (true, _) => Box::new(p.per_head().unwrap()),
+                        (_, true) => Box::new(p.per_token().unwrap()),
+                        _ => Box::new(p),
+                    })
+                }
+            };
+            if let Some(inner) = inner {
+                c.set_eviction_policy(Some(Box::new(FlakyEvict {
+                    inner,
+                    s: shared.clone(),
+                })));
+            }
+            flaky = Some(shared);
+        }
+        return (f, c, flaky);
     }
 }
 
@@ -403,6 +624,11 @@ struct Stats {
     idle_evictions: u64,
     bad_calls: usize,
     injected: usize,
+    imports: usize,
+    imported_blocks: usize,
+    refused_imports: usize,
+    preempts: usize,
+    policy_failures: usize,
 }
 
 impl Stats {
@@ -431,6 +657,11 @@ impl Stats {
         self.idle_evictions += o.idle_evictions;
         self.bad_calls += o.bad_calls;
         self.injected += o.injected;
+        self.imports += o.imports;
+        self.imported_blocks += o.imported_blocks;
+        self.refused_imports += o.refused_imports;
+        self.preempts += o.preempts;
+        self.policy_failures += o.policy_failures;
     }
 }
 
@@ -445,6 +676,10 @@ struct World {
     mix: u8,
     /// Segments handed out for summarising and answered already.
     answered: Vec<(SeqId, Segment)>,
+    flaky: Option<SharedFlaky>,
+    /// Idle sequences the eviction policy failed on while another's step
+    /// asked about them: their own next plan must fail.
+    owes: std::collections::BTreeSet<SeqId>,
 }
 
 #[derive(Debug)]
@@ -629,6 +864,25 @@ impl World {
         }
         // Freed cold storage: must not be read by anyone.
         let freed = self.c.take_freed_cold();
+        for &b in &freed {
+            for (&id, m) in &self.seqs {
+                let mut lists: Vec<BlockId> = self.c.table(id).unwrap().held().collect();
+                if let Some((st, _, _)) = &m.turn {
+                    lists.extend(st.held());
+                }
+                if m.pending.is_some() {
+                    lists.extend(self.c.view(id).unwrap().held());
+                }
+                if let Some(x) = lists.iter().find(|x| x.index() == b.index() && **x != b) {
+                    return Err(defect(
+                        "freed-slot-live",
+                        format!(
+                            "{op}: cold {b:?} reported freed, its slot now holds {x:?} listed by seq {id} (the engine frees by slot)"
+                        ),
+                    ));
+                }
+            }
+        }
         for &b in &freed {
             for (&id, m) in &self.seqs {
                 let t = self.c.table(id).unwrap();
@@ -915,6 +1169,9 @@ impl World {
     }
 
     fn op(&mut self, r: &mut Rng) -> Result<(), Defect> {
+        if r.chance(8) {
+            return self.extra_op(r);
+        }
         let mut roll = r.below(100);
         if self.mix == 1 && r.chance(40) {
             roll = [0, 3, 60, 63, 92, 93][r.below(6)]; // open, register, close
@@ -928,7 +1185,14 @@ impl World {
                 let base = &self.bases[r.below(self.bases.len())];
                 let len = 1 + r.below(base.len());
                 let mut prompt = base[..len].to_vec();
-                let mut extra = ExtraKeys::namespace(if r.chance(80) { "a" } else { "b" });
+                let mut extra = ExtraKeys::namespace(match r.below(10) {
+                    0 => "b",
+                    1 => "a\u{0}salt",
+                    _ => "a",
+                });
+                if r.chance(10) {
+                    extra = extra.with_adapter(7);
+                }
                 // A follow-up request: another sequence's whole history.
                 if r.chance(40) {
                     if let Some(o) = self.pick(r, None) {
@@ -990,6 +1254,24 @@ impl World {
                 }
                 let before = self.snap();
                 let idle_before = self.c.counters().evicted_idle_entries;
+                // The policy failed on this sequence while another's step
+                // asked about it: this, its own next plan, fails with it,
+                // changing nothing.
+                if self.owes.remove(&id) {
+                    let planned = self.c.plan(id, n);
+                    self.log.push(format!(
+                        "plan {id} {n} owing a policy failure -> {planned:?}"
+                    ));
+                    if !matches!(planned, Err(CoordError::Policy(_))) {
+                        return Err(defect(
+                            "idle-policy-failure-lost",
+                            format!("seq {id}: {planned:?}"),
+                        ));
+                    }
+                    self.st.policy_failures += 1;
+                    self.check_after_refusal(&before, None, "owed policy failure")?;
+                    return self.check_all("owed policy failure");
+                }
                 // Sometimes a failure is injected into one phase: the plan
                 // gives back everything it took.
                 if r.chance(10) {
@@ -1011,7 +1293,61 @@ impl World {
                     self.check_all("injected failure")?;
                     return Ok(());
                 }
-                match self.c.plan(id, n) {
+                let armed = match &self.flaky {
+                    Some(fl) if r.chance(10) => {
+                        let mut modes = Vec::new();
+                        if self.f.cold.is_some() {
+                            modes.extend([1u8, 2, 3]);
+                        }
+                        if self.f.evict != 0 {
+                            modes.extend([4u8, 5, 6, 6]);
+                        }
+                        let m = modes[r.below(modes.len())];
+                        let mut g = fl.lock().unwrap();
+                        g.armed = m;
+                        g.fired = false;
+                        g.stepping = id;
+                        m
+                    }
+                    _ => 0,
+                };
+                let planned = self.c.plan(id, n);
+                if armed != 0 {
+                    let fl = self.flaky.as_ref().unwrap();
+                    let (fired, idle) = {
+                        let mut g = fl.lock().unwrap();
+                        g.armed = 0;
+                        g.tier_error = None;
+                        g.evict_error = None;
+                        (std::mem::take(&mut g.fired), g.failed_idle.take())
+                    };
+                    // A failure while an idle sequence was asked is that
+                    // sequence's: this plan goes on without its entries.
+                    if let Some(x) = idle {
+                        self.log
+                            .push(format!("policy failed on idle {x} during plan {id}"));
+                        self.owes.insert(x);
+                    }
+                    if fired && idle.is_none() {
+                        self.log.push(format!(
+                            "plan {id} {n} with policy failure {armed} -> {planned:?}"
+                        ));
+                        if !matches!(planned, Err(CoordError::Policy(_))) {
+                            return Err(defect(
+                                "policy-failure-accepted",
+                                format!("mode {armed}: {planned:?}"),
+                            ));
+                        }
+                        self.st.policy_failures += 1;
+                        self.check_after_refusal(
+                            &before,
+                            None,
+                            &format!("policy failure {armed}"),
+                        )?;
+                        return self.check_all("policy failure");
+                    }
+                }
+                match planned {
                     Ok(Planned::Full(m)) => {
                         self.st.refused += 1;
                         self.log.push(format!("plan {id} {n} -> {m}"));
@@ -1244,6 +1580,7 @@ impl World {
                     .close(id)
                     .map_err(|e| defect("close-error", format!("{e}")))?;
                 self.seqs.remove(&id);
+                self.owes.remove(&id);
                 self.st.closes += 1;
                 self.log.push(format!("close {id}"));
                 self.check_all("close")
@@ -1337,6 +1674,140 @@ impl World {
                 Ok(())
             }
         }
+    }
+
+    /// An import of remote blocks, or a preemption by recompute.
+    fn extra_op(&mut self, r: &mut Rng) -> Result<(), Defect> {
+        let Some(id) = self.pick(r, Some(true)) else {
+            return Ok(());
+        };
+        if r.chance(60) {
+            let tier = if self.f.cold.is_some() && r.chance(50) {
+                COLD
+            } else {
+                HOT
+            };
+            let n = 1 + r.below(4);
+            let before = self.snap();
+            let room = self.c.import_room(id, tier);
+            // The position the caller expects to append at: the model's
+            // own count, or (now and then) one a block off, which must be
+            // refused with nothing changed.
+            let end = self.seqs[&id].toks.len() as u64;
+            let wrong = r.chance(15);
+            let at = if !wrong {
+                end
+            } else if end >= u64::from(BS) && r.chance(50) {
+                end - u64::from(BS)
+            } else {
+                end + u64::from(BS)
+            };
+            return match self.c.import(id, tier, at, n) {
+                Err(CoordError::Order { .. }) if wrong => {
+                    self.st.refused_imports += 1;
+                    self.check_after_refusal(&before, None, "import at a wrong position")?;
+                    self.check_all("import at a wrong position")
+                }
+                Ok(blocks) if wrong => Err(defect(
+                    "import-position",
+                    format!(
+                        "seq {id} ends at {end}: {} blocks imported at {at}",
+                        blocks.len()
+                    ),
+                )),
+                Err(CoordError::Order { .. }) => {
+                    self.st.refused_imports += 1;
+                    if room != 0 {
+                        return Err(defect(
+                            "import-room",
+                            format!("seq {id}: refused, room {room}"),
+                        ));
+                    }
+                    self.check_after_refusal(&before, None, "refused import")?;
+                    self.check_all("refused import")
+                }
+                Err(e) => Err(defect("import-error", format!("seq {id}: {e}"))),
+                Ok(blocks) => {
+                    if blocks.len() != n.min(room) {
+                        return Err(defect(
+                            "import-room",
+                            format!("seq {id}: {} of {n} imported, room {room}", blocks.len()),
+                        ));
+                    }
+                    let m = self.seqs.get_mut(&id).unwrap();
+                    let start = m.toks.len() as u64;
+                    let mut k = 0u64;
+                    for &b in &blocks {
+                        let dst = self
+                            .store
+                            .write(b)
+                            .map_err(|e| defect("import-dst", format!("{b:?}: {e}")))?;
+                        for row in 0..BS as usize {
+                            let tok = if m.queue.is_empty() {
+                                r.below(3) as u32
+                            } else {
+                                m.queue.remove(0)
+                            };
+                            for lane in dst.iter_mut() {
+                                lane[row] = Some((start + k, tok, true));
+                            }
+                            m.toks.push(tok);
+                            k += 1;
+                        }
+                    }
+                    self.st.imports += 1;
+                    self.st.imported_blocks += blocks.len();
+                    self.log
+                        .push(format!("import {id} tier {tier} {n} -> {blocks:?}"));
+                    self.check_all("import")
+                }
+            };
+        }
+        // Preemption by recompute (server/src/sched): register what it
+        // holds, free it, reopen with the whole context.
+        if self.f.prefix.is_none() || self.seqs[&id].turn.is_some() {
+            return Ok(());
+        }
+        let m = self.seqs[&id].clone();
+        let got = self
+            .c
+            .register(id, &m.toks, &m.extra)
+            .map_err(|e| defect("register-error", format!("seq {id}: {e}")))?;
+        self.c
+            .close(id)
+            .map_err(|e| defect("close-error", format!("{e}")))?;
+        self.seqs.remove(&id);
+        self.owes.remove(&id);
+        self.check_all("preempt")?;
+        let mut prompt = m.toks.clone();
+        prompt.extend_from_slice(&m.queue);
+        if prompt.is_empty() {
+            return Ok(());
+        }
+        let o = self
+            .c
+            .open(&prompt, &m.extra)
+            .map_err(|e| defect("open-error", format!("{e}")))?;
+        let t = self.c.table(o.seq).unwrap().clone();
+        let toks = prompt[..o.reused].to_vec();
+        self.check_table(o.seq, &t, &toks, "opened (prefix hit after preemption)")?;
+        self.st.preempts += 1;
+        self.st.prefix_hits += usize::from(o.reused > 0);
+        self.log.push(format!(
+            "preempt {id} (registered {got}) -> reopened {} reused {}",
+            o.seq, o.reused
+        ));
+        self.seqs.insert(
+            o.seq,
+            MSeq {
+                toks,
+                queue: prompt[o.reused..].to_vec(),
+                extra: m.extra,
+                turn: None,
+                pending: None,
+            },
+        );
+        self.check_all("reopen")
     }
 
     /// After a refused call (`idle_before: None`: exactly as before) or an
@@ -1440,6 +1911,7 @@ impl World {
                 .close(id)
                 .map_err(|e| defect("close-error", format!("{e}")))?;
             self.seqs.remove(&id);
+            self.owes.remove(&id);
             self.check_all("close_all")?;
         }
         if self.c.bytes_in_use() != 0 || self.c.tier_stats().iter().any(|t| t.pool.in_use != 0) {
@@ -1458,7 +1930,7 @@ impl World {
 
 fn run_case(seed: u64, ops: usize) -> Result<(Feat, Stats), (Feat, Defect, Vec<String>)> {
     let mut r = Rng(seed);
-    let (f, c) = make(&mut r);
+    let (f, c, flaky) = make(&mut r);
     let bases = (0..3)
         .map(|_| (0..24).map(|_| 10 + r.below(50) as u32).collect())
         .collect();
@@ -1472,6 +1944,8 @@ fn run_case(seed: u64, ops: usize) -> Result<(Feat, Stats), (Feat, Defect, Vec<S
         log: Vec::new(),
         mix: (seed % 2) as u8,
         answered: Vec::new(),
+        flaky,
+        owes: Default::default(),
     };
     for i in 0..ops {
         if let Err(d) = w.op(&mut r) {
@@ -1487,8 +1961,8 @@ fn run_case(seed: u64, ops: usize) -> Result<(Feat, Stats), (Feat, Defect, Vec<S
 }
 
 #[test]
-fn random_operations_keep_every_invariant() {
-    let cases = knob("KVFORGE_MODEL_CASES", 2000);
+fn random_operations_with_imports_preemption_and_failing_policies() {
+    let cases = knob("KVFORGE_MODEL_CASES", 1500);
     let ops = knob("KVFORGE_MODEL_OPS", 200) as usize;
     let only: Option<u64> = std::env::var("KVFORGE_MODEL_SEED")
         .ok()
@@ -1548,6 +2022,133 @@ fn random_operations_keep_every_invariant() {
         "defects found: {:?}",
         kinds.keys().collect::<Vec<_>>()
     );
+}
+
+/// A turn of one sequence (others idle), any number of committed and
+/// aborted steps with demotions, drops, packs, copies and aliases, then
+/// rollback_turn: tables, every count, bytes per tier and index stats are
+/// as at begin_turn (the index may only have forgotten reclaimed blocks).
+#[test]
+fn rollback_turn_restores_everything_exactly() {
+    let cases = knob("KVFORGE_MODEL_CASES", 1500) / 4;
+    let mut done = 0;
+    let mut excused = 0;
+    let mut steps = 0;
+    let mut failures: Vec<(u64, String)> = Vec::new();
+    for seed in 1..=cases {
+        let mut r = Rng(seed ^ 0xabcdef);
+        let (f, c, flaky) = make(&mut r);
+        let bases = (0..2)
+            .map(|_| (0..24).map(|_| 10 + r.below(50) as u32).collect())
+            .collect();
+        let mut w = World {
+            st: Stats::default(),
+            c,
+            f,
+            store: Store::default(),
+            seqs: BTreeMap::new(),
+            bases,
+            log: Vec::new(),
+            mix: 1,
+            answered: Vec::new(),
+            flaky,
+            owes: Default::default(),
+        };
+        // Some history: other sequences, registrations.
+        let mut ok = true;
+        for _ in 0..40 {
+            if w.op(&mut r).is_err() {
+                ok = false;
+                break;
+            }
+        }
+        if !ok {
+            continue;
+        }
+        let ids: Vec<SeqId> = w.seqs.keys().copied().collect();
+        for &id in &ids {
+            w.undo_pending(id);
+            let _ = w.c.abort(id);
+            if w.seqs[&id].turn.is_some() {
+                w.c.end_turn(id).unwrap();
+                w.seqs.get_mut(&id).unwrap().turn = None;
+            }
+        }
+        let Some(&id) = ids.first() else { continue };
+        let before = w.snap();
+        let idle_before = w.c.counters().evicted_idle_entries;
+        w.c.begin_turn(id).unwrap();
+        let t = w.c.table(id).unwrap().clone();
+        let len = w.seqs[&id].toks.len();
+        let q = w.seqs[&id].queue.clone();
+        w.seqs.get_mut(&id).unwrap().turn = Some((t, len, q));
+        let forgotten = w.c.index_stats().map(|s| s.forgotten_blocks);
+        for _ in 0..(1 + r.below(12)) {
+            let n = 1 + r.below(9);
+            let new: Vec<u32> = (0..n).map(|_| r.below(3) as u32).collect();
+            let Ok(Planned::Step(p)) = w.c.plan(id, n) else {
+                continue;
+            };
+            let undo = match w.execute(id, &p, &new) {
+                Ok(u) => u,
+                Err(d) => {
+                    failures.push((seed, d.what));
+                    break;
+                }
+            };
+            if w.f.dedup != 0 {
+                for d in p.demotions.iter().filter(|d| d.quantize) {
+                    w.offer(id, d.cold).unwrap();
+                }
+            }
+            let _ = w.feed(id, &mut r);
+            if r.chance(75) {
+                w.c.commit(id).unwrap();
+                w.seqs.get_mut(&id).unwrap().toks.extend_from_slice(&new);
+                steps += 1;
+            } else {
+                for (b, c) in undo.into_iter().rev() {
+                    w.store.blocks.insert(b.index(), Stored::Live(b.epoch(), c));
+                }
+                w.c.abort(id).unwrap();
+            }
+        }
+        w.c.rollback_turn(id).unwrap();
+        let m = w.seqs.get_mut(&id).unwrap();
+        let (_, len, _) = m.turn.take().unwrap();
+        m.toks.truncate(len);
+        let after = w.snap();
+        let reclaimed = w.c.index_stats().map(|s| s.forgotten_blocks) != forgotten;
+        if w.c.counters().evicted_idle_entries != idle_before {
+            excused += 1; // documented: other idle sequences lost entries to this turn's steps
+            let _ = w.close_all();
+            continue;
+        }
+        let same = if reclaimed {
+            after.tables == before.tables
+                && after.counts == before.counts
+                && after.in_use == before.in_use
+        } else {
+            after == before
+        };
+        if !same {
+            failures.push((seed, format!("{f:?}\n before {before:?}\n after {after:?}")));
+        }
+        if let Err(d) = w.check_all("after rollback") {
+            failures.push((seed, format!("{}: {}", d.kind, d.what)));
+        }
+        if let Err(d) = w.close_all() {
+            failures.push((seed, format!("{}: {}", d.kind, d.what)));
+        }
+        done += 1;
+    }
+    println!(
+        "rollback: {done} turns rolled back after {steps} committed steps ({excused} more skipped: idle sequences evicted)"
+    );
+    for (s, f) in failures.iter().take(3) {
+        println!("seed {s}: {f}");
+    }
+    assert!(failures.is_empty(), "{} failures", failures.len());
 }
 
 /// Many threads over one coordinator (behind a mutex: its API takes
@@ -1750,129 +2351,4 @@ fn threads_interleaving_steps_keep_counts_exact_and_leak_nothing() {
     println!(
         "threads: {rounds} rounds x 8 threads, {total_ops} ops, {total_checks} full count checks"
     );
-}
-
-/// A turn of one sequence (others idle), any number of committed and
-/// aborted steps with demotions, drops, packs, copies and aliases, then
-/// rollback_turn: tables, every count, bytes per tier and index stats are
-/// as at begin_turn (the index may only have forgotten reclaimed blocks).
-#[test]
-fn rollback_turn_restores_everything_exactly() {
-    let cases = knob("KVFORGE_MODEL_CASES", 2000) / 4;
-    let mut done = 0;
-    let mut excused = 0;
-    let mut steps = 0;
-    let mut failures: Vec<(u64, String)> = Vec::new();
-    for seed in 1..=cases {
-        let mut r = Rng(seed ^ 0xabcdef);
-        let (f, c) = make(&mut r);
-        let bases = (0..2)
-            .map(|_| (0..24).map(|_| 10 + r.below(50) as u32).collect())
-            .collect();
-        let mut w = World {
-            st: Stats::default(),
-            c,
-            f,
-            store: Store::default(),
-            seqs: BTreeMap::new(),
-            bases,
-            log: Vec::new(),
-            mix: 1,
-            answered: Vec::new(),
-        };
-        // Some history: other sequences, registrations.
-        let mut ok = true;
-        for _ in 0..40 {
-            if w.op(&mut r).is_err() {
-                ok = false;
-                break;
-            }
-        }
-        if !ok {
-            continue;
-        }
-        let ids: Vec<SeqId> = w.seqs.keys().copied().collect();
-        for &id in &ids {
-            w.undo_pending(id);
-            let _ = w.c.abort(id);
-            if w.seqs[&id].turn.is_some() {
-                w.c.end_turn(id).unwrap();
-                w.seqs.get_mut(&id).unwrap().turn = None;
-            }
-        }
-        let Some(&id) = ids.first() else { continue };
-        let before = w.snap();
-        let idle_before = w.c.counters().evicted_idle_entries;
-        w.c.begin_turn(id).unwrap();
-        let t = w.c.table(id).unwrap().clone();
-        let len = w.seqs[&id].toks.len();
-        let q = w.seqs[&id].queue.clone();
-        w.seqs.get_mut(&id).unwrap().turn = Some((t, len, q));
-        let forgotten = w.c.index_stats().map(|s| s.forgotten_blocks);
-        for _ in 0..(1 + r.below(12)) {
-            let n = 1 + r.below(9);
-            let new: Vec<u32> = (0..n).map(|_| r.below(3) as u32).collect();
-            let Ok(Planned::Step(p)) = w.c.plan(id, n) else {
-                continue;
-            };
-            let undo = match w.execute(id, &p, &new) {
-                Ok(u) => u,
-                Err(d) => {
-                    failures.push((seed, d.what));
-                    break;
-                }
-            };
-            if w.f.dedup != 0 {
-                for d in p.demotions.iter().filter(|d| d.quantize) {
-                    w.offer(id, d.cold).unwrap();
-                }
-            }
-            let _ = w.feed(id, &mut r);
-            if r.chance(75) {
-                w.c.commit(id).unwrap();
-                w.seqs.get_mut(&id).unwrap().toks.extend_from_slice(&new);
-                steps += 1;
-            } else {
-                for (b, c) in undo.into_iter().rev() {
-                    w.store.blocks.insert(b.index(), Stored::Live(b.epoch(), c));
-                }
-                w.c.abort(id).unwrap();
-            }
-        }
-        w.c.rollback_turn(id).unwrap();
-        let m = w.seqs.get_mut(&id).unwrap();
-        let (_, len, _) = m.turn.take().unwrap();
-        m.toks.truncate(len);
-        let after = w.snap();
-        let reclaimed = w.c.index_stats().map(|s| s.forgotten_blocks) != forgotten;
-        if w.c.counters().evicted_idle_entries != idle_before {
-            excused += 1; // documented: other idle sequences lost entries to this turn's steps
-            let _ = w.close_all();
-            continue;
-        }
-        let same = if reclaimed {
-            after.tables == before.tables
-                && after.counts == before.counts
-                && after.in_use == before.in_use
-        } else {
-            after == before
-        };
-        if !same {
-            failures.push((seed, format!("{f:?}\n before {before:?}\n after {after:?}")));
-        }
-        if let Err(d) = w.check_all("after rollback") {
-            failures.push((seed, format!("{}: {}", d.kind, d.what)));
-        }
-        if let Err(d) = w.close_all() {
-            failures.push((seed, format!("{}: {}", d.kind, d.what)));
-        }
-        done += 1;
-    }
-    println!(
-        "rollback: {done} turns rolled back after {steps} committed steps ({excused} more skipped: idle sequences evicted)"
-    );
-    for (s, f) in failures.iter().take(3) {
-        println!("seed {s}: {f}");
-    }
-    assert!(failures.is_empty(), "{} failures", failures.len());
 }

@@ -16,17 +16,17 @@ use kvforge_quant::TierPolicy;
 
 use crate::{Fits, checked};
 
-const BS: u32 = 4;
+pub(crate) const BS: u32 = 4;
 
-fn layout() -> KvLayout {
+pub(crate) fn layout() -> KvLayout {
     KvLayout::new(2, 2, 8, BS, StorageFormat::F16).unwrap()
 }
 
-fn int4() -> StorageFormat {
+pub(crate) fn int4() -> StorageFormat {
     StorageFormat::Int4 { group_size: 8 }
 }
 
-fn cold(window: usize, sink: usize) -> ColdConfig {
+pub(crate) fn cold(window: usize, sink: usize) -> ColdConfig {
     ColdConfig {
         format: int4(),
         value_format: int4(),

@@ -6,6 +6,7 @@
 mod import;
 mod model;
 mod regressions;
+mod regressions_2;
 
 use std::sync::{Arc, Mutex};
 

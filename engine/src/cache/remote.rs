@@ -201,10 +201,16 @@ impl PagedKvCache {
                 break;
             };
             let room = self.coordinator().import_room(id, tier);
-            let run = run.start..run.end.min(run.start + room);
-            let links = cache.chain(&tokens[..run.end * bs], extra);
-            let payloads = cache.fetch(&links[run.clone()], &tokens[run.start * bs..run.end * bs]);
-            match self.fill(id, part, &payloads) {
+            let asked = run.start..run.end.min(run.start + room);
+            let links = cache.chain(&tokens[..asked.end * bs], extra);
+            let payloads = cache.fetch(
+                &links[asked.clone()],
+                &tokens[asked.start * bs..asked.end * bs],
+            );
+            match self.fill(id, part, asked.start * bs, &payloads) {
+                // Fewer than the whole run (cut by room, a miss, a block
+                // that did not verify, the budget): the blocks after it
+                // would not follow on. The import ends here.
                 Ok(n) if n < run.len() => {
                     added += n;
                     break;
@@ -228,23 +234,23 @@ impl PagedKvCache {
         seq.len += added * bs;
     }
 
-    /// Appends fresh blocks for `payloads` to `id` and writes them, all
-    /// under the coordinator's lock (no other step can take them before
-    /// they hold their KV). Returns how many the budget let in.
-    fn fill(&self, id: SeqId, part: Part, payloads: &[Vec<u8>]) -> Result<usize> {
+    /// Appends fresh blocks for `payloads` (the KV of positions `at..`) to
+    /// `id` and writes them, all under the coordinator's lock (no other
+    /// step can take them before they hold their KV). Returns how many the
+    /// budget let in.
+    fn fill(&self, id: SeqId, part: Part, at: usize, payloads: &[Vec<u8>]) -> Result<usize> {
         if payloads.is_empty() {
             return Ok(0);
         }
         let mut c = self.coordinator();
         let tier = if part == Part::Hot { HOT } else { COLD };
-        let blocks = c.import(id, tier, payloads.len())?;
+        let blocks = c.import(id, tier, at as u64, payloads.len())?;
         for (&b, p) in blocks.iter().zip(payloads) {
-            let slot = TieredPool::slot_of(b) as usize;
             match (&self.cold, part) {
                 (Some(t), Part::Cold) => {
-                    t.put(slot, Arc::new(t.block_of_content(self.k.len(), p)?))?
+                    t.put(b, Arc::new(t.block_of_content(self.k.len(), p)?))?
                 }
-                _ => self.write_hot(slot, p)?,
+                _ => self.write_hot(TieredPool::slot_of(b) as usize, p)?,
             }
         }
         Ok(blocks.len())
@@ -337,7 +343,9 @@ impl PagedKvCache {
     }
 
     /// Writes `bytes` ([`read_hot`](Self::read_hot)'s layout) into hot
-    /// block `slot`, which only the importing sequence holds.
+    /// block `slot`, which only the importing sequence holds; refuses
+    /// values that are not finite (a verified blob's numbers are checked
+    /// too: nothing non-finite reaches attention).
     fn write_hot(&self, slot: usize, bytes: &[u8]) -> Result<()> {
         let bs = self.block_size as i64;
         let per = self.hot_layout.block_bytes() as usize / (2 * self.k.len());
@@ -349,8 +357,13 @@ impl PagedKvCache {
             .flat_map(|(k, v)| [k, v])
             .enumerate()
         {
-            let src = Tensor::f_from_data_size(&bytes[i * per..(i + 1) * per], &dims, t.kind())?
-                .f_to_device(t.device())?;
+            let src = Tensor::f_from_data_size(&bytes[i * per..(i + 1) * per], &dims, t.kind())?;
+            if src.f_isfinite()?.f_all()?.f_int64_value(&[])? == 0 {
+                return Err(EngineError::Request(
+                    "a remote block with values that are not finite".into(),
+                ));
+            }
+            let src = src.f_to_device(t.device())?;
             t.f_narrow(0, slot as i64 * bs, bs)?.f_copy_(&src)?;
         }
         Ok(())

@@ -1,7 +1,7 @@
 //! The coordinator's sequence calls behind [`Sequence`] handles: open on a
 //! cached prefix, register, turns, forks, free.
 
-use kvforge_coordinator::{Coordinator, Segment, SeqId, TieredPool, TurnInput, TurnLifecycle};
+use kvforge_coordinator::{Coordinator, Segment, SeqId, TurnInput, TurnLifecycle};
 use kvforge_pool::BlockTable;
 use kvforge_prefix::ExtraKeys;
 
@@ -144,7 +144,7 @@ impl PagedKvCache {
     pub(super) fn free_cold(&self, c: &mut Coordinator) {
         let freed = c.take_freed_cold();
         if let Some(t) = &self.cold {
-            t.free(freed.iter().map(|&b| TieredPool::slot_of(b) as usize));
+            t.free(freed);
         }
     }
 }

@@ -114,7 +114,7 @@ impl PagedSeq<'_> {
                 .ok_or_else(|| EngineError::Torch("a demotion without a cold tier".into()))?;
             let base = TieredPool::slot_of(d.hot) as usize * bs;
             let block = Arc::new(tier.quantize(&c.k, &c.v, base)?);
-            tier.put(TieredPool::slot_of(d.cold) as usize, Arc::clone(&block))?;
+            tier.put(d.cold, Arc::clone(&block))?;
             let mut coord = c.coordinator();
             if coord.share_stats().is_none() {
                 continue;

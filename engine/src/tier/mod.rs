@@ -15,7 +15,7 @@
 use std::mem::MaybeUninit;
 use std::sync::{Arc, RwLock};
 
-use kvforge_pool::StorageFormat;
+use kvforge_pool::{BlockId, StorageFormat, TieredPool};
 
 use kvforge_quant::{
     Axis, BlockShape, GroupQuantizer, QuantConfig, QuantError, QuantizedBlock, Quantizer, Rotated,
@@ -63,8 +63,12 @@ impl ColdBlock {
     }
 }
 
+/// A stored cold block and the epoch of the handle it was stored under.
+type Stored = (u32, Arc<ColdBlock>);
+
 /// The quantizers of a cache's cold tier and the blocks it stores, by
-/// cold slot.
+/// cold slot, each with the epoch of the handle it was stored under (a
+/// freed handle of an older epoch never drops a newer block's content).
 pub(crate) struct ColdTier {
     spec: KvQuant,
     shape: BlockShape,
@@ -72,7 +76,7 @@ pub(crate) struct ColdTier {
     values: Box<dyn Quantizer>,
     key_format: StorageFormat,
     value_format: StorageFormat,
-    blocks: RwLock<Vec<Option<Arc<ColdBlock>>>>,
+    blocks: RwLock<Vec<Option<Stored>>>,
     /// A quantized zero slab of keys and of values: the sizes of every
     /// slab's codes and group parameters.
     template: [QuantizedBlock; 2],
@@ -166,36 +170,43 @@ impl ColdTier {
         (self.key_format, self.value_format)
     }
 
-    /// Stores `block` at cold slot `slot` (and in the device copy, if
+    /// Stores `block` as cold block `id` (and in the device copy, if
     /// kept).
-    pub(crate) fn put(&self, slot: usize, block: Arc<ColdBlock>) -> Result<()> {
+    pub(crate) fn put(&self, id: BlockId, block: Arc<ColdBlock>) -> Result<()> {
+        let slot = TieredPool::slot_of(id) as usize;
         self.mirror_put(slot, &block)?;
         let mut v = self.blocks.write().unwrap_or_else(|e| e.into_inner());
         if v.len() <= slot {
             v.resize(slot + 1, None);
         }
-        v[slot] = Some(block);
+        v[slot] = Some((id.epoch(), block));
         Ok(())
     }
 
     /// The block at cold slot `slot`.
     pub(crate) fn get(&self, slot: usize) -> Option<Arc<ColdBlock>> {
         let v = self.blocks.read().unwrap_or_else(|e| e.into_inner());
-        v.get(slot).cloned().flatten()
+        v.get(slot)
+            .and_then(|b| b.as_ref())
+            .map(|(_, b)| Arc::clone(b))
     }
 
-    /// Frees the storage of cold slots no one holds or caches any more.
-    pub(crate) fn free(&self, slots: impl IntoIterator<Item = usize>) {
+    /// Frees the storage of cold blocks no one holds or caches any more
+    /// (a slot that holds a newer block keeps it).
+    pub(crate) fn free(&self, ids: impl IntoIterator<Item = BlockId>) {
         let mut v = self.blocks.write().unwrap_or_else(|e| e.into_inner());
-        for s in slots {
-            if let Some(b) = v.get_mut(s) {
-                *b = None;
+        for id in ids {
+            if let Some(b) = v.get_mut(TieredPool::slot_of(id) as usize) {
+                if b.as_ref().is_some_and(|(epoch, _)| *epoch == id.epoch()) {
+                    *b = None;
+                }
             }
         }
     }
 
     /// A block of `layers` layers back from its [`ColdBlock::content`]
-    /// bytes (as a remote tier stores them); errors on a wrong length.
+    /// bytes (as a remote tier stores them); errors on a wrong length or a
+    /// scale or minimum that is not finite.
     pub(crate) fn block_of_content(&self, layers: usize, bytes: &[u8]) -> Result<ColdBlock> {
         let sizes = |t: &QuantizedBlock| (t.packed.len(), t.scales.len(), t.mins.len());
         let need = layers * self.template.iter().map(|t| t.bytes()).sum::<usize>();
@@ -223,6 +234,11 @@ impl ColdTier {
             };
             let packed = take(p).to_vec();
             let (scales, mins) = (half(take(2 * s)), half(take(2 * m)));
+            if !scales.iter().chain(&mins).all(|x| x.is_finite()) {
+                return Err(EngineError::Request(
+                    "a cold block with a non-finite scale or minimum".into(),
+                ));
+            }
             slabs.push(QuantizedBlock {
                 packed,
                 scales,
@@ -242,7 +258,7 @@ impl ColdTier {
     /// Bytes of stored blocks (held, cached, or not yet freed).
     pub(crate) fn stored_bytes(&self) -> u64 {
         let v = self.blocks.read().unwrap_or_else(|e| e.into_inner());
-        v.iter().flatten().map(|b| b.bytes()).sum()
+        v.iter().flatten().map(|(_, b)| b.bytes()).sum()
     }
 
     /// Quantizes the block at slot `base` of every layer's K and V.

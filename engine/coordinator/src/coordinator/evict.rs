@@ -31,12 +31,13 @@ pub(super) fn drop_victims(
 /// the step with its words, before anything it named is applied.
 fn answered(ev: &mut dyn EvictionPolicy) -> Result<()> {
     match ev.take_error() {
-        Some(why) => Err(CoordError::Policy(format!(
-            "the eviction policy {} failed: {why}",
-            ev.name()
-        ))),
+        Some(why) => Err(policy_failed(ev, &why)),
         None => Ok(()),
     }
+}
+
+fn policy_failed(ev: &dyn EvictionPolicy, why: &str) -> CoordError {
+    CoordError::Policy(format!("the eviction policy {} failed: {why}", ev.name()))
 }
 
 /// Marks the token-level policy's `victims` (`(entry, row)`, ascending)
@@ -94,6 +95,15 @@ impl Coordinator {
         let Some(ev) = self.evict.as_mut() else {
             return Ok(());
         };
+        // What the policy could not answer about this sequence while it
+        // was idle fails this step (once), as its own answer would.
+        if let Some(why) = self
+            .seqs
+            .get_mut(&d.seq)
+            .and_then(|s| s.policy_error.take())
+        {
+            return Err(policy_failed(ev.as_ref(), &why));
+        }
         if ev.per_lane() {
             ev.lane_victims(d.seq, &d.next, pressure, self.lanes, &mut d.lane_drops);
             return answered(ev.as_mut());
@@ -163,7 +173,15 @@ impl Coordinator {
             }
             let mut victims = Vec::new();
             ev.victims(id, &s.table, pressure, &mut victims);
-            answered(ev.as_mut())?;
+            // A policy that could not answer about an idle sequence cuts
+            // nothing from it and fails that sequence's own next step, not
+            // this one (kept until then, or until it closes).
+            if let Some(why) = ev.take_error() {
+                if let Some(s) = self.seqs.get_mut(&id) {
+                    s.policy_error.get_or_insert(why);
+                }
+                continue;
+            }
             if victims.is_empty() {
                 continue;
             }

@@ -9,14 +9,17 @@ use super::{Coordinator, HOT, SeqId};
 
 impl Coordinator {
     /// Appends up to `n` fresh, full blocks of `tier` to idle `seq`, whose
-    /// table ends on a block boundary, for the engine to fill with KV it
-    /// read from elsewhere (verified to be this prefix's). Fewer when the
+    /// table ends on a block boundary at position `at` (the first position
+    /// of the KV the caller holds: a table that ends elsewhere is refused,
+    /// so a block can never land at another block's positions), for the
+    /// engine to fill with KV it read from elsewhere (verified to be this
+    /// prefix's). Fewer when the
     /// byte budget (however the steps in flight end) or the tier's free
     /// blocks run out; returns the blocks, in position order. They are the
     /// sequence's own, like blocks it computed: [`register`](Self::register)
     /// indexes them, [`close`](Self::close) releases them.
-    pub fn import(&mut self, seq: SeqId, tier: usize, n: usize) -> Result<Vec<BlockId>> {
-        let r = self.import_call(seq, tier, n);
+    pub fn import(&mut self, seq: SeqId, tier: usize, at: u64, n: usize) -> Result<Vec<BlockId>> {
+        let r = self.import_call(seq, tier, at, n);
         self.checked(r)
     }
 
@@ -55,8 +58,14 @@ impl Coordinator {
         Ok(free.min(usize::try_from(room).unwrap_or(usize::MAX)))
     }
 
-    fn import_call(&mut self, seq: SeqId, tier: usize, n: usize) -> Result<Vec<BlockId>> {
+    fn import_call(&mut self, seq: SeqId, tier: usize, at: u64, n: usize) -> Result<Vec<BlockId>> {
         self.importable(seq)?;
+        if self.seq(seq)?.table.positions() != at {
+            return Err(CoordError::Order {
+                seq,
+                what: "imported at a position its table does not end at",
+            });
+        }
         let bs = self.block_size() as u32;
         let n = n.min(self.room(tier)?);
         let mut taken = Vec::new();

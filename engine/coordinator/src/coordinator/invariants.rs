@@ -31,8 +31,9 @@ impl Coordinator {
 /// * every block of a planned table is held by the committed table or
 ///   taken by the step;
 /// * bytes in use stay within the budget while no step is in flight;
-/// * no cold block reported freed is listed or held; the demotion map
-///   maps hot blocks to cold ones.
+/// * no cold block reported freed is held, and its slot holds no block
+///   (of any epoch) that is listed or cached; the demotion map maps hot
+///   blocks to cold ones.
 fn check_invariants(c: &Coordinator) -> Result<(), String> {
     let mut listed: HashMap<BlockId, u32> = HashMap::new();
     let count = |listed: &mut HashMap<BlockId, u32>, t: &BlockTable| {
@@ -96,9 +97,22 @@ fn check_invariants(c: &Coordinator) -> Result<(), String> {
             c.budget
         ));
     }
+    // The engine frees a reported block's content by slot: a report must
+    // name no slot that is listed or cached since (at any epoch), or the
+    // content of a live block goes.
+    let slot = TieredPool::slot_of;
     for &b in &c.freed_cold {
-        if listed.contains_key(&b) || c.tiers.ref_count(b).is_ok_and(|n| n > 0) {
+        if c.tiers.ref_count(b).is_ok_and(|n| n > 0) {
             return Err(format!("{b:?} was reported freed and is held"));
+        }
+        let live = listed
+            .keys()
+            .chain(c.cached.keys())
+            .find(|l| TieredPool::tier_of(**l) == TieredPool::tier_of(b) && slot(**l) == slot(b));
+        if let Some(l) = live {
+            return Err(format!(
+                "{b:?} was reported freed, and its slot holds {l:?}, which is listed or cached"
+            ));
         }
     }
     for (&h, &k) in &c.demoted {

@@ -129,6 +129,10 @@ pub(crate) struct SeqState {
     /// The step count at its last commit (idle sequences lose entries to
     /// another's step least recently stepped first).
     last_step: u64,
+    /// The eviction policy could not answer about this sequence while it
+    /// was idle (asked for another's step): its own next step fails with
+    /// these words, not the other's.
+    pub(crate) policy_error: Option<String>,
 }
 
 /// The tensor-free cache coordinator.
@@ -261,6 +265,7 @@ impl Coordinator {
                 partial: None,
                 indexed: 0,
                 last_step: 0,
+                policy_error: None,
             },
         );
         id

@@ -85,7 +85,10 @@ impl Coordinator {
     }
 
     /// `n` fresh blocks of `tier`, each pushed to `taken`; the index and
-    /// the deduplicator forget the cached blocks reclaimed for them.
+    /// the deduplicator forget the cached blocks reclaimed for them, and a
+    /// report of a freed cold block whose slot is handed out again is
+    /// withdrawn (the engine stores and frees cold content by slot: the
+    /// report would free the new block's content).
     pub(super) fn allocate(
         &mut self,
         tier: usize,
@@ -103,6 +106,11 @@ impl Coordinator {
         }
         taken.extend_from_slice(&got.blocks);
         self.forget_reclaimed(&got.reclaimed);
+        if !self.freed_cold.is_empty() {
+            let slot = TieredPool::slot_of;
+            self.freed_cold
+                .retain(|f| got.blocks.iter().all(|b| slot(*b) != slot(*f)));
+        }
         Ok(got.blocks)
     }
 }
