@@ -29,6 +29,35 @@ impl Message {
     }
 }
 
+/// Bytes of text [`Tokenizer::encode_text_within`] encodes at a time.
+pub const PIECE_BYTES: usize = 64 << 10;
+
+/// The first piece of `text` for [`Tokenizer::encode_text_within`]: all of
+/// it when short, else up to the first space after [`PIECE_BYTES`] that
+/// stands between two non-space characters (searched for another
+/// [`PIECE_BYTES`]), and whether it was cut there (else at a character
+/// boundary, where the ids may differ a little from the whole text's).
+fn first_piece(text: &str) -> (&str, bool) {
+    if text.len() <= PIECE_BYTES {
+        return (text, true);
+    }
+    let b = text.as_bytes();
+    let end = text.len().min(2 * PIECE_BYTES);
+    let clean = (PIECE_BYTES..end.saturating_sub(1)).find(|&i| {
+        b[i] == b' ' && !b[i - 1].is_ascii_whitespace() && !b[i + 1].is_ascii_whitespace()
+    });
+    match clean {
+        Some(i) => (&text[..i], true),
+        None => {
+            let mut i = PIECE_BYTES;
+            while !text.is_char_boundary(i) {
+                i += 1;
+            }
+            (&text[..i], false)
+        }
+    }
+}
+
 /// A tokenizer plus the ids the engine needs.
 #[derive(Clone)]
 pub struct Tokenizer {
@@ -206,23 +235,70 @@ impl Tokenizer {
             .to_vec())
     }
 
+    /// [`encode_text`](Self::encode_text), or `None` as soon as `text` is
+    /// known to hold more than `max` tokens: a long text is counted in
+    /// pieces of about [`PIECE_BYTES`], each cut at a space between two
+    /// words (where the pre-tokenizer cuts anyway), and the work stops once
+    /// the count is past `max` — a multi-megabyte prompt for a context of
+    /// thousands costs the encoding of about `max` tokens, not of its
+    /// whole length. A text that stays within `max` is encoded whole (its
+    /// ids are exactly [`encode_text`](Self::encode_text)'s).
+    pub fn encode_text_within(&self, text: &str, max: usize) -> Result<Option<Vec<u32>>> {
+        // Every token holds at least one byte of the text.
+        if text.len() <= max {
+            return self.encode_text(text).map(Some);
+        }
+        let (mut count, mut pieces, mut rest) = (0usize, 0usize, text);
+        // Pieces cut elsewhere than between words: each may count a token
+        // more than the whole text holds there.
+        let mut rough = 0;
+        while !rest.is_empty() {
+            let (piece, clean) = first_piece(rest);
+            rough += usize::from(!clean);
+            pieces += 1;
+            let ids = self.encode_text(piece)?;
+            count += ids.len();
+            if count > max.saturating_add(rough) {
+                return Ok(None);
+            }
+            if pieces == 1 && piece.len() == text.len() {
+                return Ok((count <= max).then_some(ids));
+            }
+            rest = &rest[piece.len()..];
+        }
+        let ids = self.encode_text(text)?;
+        Ok((ids.len() <= max).then_some(ids))
+    }
+
     /// [`chat_prompt`](Self::chat_prompt) as token ids, with every
     /// message's content encoded by [`encode_text`](Self::encode_text): the
     /// same ids as encoding the prompt string whenever the contents hold no
     /// control tokens and do not start with whitespace (which the string
     /// would merge with the newline before it).
     pub fn chat_ids(&self, messages: &[Message]) -> Result<Vec<u32>> {
+        let ids = self.chat_ids_within(messages, usize::MAX)?;
+        ids.ok_or_else(|| tok_err("a chat of more than usize::MAX tokens"))
+    }
+
+    /// [`chat_ids`](Self::chat_ids), or `None` as soon as the chat is known
+    /// to hold more than `max` tokens (each message's content encoded by
+    /// [`encode_text_within`](Self::encode_text_within) with what is left).
+    pub fn chat_ids_within(&self, messages: &[Message], max: usize) -> Result<Option<Vec<u32>>> {
         let mut ids = Vec::new();
         if messages.first().is_none_or(|m| m.role != "system") {
             ids.extend(self.encode(&format!("<|im_start|>system\n{DEFAULT_SYSTEM}<|im_end|>\n"))?);
         }
         for m in messages {
             ids.extend(self.encode(&format!("<|im_start|>{}\n", m.role))?);
-            ids.extend(self.encode_text(&m.content)?);
+            let left = max.saturating_sub(ids.len());
+            match self.encode_text_within(&m.content, left)? {
+                Some(c) => ids.extend(c),
+                None => return Ok(None),
+            }
             ids.extend(self.encode("<|im_end|>\n")?);
         }
         ids.extend(self.encode("<|im_start|>assistant\n")?);
-        Ok(ids)
+        Ok((ids.len() <= max).then_some(ids))
     }
 
     /// The ids of one more user turn of a running chat: closes the previous

@@ -11,7 +11,12 @@ use kvforge_engine::{
     CacheManager, Engine, EngineConfig, KvQuant, Llama, LlamaConfig, ReuseConfig, SamplingParams,
 };
 use kvforge_pool::Slot;
-use kvforge_remote::{ErrorKind, ExtraKeys, MemoryTier, RemoteOptions, RemoteStats};
+use kvforge_remote::{ErrorKind, ExtraKeys, MemoryTier, RemoteOptions, RemoteStats, Secret};
+
+/// The cluster's secret in these tests.
+fn secret() -> Secret {
+    Secret::new(b"engine remote tests: the secret").unwrap()
+}
 use tch::{Device, Kind};
 
 use super::manager::tokenizer;
@@ -40,6 +45,7 @@ fn manager(store: &Arc<MemoryTier>, weights: i64, seed: u64, cold: bool) -> Cach
     e.cache
         .set_remote(Some(RemoteSetup {
             store: store.clone(),
+            secret: secret(),
             seed,
             model,
             cold,
@@ -151,14 +157,15 @@ fn a_failing_store_is_a_recompute_with_the_same_tokens() {
     );
     assert!(b.engine().cache.remote_flush(Duration::from_secs(10)));
     let s = stats(&b);
-    // The lookup, and each write-behind batch, timed out.
-    assert_eq!((s.lookups, s.put_failed), (1, 10));
+    // The lookup, and each write-behind batch, timed out (the writes may
+    // have landed: unconfirmed, not failed).
+    assert_eq!((s.lookups, s.put_unconfirmed, s.put_failed), (1, 10, 0));
     assert!(s.errors_timeout >= 2, "{s:?}");
     assert_eq!(b.engine().cache.bytes_in_use(), 0);
 }
 
 /// In cold mode the sink's blocks travel hot, the rest cold
-/// (`PagedKvCache::import_remote`). When the hot tier has room for fewer
+/// (`PagedKvCache::import_fetched`). When the hot tier has room for fewer
 /// sink blocks than the remote tier holds, the hot run is cut to that room
 /// before it is fetched; the cold run after it must then not be imported
 /// (block 2's KV would sit at positions 4..8, block 3's at 8..12, …).
@@ -187,6 +194,7 @@ fn an_import_cut_short_in_the_sink_does_not_shift_the_cold_blocks() {
     e.cache
         .set_remote(Some(RemoteSetup {
             store: store.clone(),
+            secret: secret(),
             seed: 1,
             model: fingerprint,
             cold: true,

@@ -189,6 +189,45 @@ fn tokenizer_json_round_trips() {
     );
 }
 
+/// A long text is counted in pieces and refused as soon as it is known to
+/// be over the limit; a text within it gets exactly `encode_text`'s ids,
+/// whether it fits one piece or several, cut between words or not.
+#[test]
+fn encoding_within_a_limit_stops_early_and_otherwise_matches_the_whole() {
+    use kvforge_engine::tokenizer::PIECE_BYTES;
+    let tok = Tokenizer::from_gguf(&GgufFile::open(&model_path()).unwrap()).unwrap();
+    let words = "The harbour's 12 old cranes, rusted; 🦀 and\nthen  more words. ";
+    let long = words.repeat(3 * PIECE_BYTES / words.len());
+    let all = tok.encode_text(&long).unwrap();
+    assert!(long.len() > 2 * PIECE_BYTES);
+    assert_eq!(
+        tok.encode_text_within(&long, all.len()).unwrap(),
+        Some(all.clone())
+    );
+    assert_eq!(tok.encode_text_within(&long, all.len() - 1).unwrap(), None);
+    assert_eq!(tok.encode_text_within(&long, 100).unwrap(), None);
+    // No space to cut at: pieces cut at a character boundary.
+    let dense = "é".repeat(PIECE_BYTES);
+    let all = tok.encode_text(&dense).unwrap();
+    assert_eq!(
+        tok.encode_text_within(&dense, all.len()).unwrap(),
+        Some(all.clone())
+    );
+    assert_eq!(tok.encode_text_within(&dense, all.len() / 2).unwrap(), None);
+    let short = "short text";
+    assert_eq!(
+        tok.encode_text_within(short, 3).unwrap(),
+        tok.encode_text(short).ok().filter(|ids| ids.len() <= 3)
+    );
+    let msgs = [kvforge_engine::Message::new("user", long.clone())];
+    let ids = tok.chat_ids(&msgs).unwrap();
+    assert_eq!(
+        tok.chat_ids_within(&msgs, ids.len()).unwrap(),
+        Some(ids.clone())
+    );
+    assert_eq!(tok.chat_ids_within(&msgs, ids.len() - 1).unwrap(), None);
+}
+
 // ----------------------------------------------------------------------------
 // Real model against transformers.
 

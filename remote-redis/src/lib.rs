@@ -1,23 +1,29 @@
 //! kvforge's shared KV tier on Redis, Valkey or Redis Cluster.
 //!
 //! [`RedisTier`] implements [`kvforge_remote::RemoteTier`] with the `redis`
-//! crate: one node through its [`ConnectionManager`] (multiplexed, and
-//! reconnecting by itself after a failure), or a cluster through its
-//! cluster client (each key routed to its slot's node). A batch is one
-//! pipeline on one node, or one command per key sent together on a
-//! cluster. Writes are `SET key value NX PX ttl`: set-if-absent, so two
-//! instances writing the same block cannot interleave, and every key
-//! expires; reads are `GETEX key PX ttl`, so the blocks in use live on. A
-//! key the store refuses alone (a value of another type) comes back as an
-//! empty value, which no blob verifies: the other keys of the batch keep
-//! their answers.
+//! crate: one node through [`ConnectionManager`]s (multiplexed, and
+//! reconnecting by themselves after a failure), or a cluster through its
+//! cluster client (each key routed to its slot's node). Lookups and writes
+//! go over two connections, so a lookup never waits behind a pipeline of
+//! megabyte-sized blobs being written. A batch is one pipeline on one
+//! node, or one command per key sent together on a cluster. Writes are
+//! `SET key value NX PX ttl`: set-if-absent, so two instances writing the
+//! same block cannot interleave, and every key expires; reads are plain
+//! `GET`s, and only the keys that verified are renewed (`PEXPIRE`, by the
+//! reader's write-behind thread), so a corrupt value or a fragment after a
+//! missing head is not kept alive; a value that did not verify is deleted
+//! (`DEL`). A key the store refuses alone (a value of another type, out of
+//! memory) is refused alone: the other keys of the batch keep their
+//! answers.
 //!
 //! Every call is bounded by the configured deadline: a store that is
 //! down, paused or slow answers [`ErrorKind::Timeout`] or
 //! [`ErrorKind::Connection`] within it, which the
-//! [`RemoteCache`](kvforge_remote::RemoteCache) above counts as a miss.
-//! The tier runs its own small tokio runtime, so it can be called from any
-//! thread, inside another runtime or not.
+//! [`RemoteCache`](kvforge_remote::RemoteCache) above counts as a miss. A
+//! call that meets a dropped connection (the store restarted) is tried
+//! once more on a fresh one within the same deadline. The tier runs its
+//! own small tokio runtime, so it can be called from any thread, inside
+//! another runtime or not.
 //!
 //! [`ConnectionManager`]: redis::aio::ConnectionManager
 
@@ -27,8 +33,8 @@ use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::Duration;
 
-use futures_util::future::{BoxFuture, join_all};
-use kvforge_remote::{ErrorKind, RemoteError, RemoteKey, RemoteTier};
+use futures_util::future::join_all;
+use kvforge_remote::{ErrorKind, Put, RemoteError, RemoteKey, RemoteTier};
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
@@ -63,8 +69,18 @@ enum Conn {
 /// A [`RemoteTier`] on Redis.
 pub struct RedisTier {
     cfg: RedisConfig,
-    conn: Arc<Conn>,
+    /// Lookups.
+    reads: Arc<Conn>,
+    /// Writes, renewals, deletions.
+    writes: Arc<Conn>,
     rt: Option<tokio::runtime::Runtime>,
+}
+
+/// Which connection a call goes over.
+#[derive(Clone, Copy)]
+enum Lane {
+    Read,
+    Write,
 }
 
 /// What a call fails with: an error of the store, or none in time.
@@ -105,19 +121,20 @@ impl RedisTier {
             .enable_all()
             .build()
             .map_err(|e| format!("remote: cannot start its runtime: {e}"))?;
-        let bad = |e: RedisError| format!("remote: {}: {e}", cfg.urls.join(","));
-        let conn = if cfg.cluster {
-            let client = ClusterClient::builder(cfg.urls.clone())
-                .connection_timeout(cfg.deadline)
-                .response_timeout(cfg.deadline)
-                .retries(1)
-                .build()
-                .map_err(bad)?;
-            Conn::Cluster {
-                client: Box::new(client),
-                conn: Mutex::new(None),
+        let connect = || -> Result<Conn, String> {
+            let bad = |e: RedisError| format!("remote: {}: {e}", cfg.urls.join(","));
+            if cfg.cluster {
+                let client = ClusterClient::builder(cfg.urls.clone())
+                    .connection_timeout(cfg.deadline)
+                    .response_timeout(cfg.deadline)
+                    .retries(1)
+                    .build()
+                    .map_err(bad)?;
+                return Ok(Conn::Cluster {
+                    client: Box::new(client),
+                    conn: Mutex::new(None),
+                });
             }
-        } else {
             let client = redis::Client::open(cfg.urls[0].as_str()).map_err(bad)?;
             let mc = ConnectionManagerConfig::new()
                 .set_connection_timeout(Some(cfg.deadline))
@@ -125,29 +142,41 @@ impl RedisTier {
                 .set_number_of_retries(1)
                 .set_max_delay(Duration::from_millis(500));
             let _guard = rt.enter();
-            Conn::Node(ConnectionManager::new_lazy_with_config(client, mc).map_err(bad)?)
+            Ok(Conn::Node(
+                ConnectionManager::new_lazy_with_config(client, mc).map_err(bad)?,
+            ))
         };
+        let (reads, writes) = (Arc::new(connect()?), Arc::new(connect()?));
         Ok(RedisTier {
             cfg,
-            conn: Arc::new(conn),
+            reads,
+            writes,
             rt: Some(rt),
         })
     }
 
-    /// Runs `op` on the connection on the tier's runtime, waiting at most
-    /// the deadline, from any thread.
-    fn call<T: Send + 'static>(
-        &self,
-        op: impl FnOnce(Arc<Conn>) -> BoxFuture<'static, Result<T, RedisError>> + Send + 'static,
-    ) -> Result<T, RemoteError> {
+    /// Sends `cmds` in one round over `lane`'s connection on the tier's
+    /// runtime, waiting at most the deadline, from any thread. A dropped
+    /// connection (a restarted store) is tried once more, on the fresh
+    /// connection, within the same deadline.
+    fn call(&self, lane: Lane, cmds: Vec<redis::Cmd>) -> Result<Vec<Item>, RemoteError> {
         let Some(rt) = &self.rt else {
             return Err(RemoteError::new(ErrorKind::Connection, "closed"));
         };
         let (tx, rx) = mpsc::sync_channel(1);
         let deadline = self.cfg.deadline;
-        let conn = self.conn.clone();
+        let conn = match lane {
+            Lane::Read => self.reads.clone(),
+            Lane::Write => self.writes.clone(),
+        };
         rt.spawn(async move {
-            let r = tokio::time::timeout(deadline, op(conn)).await;
+            let once = async {
+                match batch(conn.clone(), cmds.clone()).await {
+                    Err(e) if remote(&e).kind == ErrorKind::Connection => batch(conn, cmds).await,
+                    r => r,
+                }
+            };
+            let r = tokio::time::timeout(deadline, once).await;
             let _ = tx.send(r);
         });
         let late = || RemoteError::new(ErrorKind::Timeout, format!("no answer in {deadline:?}"));
@@ -244,6 +273,11 @@ async fn batch(conn: Arc<Conn>, cmds: Vec<redis::Cmd>) -> Result<Vec<Item>, Redi
     }
 }
 
+/// Whether an `EXISTS`, `PEXPIRE` or `DEL` answer says the key was held.
+fn held(item: &Item) -> bool {
+    matches!(item, Item::Value(Value::Int(n)) if *n > 0)
+}
+
 /// A value as bytes: absent, a byte string, or — a value of another
 /// type, or one the store refused — empty bytes, which no blob verifies
 /// (an invalid block, not a failed lookup).
@@ -264,33 +298,27 @@ impl RemoteTier for RedisTier {
             .into_iter()
             .map(|k| redis::cmd("EXISTS").arg(k).clone())
             .collect();
-        let v = self.call(move |c| Box::pin(batch(c, cmds)))?;
-        Ok(v.iter()
-            .map(|x| matches!(x, Item::Value(Value::Int(n)) if *n > 0))
-            .collect())
+        let v = self.call(Lane::Read, cmds)?;
+        Ok(v.iter().map(held).collect())
     }
 
-    /// With a TTL, `GETEX key PX ttl`: a block read lives another TTL (the
-    /// prefixes in use stay, the others expire).
+    /// Plain `GET`s: a read renews nothing (the reader renews what
+    /// verified, with [`touch_many`](RemoteTier::touch_many)).
     fn get_many(&self, keys: &[RemoteKey]) -> Result<Vec<Option<Vec<u8>>>, RemoteError> {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
-        let ttl = self.ttl_ms();
         let cmds = Self::texts(keys)
             .into_iter()
-            .map(|k| match ttl {
-                Some(ms) => redis::cmd("GETEX").arg(k).arg("PX").arg(ms).clone(),
-                None => redis::cmd("GET").arg(k).clone(),
-            })
+            .map(|k| redis::cmd("GET").arg(k).clone())
             .collect();
-        let v = self.call(move |c| Box::pin(batch(c, cmds)))?;
+        let v = self.call(Lane::Read, cmds)?;
         Ok(v.into_iter().map(bytes).collect())
     }
 
-    fn put_many(&self, items: &[(RemoteKey, Vec<u8>)]) -> Result<usize, RemoteError> {
+    fn put_many(&self, items: &[(RemoteKey, Vec<u8>)]) -> Result<Vec<Put>, RemoteError> {
         if items.is_empty() {
-            return Ok(0);
+            return Ok(Vec::new());
         }
         let ttl = self.ttl_ms();
         let cmds = items
@@ -304,10 +332,44 @@ impl RemoteTier for RedisTier {
                 c
             })
             .collect();
-        let v = self.call(move |c| Box::pin(batch(c, cmds)))?;
+        let v = self.call(Lane::Write, cmds)?;
         Ok(v.iter()
-            .filter(|x| matches!(x, Item::Value(Value::Okay)))
-            .count())
+            .map(|x| match x {
+                Item::Value(Value::Okay) => Put::Written,
+                Item::Value(Value::Nil) => Put::Held,
+                // An error for this key alone (OOM under maxmemory), or an
+                // answer `SET` does not give.
+                _ => Put::Refused,
+            })
+            .collect())
+    }
+
+    /// `PEXPIRE key ttl` (with a TTL), else `EXISTS`.
+    fn touch_many(&self, keys: &[RemoteKey]) -> Result<Vec<bool>, RemoteError> {
+        let Some(ms) = self.ttl_ms() else {
+            return self.contains(keys);
+        };
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let cmds = Self::texts(keys)
+            .into_iter()
+            .map(|k| redis::cmd("PEXPIRE").arg(k).arg(ms).clone())
+            .collect();
+        let v = self.call(Lane::Write, cmds)?;
+        Ok(v.iter().map(held).collect())
+    }
+
+    fn remove_many(&self, keys: &[RemoteKey]) -> Result<usize, RemoteError> {
+        if keys.is_empty() {
+            return Ok(0);
+        }
+        let cmds = Self::texts(keys)
+            .into_iter()
+            .map(|k| redis::cmd("DEL").arg(k).clone())
+            .collect();
+        let v = self.call(Lane::Write, cmds)?;
+        Ok(v.iter().filter(|x| held(x)).count())
     }
 
     fn describe(&self) -> String {

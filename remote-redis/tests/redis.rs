@@ -1,8 +1,10 @@
 //! The Redis tier against real `redis-server`s started by the tests on
 //! loopback ports: the conformance suite on one node and on a three-node
 //! cluster, and every fault a miss — a killed server, a paused one (within
-//! the deadline, then recovery), a corrupted or foreign value, a tiny
-//! `maxmemory` evicting inside a chain.
+//! the deadline, then recovery), a corrupted, forged or foreign value
+//! (deleted, then written again), a tiny `maxmemory` evicting inside a
+//! chain or refusing writes, a flushed or restarted store (its blocks
+//! offered again, the first call after a restart answered).
 #![allow(clippy::unwrap_used)]
 
 use std::sync::Arc;
@@ -10,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use kvforge_remote::testing::check_remote_tier;
 use kvforge_remote::{
-    ErrorKind, ExtraKeys, Link, Offer, RemoteCache, RemoteOptions, RemoteTier, Scope,
+    ErrorKind, ExtraKeys, Link, Offer, RemoteCache, RemoteOptions, RemoteTier, Scope, Secret,
 };
 use kvforge_remote_redis::{RedisCluster, RedisConfig, RedisServer, RedisTier};
 
@@ -35,6 +37,15 @@ fn scope() -> Scope {
         format: "f16".into(),
         payload_bytes: 2 * 2 * 2 * 8 * 4 * 2,
     }
+}
+
+fn secret() -> Secret {
+    Secret::new(b"kvforge redis tests: the secret").unwrap()
+}
+
+/// A cache of `scope()` blocks on `t` under the tests' secret.
+fn cache(t: Arc<RedisTier>, opts: RemoteOptions) -> RemoteCache {
+    RemoteCache::new(t, scope(), secret(), opts)
 }
 
 fn payload(i: usize) -> Vec<u8> {
@@ -66,12 +77,13 @@ fn one_node_passes_the_conformance_suite_and_shares_chains() {
     let r = RedisServer::start(&[]).unwrap();
     let t = Arc::new(tier(vec![r.url()], false, 2000));
     check_remote_tier(&*t, 1).unwrap();
-    let a = RemoteCache::new(t.clone(), scope(), RemoteOptions::default());
+    let a = RemoteCache::new(t.clone(), scope(), secret(), RemoteOptions::default());
     let tok = tokens(32);
     let links = write(&a, &tok, 8);
     let b = RemoteCache::new(
         Arc::new(tier(vec![r.url()], false, 2000)),
         scope(),
+        secret(),
         RemoteOptions::default(),
     );
     assert_eq!(
@@ -91,7 +103,7 @@ fn one_node_passes_the_conformance_suite_and_shares_chains() {
             ..scope()
         },
     ] {
-        let c = RemoteCache::new(t.clone(), other, RemoteOptions::default());
+        let c = RemoteCache::new(t.clone(), other, secret(), RemoteOptions::default());
         let l = c.chain(&tok, &ExtraKeys::default());
         assert!(c.fetch(&l, &tok).is_empty());
         assert_eq!(c.stats().miss_blocks, 8);
@@ -103,12 +115,13 @@ fn a_three_node_cluster_passes_the_conformance_suite_and_shares_chains() {
     let cl = RedisCluster::start().unwrap();
     let t = Arc::new(tier(cl.urls(), true, 3000));
     check_remote_tier(&*t, 2).unwrap();
-    let a = RemoteCache::new(t.clone(), scope(), RemoteOptions::default());
+    let a = RemoteCache::new(t.clone(), scope(), secret(), RemoteOptions::default());
     let tok = tokens(64);
     let links = write(&a, &tok, 16);
     let b = RemoteCache::new(
         Arc::new(tier(cl.urls()[1..].to_vec(), true, 3000)),
         scope(),
+        secret(),
         RemoteOptions::default(),
     );
     assert_eq!(b.fetch(&links, &tok).len(), 16);
@@ -133,6 +146,7 @@ fn a_killed_server_leaves_every_key_absent_or_verifying() {
     let c = RemoteCache::new(
         t.clone(),
         scope(),
+        secret(),
         RemoteOptions {
             batch: 8,
             ..RemoteOptions::default()
@@ -167,7 +181,13 @@ fn a_killed_server_leaves_every_key_absent_or_verifying() {
     let mut held = 0;
     for (i, v) in values.iter().enumerate() {
         if let Some(v) = v {
-            let p = kvforge_remote::blob::open(v, &scope(), links[i], &tok[i * 4..(i + 1) * 4]);
+            let p = kvforge_remote::blob::open(
+                v,
+                &secret(),
+                &scope(),
+                links[i],
+                &tok[i * 4..(i + 1) * 4],
+            );
             assert_eq!(p, Ok(&payload(i)[..]), "block {i}");
             held += 1;
         }
@@ -183,7 +203,7 @@ fn a_killed_server_leaves_every_key_absent_or_verifying() {
 fn a_paused_server_times_out_within_the_deadline_then_recovers() {
     let r = RedisServer::start(&[]).unwrap();
     let t = Arc::new(tier(vec![r.url()], false, 300));
-    let c = RemoteCache::new(t.clone(), scope(), RemoteOptions::default());
+    let c = RemoteCache::new(t.clone(), scope(), secret(), RemoteOptions::default());
     let tok = tokens(16);
     let links = write(&c, &tok, 4);
     r.pause().unwrap();
@@ -216,6 +236,7 @@ fn corrupt_truncated_and_foreign_values_are_misses() {
     let c = RemoteCache::new(
         Arc::new(tier(vec![r.url()], false, 2000)),
         scope(),
+        secret(),
         RemoteOptions::default(),
     );
     let tok = tokens(20);
@@ -255,6 +276,7 @@ fn a_value_of_another_type_refuses_its_key_only() {
     let c = RemoteCache::new(
         Arc::new(tier(vec![r.url()], false, 2000)),
         scope(),
+        secret(),
         RemoteOptions::default(),
     );
     let tok = tokens(20);
@@ -278,7 +300,7 @@ fn a_read_keeps_a_block_alive_for_another_ttl() {
         deadline: Duration::from_secs(2),
     })
     .unwrap();
-    let c = RemoteCache::new(Arc::new(t), scope(), RemoteOptions::default());
+    let c = RemoteCache::new(Arc::new(t), scope(), secret(), RemoteOptions::default());
     let tok = tokens(8);
     let links = write(&c, &tok, 2);
     for _ in 0..3 {
@@ -288,6 +310,8 @@ fn a_read_keeps_a_block_alive_for_another_ttl() {
             2,
             "read within its TTL: renewed"
         );
+        // The renewal goes behind, on the writer's connection.
+        assert!(c.flush(Duration::from_secs(5)));
     }
     std::thread::sleep(Duration::from_millis(1700));
     assert!(
@@ -307,6 +331,7 @@ fn a_tiny_maxmemory_evicting_inside_a_chain_gives_only_the_leading_blocks() {
     let c2 = RemoteCache::new(
         Arc::new(tier(vec![r.url()], false, 2000)),
         big.clone(),
+        secret(),
         RemoteOptions::default(),
     );
     let tok = tokens(4 * 60);
@@ -335,7 +360,7 @@ fn a_store_that_is_down_at_start_is_a_miss_per_call_within_the_deadline() {
         .unwrap()
         .port();
     let t = Arc::new(tier(vec![format!("redis://127.0.0.1:{port}")], false, 300));
-    let c = RemoteCache::new(t.clone(), scope(), RemoteOptions::default());
+    let c = RemoteCache::new(t.clone(), scope(), secret(), RemoteOptions::default());
     let tok = tokens(8);
     let links = c.chain(&tok, &ExtraKeys::default());
     let t0 = Instant::now();
@@ -364,4 +389,158 @@ fn a_store_that_is_down_at_start_is_a_miss_per_call_within_the_deadline() {
     assert!(bad(vec![], false, 10).contains("no url"));
     assert!(bad(vec!["redis://a:1"], false, 0).contains("deadline_ms"));
     assert!(bad(vec!["redis://a:1", "redis://b:2"], false, 10).contains("cluster"));
+}
+
+fn get(r: &RedisServer, key: &str) -> Option<Vec<u8>> {
+    match r.command(&["GET", key]).unwrap() {
+        redis::Value::BulkString(b) => Some(b),
+        redis::Value::Nil => None,
+        other => panic!("{other:?}"),
+    }
+}
+
+fn pttl(r: &RedisServer, key: &str) -> i64 {
+    match r.command(&["PTTL", key]).unwrap() {
+        redis::Value::Int(ms) => ms,
+        other => panic!("{other:?}"),
+    }
+}
+
+/// S2 and S3 of the review of `d047843`, against a real store: someone
+/// with write access replaces a block's payload and reseals it under
+/// every key they could guess; a fresh instance takes none of it, deletes
+/// the value (a `SET NX` could not replace it), and the block is whole
+/// again once an instance that recomputed it writes it. A read renews
+/// only what verified: not a fragment after a missing head.
+#[test]
+fn a_forged_blob_is_refused_deleted_and_written_again() {
+    let r = RedisServer::start(&[]).unwrap();
+    let t = || Arc::new(tier(vec![r.url()], false, 2000));
+    let a = cache(t(), RemoteOptions::default());
+    let tok = tokens(16);
+    let links = write(&a, &tok, 4);
+    let k1 = links[1].key.text();
+    let real = get(&r, &k1).unwrap();
+    // The forger knows the scope (seed, model, layout) and the tokens.
+    let guess = Secret::new(format!("{:032}", scope().seed).as_bytes()).unwrap();
+    let zeros = vec![0u8; scope().payload_bytes as usize];
+    let forged = kvforge_remote::blob::seal(&guess, &scope(), links[1], &tok[4..8], &zeros);
+    r.command_bytes(&[b"SET", k1.as_bytes(), &forged, b"KEEPTTL"])
+        .unwrap();
+    r.command(&["PEXPIRE", &k1, "60000"]).unwrap();
+    let b = cache(t(), RemoteOptions::default());
+    let got = b.fetch(&links, &tok);
+    assert_eq!(
+        got,
+        vec![payload(0)],
+        "the forged block and those after it are not used"
+    );
+    assert!(b.flush(Duration::from_secs(5)));
+    assert_eq!(get(&r, &k1), None, "deleted, not renewed");
+    assert_eq!(b.stats().removed_invalid, 1);
+    // The instance that found it invalid recomputes and offers it.
+    assert!(b.wants(links[1].key));
+    assert_eq!(b.offer(links[1], &tok[4..8], &payload(1)), Offer::Queued);
+    assert!(b.flush(Duration::from_secs(5)));
+    assert_eq!(get(&r, &k1).as_deref(), Some(&real[..]), "the same blob");
+    let c = cache(t(), RemoteOptions::default());
+    assert_eq!(
+        c.fetch(&links, &tok),
+        (0..4).map(payload).collect::<Vec<_>>()
+    );
+    // A missing head: the blocks after it are neither used nor renewed.
+    r.command(&["DEL", &links[0].key.text()]).unwrap();
+    r.command(&["PEXPIRE", &links[2].key.text(), "5000"])
+        .unwrap();
+    assert!(c.fetch(&links, &tok).is_empty());
+    assert!(c.flush(Duration::from_secs(5)));
+    let left = pttl(&r, &links[2].key.text());
+    assert!(
+        (0..=5000).contains(&left),
+        "renewed after a missing head: {left}"
+    );
+}
+
+/// S5: after `FLUSHALL` the instance notices (its marker is gone) and
+/// offers the blocks it holds again at their next registration: a fresh
+/// instance then finds the whole chain.
+#[test]
+fn after_flushall_the_blocks_held_locally_are_offered_again() {
+    let r = RedisServer::start(&[]).unwrap();
+    let opts = RemoteOptions {
+        probe_every: Duration::from_millis(100),
+        ..RemoteOptions::default()
+    };
+    let a = cache(Arc::new(tier(vec![r.url()], false, 2000)), opts);
+    let tok = tokens(16);
+    let links = write(&a, &tok, 4);
+    assert!(!a.wants(links[0].key));
+    r.command(&["FLUSHALL"]).unwrap();
+    let t0 = Instant::now();
+    while a.stats().store_resets == 0 {
+        assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", a.stats());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        links.iter().all(|l| a.wants(l.key)),
+        "every block offered again"
+    );
+    write(&a, &tok, 4);
+    let b = cache(
+        Arc::new(tier(vec![r.url()], false, 2000)),
+        RemoteOptions::default(),
+    );
+    assert_eq!(b.fetch(&links, &tok).len(), 4);
+}
+
+/// S6: a store out of memory refuses writes; they are failed writes (and
+/// offered again later), never blocks "already held".
+#[test]
+fn writes_refused_under_maxmemory_are_failed_not_held() {
+    let r =
+        RedisServer::start(&["--maxmemory", "1mb", "--maxmemory-policy", "noeviction"]).unwrap();
+    let big = Scope {
+        payload_bytes: 256 << 10,
+        ..scope()
+    };
+    let c = RemoteCache::new(
+        Arc::new(tier(vec![r.url()], false, 2000)),
+        big.clone(),
+        secret(),
+        RemoteOptions::default(),
+    );
+    let tok = tokens(4 * 12);
+    let links = c.chain(&tok, &ExtraKeys::default());
+    let p = vec![3u8; big.payload_bytes as usize];
+    for (i, l) in links.iter().enumerate() {
+        c.offer(*l, &tok[i * 4..(i + 1) * 4], &p);
+    }
+    assert!(c.flush(Duration::from_secs(10)));
+    let st = c.stats();
+    assert!(st.put_failed > 0, "{st:?}");
+    assert_eq!(st.put_existing, 0, "{st:?}");
+    assert_eq!(st.put_blocks + st.put_failed, 12, "{st:?}");
+    let refused: Vec<_> = links.iter().filter(|l| c.wants(l.key)).collect();
+    assert_eq!(
+        refused.len() as u64,
+        st.put_failed,
+        "refused blocks are offered again"
+    );
+}
+
+/// S7: the first call after the store restarted meets a dropped
+/// connection and is answered on a fresh one.
+#[test]
+fn the_first_lookup_after_a_restart_is_answered() {
+    let mut r = RedisServer::start(&["--appendonly", "yes", "--appendfsync", "always"]).unwrap();
+    let c = cache(
+        Arc::new(tier(vec![r.url()], false, 2000)),
+        RemoteOptions::default(),
+    );
+    let tok = tokens(8);
+    let links = write(&c, &tok, 2);
+    assert_eq!(c.fetch(&links, &tok).len(), 2);
+    r.kill().unwrap();
+    r.restart().unwrap();
+    assert_eq!(c.fetch(&links, &tok).len(), 2, "{:?}", c.stats());
 }

@@ -1,6 +1,6 @@
 //! One block as one immutable value: a header that echoes the block's full
-//! key, its parent's key, the scope, the shape, the tokens and a checksum
-//! of the payload, then the payload.
+//! key, its parent's key, the scope, the shape and the tokens, then the
+//! payload, then a keyed MAC of all of it.
 //!
 //! ```text
 //! "KVFB" | version u16 | 0u16
@@ -8,21 +8,25 @@
 //! layers u32 | kv_heads u32 | head_dim u32 | block_size u32
 //! format length u16 | format bytes
 //! token count u32 | token ids u32…
-//! payload length u64 | payload xxh3-128
-//! header xxh3-64 (of everything above)
+//! payload length u64
 //! payload
+//! MAC: BLAKE3 keyed with the cluster's secret (32 bytes, of everything above)
 //! ```
 //!
-//! All integers little-endian. [`open`] checks every field against what
-//! the reader expects and the payload against its checksum; anything else
-//! is a [`BlobError`], which the reader counts as a miss.
-
-use xxhash_rust::xxh3::{xxh3_64, xxh3_128};
+//! All integers little-endian. [`open`] checks the MAC first (in constant
+//! time), then every field against what the reader expects; anything else
+//! is a [`BlobError`], which the reader counts as a miss. Without the
+//! secret no one can make a blob an instance accepts: not by changing a
+//! payload, nor by moving a valid blob to another key (the key, the
+//! parent's key and the scope are under the MAC, and the key covers the
+//! tenant's namespace).
 
 use crate::key::{Link, Scope};
+use crate::secret::Secret;
 
 const MAGIC: &[u8; 4] = b"KVFB";
-const VERSION: u16 = 1;
+const VERSION: u16 = 2;
+const MAC_BYTES: usize = 32;
 
 /// Why a stored value is not the block asked for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
@@ -33,9 +37,9 @@ pub enum BlobError {
     /// Not a kvforge block, or a version this reader does not know.
     #[error("not a kvforge block blob")]
     Magic,
-    /// The header's checksum does not match.
-    #[error("header checksum mismatch")]
-    Header,
+    /// The MAC does not match: written under another secret, or forged.
+    #[error("not authenticated (another secret, or forged)")]
+    Mac,
     /// Written under another key (or a different parent).
     #[error("written under another key")]
     Foreign,
@@ -45,15 +49,16 @@ pub enum BlobError {
     /// Other tokens than the block's (a key collision).
     #[error("other tokens")]
     Tokens,
-    /// The payload's checksum or length does not match.
-    #[error("payload checksum mismatch")]
+    /// The payload's length is not the scope's.
+    #[error("payload of another length")]
     Payload,
 }
 
 /// The blob of one block: `payload` (its KV in `scope.format`) for the
-/// block at `link` holding `tokens`.
-pub fn seal(scope: &Scope, link: Link, tokens: &[u32], payload: &[u8]) -> Vec<u8> {
-    let mut b = Vec::with_capacity(120 + scope.format.len() + 4 * tokens.len() + payload.len());
+/// block at `link` holding `tokens`, authenticated under `secret`.
+pub fn seal(secret: &Secret, scope: &Scope, link: Link, tokens: &[u32], payload: &[u8]) -> Vec<u8> {
+    let mut b =
+        Vec::with_capacity(120 + scope.format.len() + 4 * tokens.len() + payload.len() + MAC_BYTES);
     b.extend_from_slice(MAGIC);
     b.extend_from_slice(&VERSION.to_le_bytes());
     b.extend_from_slice(&0u16.to_le_bytes());
@@ -77,10 +82,9 @@ pub fn seal(scope: &Scope, link: Link, tokens: &[u32], payload: &[u8]) -> Vec<u8
         b.extend_from_slice(&t.to_le_bytes());
     }
     b.extend_from_slice(&(payload.len() as u64).to_le_bytes());
-    b.extend_from_slice(&xxh3_128(payload).to_le_bytes());
-    let h = xxh3_64(&b);
-    b.extend_from_slice(&h.to_le_bytes());
     b.extend_from_slice(payload);
+    let mac = secret.mac(&b);
+    b.extend_from_slice(mac.as_bytes());
     b
 }
 
@@ -115,14 +119,29 @@ impl<'a> Reader<'a> {
 }
 
 /// The payload of `blob` if it is the block at `link` holding `tokens`
-/// in `scope`: every header field, the header's and the payload's
-/// checksums, and the payload's length (`scope.payload_bytes`) checked.
+/// in `scope`, sealed under `secret`: the MAC, every header field and the
+/// payload's length (`scope.payload_bytes`) checked.
 pub fn open<'a>(
     blob: &'a [u8],
+    secret: &Secret,
     scope: &Scope,
     link: Link,
     tokens: &[u32],
 ) -> Result<&'a [u8], BlobError> {
+    if blob.get(..4) != Some(MAGIC.as_slice()) || blob.get(4..6) != Some(&VERSION.to_le_bytes()) {
+        return Err(BlobError::Magic);
+    }
+    let body = blob
+        .len()
+        .checked_sub(MAC_BYTES)
+        .ok_or(BlobError::Truncated)?;
+    let mut mac = [0u8; MAC_BYTES];
+    mac.copy_from_slice(&blob[body..]);
+    // blake3::Hash compares in constant time.
+    if secret.mac(&blob[..body]) != blake3::Hash::from(mac) {
+        return Err(BlobError::Mac);
+    }
+    let blob = &blob[..body];
     let mut r = Reader { b: blob, at: 0 };
     if r.take(4)? != MAGIC || r.u16()? != VERSION || r.u16()? != 0 {
         return Err(BlobError::Magic);
@@ -134,11 +153,6 @@ pub fn open<'a>(
     let count = r.u32()? as usize;
     let ids = r.take(count.checked_mul(4).ok_or(BlobError::Truncated)?)?;
     let len = r.u64()?;
-    let sum = r.u128()?;
-    let header_end = r.at;
-    if r.u64()? != xxh3_64(&blob[..header_end]) {
-        return Err(BlobError::Header);
-    }
     if key != link.key.0 || parent != link.parent.0 {
         return Err(BlobError::Foreign);
     }
@@ -166,9 +180,6 @@ pub fn open<'a>(
         } else {
             BlobError::Payload
         });
-    }
-    if xxh3_128(payload) != sum {
-        return Err(BlobError::Payload);
     }
     Ok(payload)
 }

@@ -1,7 +1,8 @@
-//! [`RemoteCache`]: what an engine holds — the scope, the store, the
-//! write-behind queue, the counters — and the two operations it needs:
-//! the verified leading blocks of a chain ([`fetch`](RemoteCache::fetch)),
-//! and a block offered for writing ([`offer`](RemoteCache::offer)).
+//! [`RemoteCache`]: what an engine holds — the scope, the secret, the
+//! store, the write-behind queue, the counters — and the two operations
+//! it needs: the verified leading blocks of a chain
+//! ([`fetch`](RemoteCache::fetch)), and a block offered for writing
+//! ([`offer`](RemoteCache::offer)).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -10,8 +11,9 @@ use std::time::{Duration, Instant};
 use kvforge_prefix::ExtraKeys;
 
 use crate::blob;
-use crate::stats::Counters;
-use crate::writer::WriteBehind;
+use crate::secret::Secret;
+use crate::stats::{Counters, StatsSource};
+use crate::writer::{Op, WriteBehind, WriterSetup};
 use crate::{Link, RemoteKey, RemoteStats, RemoteTier, Scope};
 
 /// Bounds of a [`RemoteCache`].
@@ -37,6 +39,10 @@ pub struct RemoteOptions {
     /// How long a key is remembered as stored (the store may expire or
     /// evict it: after this it is written again, set-if-absent).
     pub remember_for: Duration,
+    /// How often the writer checks that the store still holds its marker
+    /// (a store that forgot everything has every local block offered
+    /// again).
+    pub probe_every: Duration,
 }
 
 impl Default for RemoteOptions {
@@ -50,6 +56,7 @@ impl Default for RemoteOptions {
             backoff: Duration::from_secs(1),
             remember: 1 << 16,
             remember_for: Duration::from_secs(600),
+            probe_every: Duration::from_secs(1),
         }
     }
 }
@@ -96,6 +103,12 @@ impl Known {
     pub(crate) fn forget(&mut self, key: RemoteKey) {
         self.at.remove(&key);
     }
+
+    /// Forgets every key (the store forgot them).
+    pub(crate) fn clear(&mut self) {
+        self.at.clear();
+        self.order.clear();
+    }
 }
 
 /// A [`RemoteTier`] with its scope: verified reads, write-behind writes,
@@ -103,6 +116,7 @@ impl Known {
 pub struct RemoteCache {
     store: Arc<dyn RemoteTier>,
     scope: Scope,
+    secret: Secret,
     opts: RemoteOptions,
     counters: Arc<Counters>,
     known: Arc<Mutex<Known>>,
@@ -113,8 +127,14 @@ pub struct RemoteCache {
 }
 
 impl RemoteCache {
-    /// A cache of blocks in `scope` on `store`.
-    pub fn new(store: Arc<dyn RemoteTier>, scope: Scope, opts: RemoteOptions) -> Self {
+    /// A cache of blocks in `scope` on `store`, sealed and verified under
+    /// `secret` (the same on every instance that shares them).
+    pub fn new(
+        store: Arc<dyn RemoteTier>,
+        scope: Scope,
+        secret: Secret,
+        opts: RemoteOptions,
+    ) -> Self {
         let counters = Arc::new(Counters::default());
         let known = Arc::new(Mutex::new(Known {
             at: HashMap::new(),
@@ -122,17 +142,23 @@ impl RemoteCache {
             cap: opts.remember,
             ttl: opts.remember_for,
         }));
-        let writer = WriteBehind::spawn(
-            store.clone(),
-            counters.clone(),
-            known.clone(),
-            opts.queue_blocks,
-            opts.queue_bytes,
-            opts.batch,
-        );
+        // A key of this cache alone (random), in the blocks' key space.
+        let nonce = Secret::random();
+        let marker = scope.root(&secret, &ExtraKeys::namespace(nonce.tenant("marker")));
+        let writer = WriteBehind::spawn(WriterSetup {
+            store: store.clone(),
+            counters: counters.clone(),
+            known: known.clone(),
+            max_blocks: opts.queue_blocks,
+            max_bytes: opts.queue_bytes,
+            batch: opts.batch,
+            marker,
+            probe_every: opts.probe_every,
+        });
         RemoteCache {
             store,
             scope,
+            secret,
             opts,
             counters,
             known,
@@ -153,7 +179,7 @@ impl RemoteCache {
 
     /// The links of every full block of `tokens`.
     pub fn chain(&self, tokens: &[u32], extra: &ExtraKeys) -> Vec<Link> {
-        self.scope.chain(tokens, extra)
+        self.scope.chain(&self.secret, tokens, extra)
     }
 
     fn known(&self) -> std::sync::MutexGuard<'_, Known> {
@@ -166,8 +192,11 @@ impl RemoteCache {
     /// asked for). At most [`RemoteOptions::max_lookup_blocks`] and
     /// [`RemoteOptions::max_lookup_bytes`]. Stops at the first block absent
     /// or invalid (the keys of those are forgotten as stored, so they are
-    /// written again); a store error is a miss of all, and a timeout or a
-    /// lost connection skips lookups for [`RemoteOptions::backoff`].
+    /// written again; an invalid value is deleted first, behind); the
+    /// verified ones have their expiry renewed, behind. A store error is a
+    /// miss of all, and a timeout or a lost connection skips lookups for
+    /// [`RemoteOptions::backoff`]. Blocks the calling thread for at most
+    /// the store's deadline: call it where nothing else waits on it.
     pub fn fetch(&self, links: &[Link], tokens: &[u32]) -> Vec<Vec<u8>> {
         let bs = self.scope.block_size as usize;
         let by_bytes = self.opts.max_lookup_bytes / self.scope.payload_bytes.max(1);
@@ -216,11 +245,14 @@ impl RemoteCache {
                 break;
             };
             Counters::add(&c.bytes_in, v.len());
-            match blob::open(v, &self.scope, links[i], &tokens[i * bs..(i + 1) * bs]) {
+            let toks = &tokens[i * bs..(i + 1) * bs];
+            match blob::open(v, &self.secret, &self.scope, links[i], toks) {
                 Ok(p) => out.push(p.to_vec()),
                 Err(_) => {
                     Counters::add(&c.invalid_blocks, 1);
                     bad.push(links[i].key);
+                    // Deleted, so that a valid block can be written there.
+                    self.writer.offer(Op::Remove(links[i].key));
                     break;
                 }
             }
@@ -234,6 +266,10 @@ impl RemoteCache {
         }
         for key in bad {
             k.forget(key);
+        }
+        drop(k);
+        for l in &links[..out.len()] {
+            self.writer.offer(Op::Touch(l.key));
         }
         out
     }
@@ -267,10 +303,10 @@ impl RemoteCache {
         if !self.wants(link.key) {
             return Offer::Known;
         }
-        let blob = blob::seal(&self.scope, link, tokens, payload);
+        let blob = blob::seal(&self.secret, &self.scope, link, tokens, payload);
         // Known before it is queued: the writer forgets it if the write fails.
         self.known().insert(link.key);
-        if self.writer.offer(link.key, blob) {
+        if self.writer.offer(Op::Put(link.key, blob)) {
             Offer::Queued
         } else {
             self.known().forget(link.key);
@@ -293,5 +329,10 @@ impl RemoteCache {
     /// The counters now.
     pub fn stats(&self) -> RemoteStats {
         self.counters.read()
+    }
+
+    /// A handle on the live counters, for another thread.
+    pub fn stats_source(&self) -> StatsSource {
+        StatsSource(vec![self.counters.clone()])
     }
 }

@@ -4,6 +4,8 @@
 use kvforge_prefix::{BlockHash, ExtraKeys, Xxh3Hasher, block_key, root_key};
 use xxhash_rust::xxh3::xxh3_128;
 
+use crate::secret::Secret;
+
 /// A block's key in the store: 128 bits covering the scope, the namespace
 /// and every token up to the end of the block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -68,26 +70,24 @@ impl Scope {
         xxh3_128(&b)
     }
 
-    /// The key every chain of `extra`'s namespace starts from.
-    pub fn root(&self, extra: &ExtraKeys) -> RemoteKey {
+    /// The key every chain of `extra`'s namespace starts from, in the key
+    /// space of `secret`.
+    pub fn root(&self, secret: &Secret, extra: &ExtraKeys) -> RemoteKey {
         let h = Xxh3Hasher::with_seed(self.seed);
         let ns = root_key(&h, extra);
         let mut scratch = Vec::new();
-        let d = self.digest();
-        let words = [
-            d as u32,
-            (d >> 32) as u32,
-            (d >> 64) as u32,
-            (d >> 96) as u32,
-        ];
+        let words: Vec<u32> = [self.digest(), secret.keyspace()]
+            .iter()
+            .flat_map(|d| (0..4).map(move |i| (d >> (32 * i)) as u32))
+            .collect();
         RemoteKey(block_key(&h, ns, &words, &mut scratch).0)
     }
 
     /// The links of every full block of `tokens` (a trailing partial block
     /// has none: only full blocks are shared).
-    pub fn chain(&self, tokens: &[u32], extra: &ExtraKeys) -> Vec<Link> {
+    pub fn chain(&self, secret: &Secret, tokens: &[u32], extra: &ExtraKeys) -> Vec<Link> {
         let h = Xxh3Hasher::with_seed(self.seed);
-        let mut parent = self.root(extra);
+        let mut parent = self.root(secret, extra);
         let mut scratch = Vec::new();
         let bs = (self.block_size as usize).max(1);
         tokens

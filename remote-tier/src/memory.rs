@@ -1,13 +1,14 @@
 //! [`MemoryTier`]: the store in one process's memory, for tests and for
 //! one process that wants the write-behind path without a server. It can
 //! be told to fail, to hold at most so many bytes (oldest evicted first,
-//! like a store under `maxmemory`), and lets a test read and overwrite raw
-//! values.
+//! like a store under `maxmemory`), to forget everything (`FLUSHALL`), and
+//! lets a test read and overwrite raw values. It has no expiry: a touch
+//! renews nothing and counts as a renewal of a held key.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 
-use crate::{ErrorKind, RemoteError, RemoteKey, RemoteTier};
+use crate::{ErrorKind, Put, RemoteError, RemoteKey, RemoteTier};
 
 #[derive(Default)]
 struct Mem {
@@ -16,6 +17,7 @@ struct Mem {
     bytes: usize,
     capacity: Option<usize>,
     fail: Option<ErrorKind>,
+    touched: u64,
 }
 
 /// A [`RemoteTier`] in memory.
@@ -77,6 +79,21 @@ impl MemoryTier {
         }
     }
 
+    /// Forgets every key, as `FLUSHALL` or a restart without persistence
+    /// does.
+    pub fn clear(&self) {
+        let mut m = self.lock();
+        m.map.clear();
+        m.order.clear();
+        m.bytes = 0;
+    }
+
+    /// Keys renewed by [`touch_many`](RemoteTier::touch_many) so far
+    /// (held ones only).
+    pub fn touched(&self) -> u64 {
+        self.lock().touched
+    }
+
     fn check(m: &Mem) -> Result<(), RemoteError> {
         match m.fail {
             Some(kind) => Err(RemoteError::new(kind, "injected failure")),
@@ -98,20 +115,20 @@ impl RemoteTier for MemoryTier {
         Ok(keys.iter().map(|k| m.map.get(k).cloned()).collect())
     }
 
-    fn put_many(&self, items: &[(RemoteKey, Vec<u8>)]) -> Result<usize, RemoteError> {
+    fn put_many(&self, items: &[(RemoteKey, Vec<u8>)]) -> Result<Vec<Put>, RemoteError> {
         let mut m = self.lock();
         Self::check(&m)?;
-        let mut written = 0;
+        let mut out = Vec::with_capacity(items.len());
         for (k, v) in items {
             if m.map.contains_key(k) {
+                out.push(Put::Held);
                 continue;
             }
             if let Some(cap) = m.capacity {
                 if v.len() > cap {
-                    return Err(RemoteError::new(
-                        ErrorKind::Store,
-                        "value larger than the store",
-                    ));
+                    // Like Redis' OOM answer to one command of a batch.
+                    out.push(Put::Refused);
+                    continue;
                 }
                 while m.bytes + v.len() > cap {
                     let Some(old) = m.order.pop_front() else {
@@ -125,9 +142,31 @@ impl RemoteTier for MemoryTier {
             m.bytes += v.len();
             m.order.push_back(*k);
             m.map.insert(*k, v.clone());
-            written += 1;
+            out.push(Put::Written);
         }
-        Ok(written)
+        Ok(out)
+    }
+
+    fn touch_many(&self, keys: &[RemoteKey]) -> Result<Vec<bool>, RemoteError> {
+        let mut m = self.lock();
+        Self::check(&m)?;
+        let held: Vec<bool> = keys.iter().map(|k| m.map.contains_key(k)).collect();
+        m.touched += held.iter().filter(|h| **h).count() as u64;
+        Ok(held)
+    }
+
+    fn remove_many(&self, keys: &[RemoteKey]) -> Result<usize, RemoteError> {
+        let mut m = self.lock();
+        Self::check(&m)?;
+        let mut removed = 0;
+        for k in keys {
+            if let Some(v) = m.map.remove(k) {
+                m.bytes -= v.len();
+                m.order.retain(|x| x != k);
+                removed += 1;
+            }
+        }
+        Ok(removed)
     }
 
     fn describe(&self) -> String {

@@ -1,6 +1,7 @@
 //! Counters of a [`RemoteCache`](crate::RemoteCache): lookups, hits,
 //! misses, errors by kind, bytes, latency histograms.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
@@ -57,8 +58,21 @@ pub struct RemoteStats {
     pub put_existing: u64,
     /// Blocks not written because the write-behind queue was full.
     pub put_dropped: u64,
-    /// Blocks whose write failed (an error of the store).
+    /// Blocks whose write failed: the store answered an error for the
+    /// batch or refused the key (out of memory), or no connection.
     pub put_failed: u64,
+    /// Blocks whose write got no answer within the deadline: they may
+    /// have landed (offered again later; set-if-absent keeps one value).
+    pub put_unconfirmed: u64,
+    /// Verified blocks whose expiry was renewed after a lookup.
+    pub renewed_blocks: u64,
+    /// Invalid values deleted from the store (so they can be written
+    /// again).
+    pub removed_invalid: u64,
+    /// Times the store was found to have forgotten everything (flushed,
+    /// restarted, or a connection lost): every block held locally is
+    /// offered again.
+    pub store_resets: u64,
     /// Bytes read from the store.
     pub bytes_in: u64,
     /// Bytes written to the store.
@@ -100,6 +114,10 @@ impl RemoteStats {
         self.put_existing += o.put_existing;
         self.put_dropped += o.put_dropped;
         self.put_failed += o.put_failed;
+        self.put_unconfirmed += o.put_unconfirmed;
+        self.renewed_blocks += o.renewed_blocks;
+        self.removed_invalid += o.removed_invalid;
+        self.store_resets += o.store_resets;
         self.bytes_in += o.bytes_in;
         self.bytes_out += o.bytes_out;
         self.get_latency.add(&o.get_latency);
@@ -148,6 +166,10 @@ pub(crate) struct Counters {
     pub(crate) put_existing: AtomicU64,
     pub(crate) put_dropped: AtomicU64,
     pub(crate) put_failed: AtomicU64,
+    pub(crate) put_unconfirmed: AtomicU64,
+    pub(crate) renewed_blocks: AtomicU64,
+    pub(crate) removed_invalid: AtomicU64,
+    pub(crate) store_resets: AtomicU64,
     pub(crate) bytes_in: AtomicU64,
     pub(crate) bytes_out: AtomicU64,
     pub(crate) get_latency: AtomicHistogram,
@@ -185,10 +207,37 @@ impl Counters {
             put_existing: l(&self.put_existing),
             put_dropped: l(&self.put_dropped),
             put_failed: l(&self.put_failed),
+            put_unconfirmed: l(&self.put_unconfirmed),
+            renewed_blocks: l(&self.renewed_blocks),
+            removed_invalid: l(&self.removed_invalid),
+            store_resets: l(&self.store_resets),
             bytes_in: l(&self.bytes_in),
             bytes_out: l(&self.bytes_out),
             get_latency: self.get_latency.read(),
             put_latency: self.put_latency.read(),
         }
+    }
+}
+
+/// The live counters of one or more caches, readable from any thread at
+/// any time (a metrics endpoint reads them when scraped, not when the
+/// engine last published).
+#[derive(Clone, Default)]
+pub struct StatsSource(pub(crate) Vec<Arc<Counters>>);
+
+impl StatsSource {
+    /// The counters now, summed over the caches.
+    pub fn read(&self) -> RemoteStats {
+        let mut st = RemoteStats::default();
+        for c in &self.0 {
+            st.add(&c.read());
+        }
+        st
+    }
+
+    /// Both caches' counters as one.
+    pub fn join(mut self, other: StatsSource) -> Self {
+        self.0.extend(other.0);
+        self
     }
 }

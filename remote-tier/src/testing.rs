@@ -1,8 +1,10 @@
 //! The conformance suite every [`RemoteTier`] runs: absent keys, batched
-//! order, set-if-absent (first value stays, in one batch too), empty
-//! batches, a large value byte for byte.
+//! order, set-if-absent (first value stays, in one batch too, and says
+//! what became of each item), empty batches, a large value byte for byte,
+//! renewals answering what is held, deletions (after which a key can be
+//! written again).
 
-use crate::{RemoteKey, RemoteTier};
+use crate::{Put, RemoteKey, RemoteTier};
 
 fn fail(what: &str) -> Result<(), String> {
     Err(format!("RemoteTier contract: {what}"))
@@ -21,14 +23,18 @@ pub fn check_remote_tier(store: &dyn RemoteTier, salt: u64) -> Result<(), String
     if store.contains(&[a]).map_err(err)? != vec![false] {
         return fail("contains of a fresh key must be false");
     }
-    if store.get_many(&[]).map_err(err)?.len() + store.put_many(&[]).map_err(err)? != 0 {
+    let empty = store.get_many(&[]).map_err(err)?.len()
+        + store.put_many(&[]).map_err(err)?.len()
+        + store.touch_many(&[]).map_err(err)?.len()
+        + store.remove_many(&[]).map_err(err)?;
+    if empty != 0 {
         return fail("empty batches must answer nothing");
     }
     let wrote = store
         .put_many(&[(a, b"alpha".to_vec()), (c, b"gamma".to_vec())])
         .map_err(err)?;
-    if wrote != 2 {
-        return fail("two new keys must count two writes");
+    if wrote != vec![Put::Written, Put::Written] {
+        return fail("two new keys must answer two writes");
     }
     let got = store.get_many(&[a, b, c]).map_err(err)?;
     if got != vec![Some(b"alpha".to_vec()), None, Some(b"gamma".to_vec())] {
@@ -37,16 +43,16 @@ pub fn check_remote_tier(store: &dyn RemoteTier, salt: u64) -> Result<(), String
     if store.contains(&[c, b, a]).map_err(err)? != vec![true, false, true] {
         return fail("contains must answer in order");
     }
-    if store.put_many(&[(a, b"other".to_vec())]).map_err(err)? != 0 {
-        return fail("a key already held must not count as written");
+    if store.put_many(&[(a, b"other".to_vec())]).map_err(err)? != vec![Put::Held] {
+        return fail("a key already held must answer held");
     }
     if store.get_many(&[a]).map_err(err)? != vec![Some(b"alpha".to_vec())] {
         return fail("set-if-absent must keep the first value");
     }
     let d = key(4);
     let twice = [(d, b"first".to_vec()), (d, b"second".to_vec())];
-    if store.put_many(&twice).map_err(err)? != 1 {
-        return fail("a key given twice in one batch is written once");
+    if store.put_many(&twice).map_err(err)? != vec![Put::Written, Put::Held] {
+        return fail("a key given twice in one batch is written once, then held");
     }
     if store.get_many(&[d]).map_err(err)? != vec![Some(b"first".to_vec())] {
         return fail("a key given twice in one batch keeps the first value");
@@ -57,5 +63,23 @@ pub fn check_remote_tier(store: &dyn RemoteTier, salt: u64) -> Result<(), String
     if store.get_many(&[e]).map_err(err)? != vec![Some(big)] {
         return fail("a 3 MiB value must come back byte for byte");
     }
+    if store.touch_many(&[c, b, a]).map_err(err)? != vec![true, false, true] {
+        return fail("touch_many must answer, in order, whether each key is held");
+    }
+    if store.get_many(&[a]).map_err(err)? != vec![Some(b"alpha".to_vec())] {
+        return fail("a touch must keep the value");
+    }
+    if store.remove_many(&[a, b]).map_err(err)? != 1 {
+        return fail("remove_many must count the keys it deleted");
+    }
+    if store.get_many(&[a, c]).map_err(err)? != vec![None, Some(b"gamma".to_vec())] {
+        return fail("a removed key must be absent, the others kept");
+    }
+    if store.put_many(&[(a, b"again".to_vec())]).map_err(err)? != vec![Put::Written]
+        || store.get_many(&[a]).map_err(err)? != vec![Some(b"again".to_vec())]
+    {
+        return fail("a removed key must be writable again");
+    }
+    store.remove_many(&[a, c, d, e]).map_err(err)?;
     Ok(())
 }

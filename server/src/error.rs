@@ -7,7 +7,7 @@ use serde_json::json;
 /// A refused or failed request.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ApiError {
-    /// The HTTP status (400, 401, 404, 413, 429, 500, 503).
+    /// The HTTP status (400, 401, 404, 408, 413, 429, 500, 503).
     pub status: u16,
     /// One line that says what is wrong and, where it helps, what to do.
     pub message: String,
@@ -68,6 +68,16 @@ impl ApiError {
             format!("request body over the server's limit of {limit} bytes"),
         )
         .with_code("request_too_large")
+    }
+
+    /// 408: the body did not arrive within the server's read timeout.
+    pub fn body_timeout(secs: f64) -> Self {
+        Self::new(
+            408,
+            "invalid_request_error",
+            format!("the request body did not arrive within {secs} s"),
+        )
+        .with_code("request_timeout")
     }
 
     /// 429: the waiting queue is full.

@@ -19,7 +19,12 @@
 //! * Every request ends with exactly one `Done` or `Failed` event, or its
 //!   client is gone; either way its sequence is freed in the step it ends.
 //! * Requests of different API keys or `cache_salt`s never share KV: each
-//!   pair is its own prefix-index namespace.
+//!   pair is its own prefix-index namespace, derived from the key by a
+//!   keyed hash (never its position, never the key in clear), the same on
+//!   every instance sharing a remote tier; a server without keys has a
+//!   namespace of its own.
+//! * Nothing on the engine loop waits for the remote tier: a request's
+//!   lookup runs on a thread of its own while the request waits.
 
 #![deny(missing_docs)]
 
@@ -51,7 +56,8 @@ pub struct ServerConfig {
     pub sched: SchedConfig,
     /// Prefix reuse (on by default: stateless chats resend their history).
     pub reuse: ReuseConfig,
-    /// Accepted API keys (empty: none needed).
+    /// Accepted API keys (empty: none needed); surrounding whitespace is
+    /// trimmed, an empty key refused.
     pub api_keys: Vec<String>,
     /// The id `/v1/models` lists.
     pub model_id: String,
@@ -61,6 +67,11 @@ pub struct ServerConfig {
     pub default_max_tokens: usize,
     /// How long a shutdown lets running requests finish.
     pub grace: Duration,
+    /// How long a client may take to send a request's headers (and how
+    /// long a kept-alive connection may idle before its next request).
+    pub header_timeout: Duration,
+    /// How long a client may take to send a request's body.
+    pub body_timeout: Duration,
     /// A test's hook into sampling (see [`Fault`]).
     pub fault: Option<Fault>,
     /// The coordinator checks all its invariants after every call (tests;
@@ -80,6 +91,8 @@ impl Default for ServerConfig {
             max_body_bytes: 4 << 20,
             default_max_tokens: 512,
             grace: sched::DEFAULT_GRACE,
+            header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(30),
             fault: None,
             check_invariants: false,
             remote: None,
@@ -92,6 +105,7 @@ pub struct Server {
     app: Arc<http::App>,
     tx: mpsc::Sender<Msg>,
     grace: Duration,
+    header_timeout: Duration,
     engine_loop: JoinHandle<()>,
 }
 
@@ -109,6 +123,9 @@ impl Server {
                 "--max-batch, --max-step-tokens, --max-waiting and --default-max-tokens must be at least 1"
                     .into(),
             );
+        }
+        if cfg.header_timeout.is_zero() || cfg.body_timeout.is_zero() {
+            return Err("--header-timeout-secs and --body-timeout-secs must be positive".into());
         }
         cfg.reuse
             .apply(&mut engine.cache)
@@ -136,6 +153,15 @@ impl Server {
             max_kv_tokens,
         };
         let tokenizer = engine.tokenizer.clone();
+        // Tenants' namespaces are keyed by the remote tier's secret, so
+        // they agree across the instances sharing it; without one, by a
+        // secret of this process's own.
+        let secret = cfg
+            .remote
+            .as_ref()
+            .map_or_else(kvforge_remote::Secret::random, |r| r.secret.clone());
+        let auth = http::Auth::new(&cfg.api_keys, secret)?;
+        let remote = engine.cache.remote_stats_source();
         let shared = Arc::new(sched::Shared::default());
         let (tx, rx) = mpsc::channel();
         let sched = sched::Scheduler::new(
@@ -151,8 +177,10 @@ impl Server {
         let app = Arc::new(http::App::new(
             limits,
             tokenizer,
-            cfg.api_keys.clone(),
+            auth,
+            remote,
             cfg.max_body_bytes,
+            cfg.body_timeout,
             cfg.sched.max_waiting,
             tx.clone(),
             shared,
@@ -161,6 +189,7 @@ impl Server {
             app,
             tx,
             grace: cfg.grace,
+            header_timeout: cfg.header_timeout,
             engine_loop,
         })
     }
@@ -175,50 +204,56 @@ impl Server {
         self.app.shared.clone()
     }
 
-    /// Serves on `listener` until `shutdown` resolves; then takes no new
-    /// request, lets running ones finish for the grace period, cancels the
-    /// rest, and returns once the engine loop has stopped.
+    /// Serves on `listener` until `shutdown` resolves; then answers new
+    /// requests with 503 (the listener stays open, so a client sees the
+    /// refusal rather than a closed port), lets running ones finish for
+    /// the grace period, cancels the rest, and returns once the engine
+    /// loop has stopped and the last replies were sent (a client that
+    /// stops reading is given a few seconds, no more).
     pub async fn serve(
         self,
         listener: tokio::net::TcpListener,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
-        let app = self.app.clone();
-        let tx = self.tx.clone();
-        let grace = self.grace;
-        let (began, begun) = tokio::sync::oneshot::channel::<()>();
-        let stop = async move {
-            shutdown.await;
-            app.shared.closing.store(true, Ordering::SeqCst);
-            let far = Instant::now() + Duration::from_secs(86_400 * 365);
-            let deadline = Instant::now().checked_add(grace).unwrap_or(far);
-            let _ = tx.send(Msg::Shutdown(deadline));
-            let _ = began.send(());
-        };
-        let router = http::router(self.app.clone());
-        let serving = axum::serve(listener, router).with_graceful_shutdown(stop);
-        // A client that stops reading keeps its connection open forever:
-        // once stopping, wait the grace period and a little more, no longer.
-        let bounded = async move {
-            if begun.await.is_err() {
-                std::future::pending::<()>().await;
+        let Server {
+            app,
+            tx,
+            grace,
+            header_timeout,
+            engine_loop,
+        } = self;
+        let conns = http::Connections::new(http::router(app.clone()), header_timeout);
+        tokio::pin!(shutdown);
+        loop {
+            tokio::select! {
+                () = conns.accept(&listener) => {}
+                () = &mut shutdown => break,
             }
-            tokio::time::sleep(grace.saturating_add(Duration::from_secs(5))).await;
-        };
-        let served = tokio::select! {
-            r = serving => r,
-            () = bounded => Ok(()),
-        };
-        // No handler holds a sender any more once the app is dropped.
-        drop(self.app);
-        drop(self.tx);
-        let lp = self.engine_loop;
-        let joined = tokio::task::spawn_blocking(move || lp.join())
-            .await
-            .map_err(std::io::Error::other)?;
-        if joined.is_err() {
-            return Err(std::io::Error::other("the engine loop panicked"));
         }
-        served
+        app.shared.closing.store(true, Ordering::SeqCst);
+        let far = Instant::now() + Duration::from_secs(86_400 * 365);
+        let deadline = Instant::now().checked_add(grace).unwrap_or(far);
+        let _ = tx.send(Msg::Shutdown(deadline));
+        drop(tx);
+        let joined = tokio::task::spawn_blocking(move || engine_loop.join());
+        tokio::pin!(joined);
+        let bound = tokio::time::sleep(grace.saturating_add(Duration::from_secs(5)));
+        tokio::pin!(bound);
+        // Stopping: still accepting, so that new requests get their 503.
+        let joined = loop {
+            tokio::select! {
+                () = conns.accept(&listener) => {}
+                j = &mut joined => break Some(j),
+                () = &mut bound => break None,
+            }
+        };
+        drop(listener);
+        conns.close(Duration::from_secs(5)).await;
+        drop(app);
+        match joined {
+            Some(Ok(Ok(()))) | None => Ok(()),
+            Some(Ok(Err(_))) => Err(std::io::Error::other("the engine loop panicked")),
+            Some(Err(e)) => Err(std::io::Error::other(e)),
+        }
     }
 }

@@ -8,12 +8,13 @@ use std::time::Duration;
 use kvforge_engine::Engine;
 use kvforge_engine::cache::RemoteSetup;
 use kvforge_engine::mechanisms::RemoteSpec;
-use kvforge_remote::RemoteOptions;
+use kvforge_remote::{RemoteOptions, Secret};
 use kvforge_remote_redis::{RedisConfig, RedisTier};
 
 /// What `engine` shares through the store `spec` names. Nothing connects
 /// yet (a store that is down is a miss per request, not a failed start);
-/// errors on a URL that does not parse, or a model that cannot be read.
+/// errors on a URL that does not parse, a model that cannot be read, or
+/// no usable secret (`remote.secret_file`, else `KVFORGE_REMOTE_SECRET`).
 pub fn connect(spec: &RemoteSpec, engine: &Engine) -> Result<RemoteSetup, String> {
     let ttl = (spec.ttl_s > 0).then(|| Duration::from_secs(spec.ttl_s));
     let tier = RedisTier::new(RedisConfig {
@@ -22,11 +23,14 @@ pub fn connect(spec: &RemoteSpec, engine: &Engine) -> Result<RemoteSetup, String
         ttl,
         deadline: Duration::from_millis(spec.deadline_ms),
     })?;
+    let secret = Secret::from_file_or_env(spec.secret_file.as_deref())
+        .map_err(|e| format!("remote: {e}"))?;
     let model = engine
         .fingerprint()
         .map_err(|e| format!("remote: fingerprinting the model: {e}"))?;
     Ok(RemoteSetup {
         store: Arc::new(tier),
+        secret,
         seed: spec.seed,
         model,
         cold: spec.cold_blocks(engine.cache.cold_tier().is_some()),

@@ -105,6 +105,112 @@ fn api_keys_are_checked_and_each_key_is_its_own_namespace() {
     assert_eq!(cached(&k1), 0);
     assert!(cached(&k1) > 0);
     assert_eq!(cached(&k2), 0, "another key never sees k1's KV");
+    assert!(cached(&k2) > 0);
+    // Lowercase `bearer` is the same scheme (RFC 9110: case-insensitive).
+    assert!(cached(&[("Authorization", "bearer k1")]) > 0);
+}
+
+/// Keys are trimmed at start, and an empty one or one with whitespace
+/// inside is refused with one line.
+#[test]
+fn keys_are_trimmed_and_bad_ones_refused_at_start() {
+    for (keys, words) in [
+        (vec!["k1", "  "], "key 2 of 2 is empty"),
+        (vec!["k 1"], "whitespace"),
+        (vec!["k1\u{7}"], "control"),
+    ] {
+        let cfg = ServerConfig {
+            api_keys: keys.iter().map(|k| k.to_string()).collect(),
+            ..ServerConfig::default()
+        };
+        let e = kvforge_server::Server::start(tiny_engine(&EngineConfig::default(), 256), cfg)
+            .err()
+            .unwrap_or_default();
+        assert!(e.contains(words) && !e.contains('\n'), "{keys:?}: {e}");
+    }
+    let s = TestServer::tiny(ServerConfig {
+        api_keys: vec![" k1 ".into(), "k2\n".into()],
+        ..ServerConfig::default()
+    });
+    for k in ["k1", "k2"] {
+        let h = format!("Bearer {k}");
+        assert_eq!(
+            s.raw("GET", "/v1/models", &[("Authorization", &h)], b"")
+                .status,
+            200,
+            "{k}"
+        );
+    }
+}
+
+/// S8: a client that never finishes its headers is dropped after the
+/// header timeout, one that never sends its body gets 408 after the body
+/// timeout; the server answers others all along.
+#[test]
+fn slow_clients_are_timed_out_and_others_are_served() {
+    use std::io::{Read, Write};
+    let s = TestServer::tiny(ServerConfig {
+        header_timeout: Duration::from_millis(800),
+        body_timeout: Duration::from_millis(800),
+        ..ServerConfig::default()
+    });
+    let open = |bytes: &[u8]| {
+        let mut c = std::net::TcpStream::connect(&s.addr).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(4))).unwrap();
+        c.write_all(bytes).unwrap();
+        c
+    };
+    let slow: Vec<_> = (0..40)
+        .map(|_| open(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-"))
+        .collect();
+    let mut bodiless =
+        open(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"mo");
+    assert_eq!(s.get("/health").status, 200, "served while they hang");
+    let t0 = std::time::Instant::now();
+    for mut c in slow {
+        let mut buf = [0u8; 256];
+        // The server closes the connection (EOF, or a reset) or answers
+        // an error; a read that times out means it kept it open.
+        let n = match c.read(&mut buf) {
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => 0,
+            Err(e) => panic!("still open after {:?}: {e}", t0.elapsed()),
+        };
+        let head = String::from_utf8_lossy(&buf[..n]).to_string();
+        assert!(n == 0 || head.starts_with("HTTP/1.1 408"), "{head}");
+    }
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    let mut reply = String::new();
+    let _ = bodiless.read_to_string(&mut reply);
+    assert!(reply.starts_with("HTTP/1.1 408"), "{reply}");
+    assert!(reply.contains("request_timeout"), "{reply}");
+    assert_eq!(s.post(CHAT, &chat("still here", 2)).status, 200);
+}
+
+/// S9: a prompt far over the context is refused as such before it is
+/// encoded whole, for chats and completions alike.
+#[test]
+fn a_prompt_of_megabytes_is_refused_as_over_the_context() {
+    let s = TestServer::start(
+        tiny_engine(&EngineConfig::default(), 512),
+        ServerConfig {
+            max_body_bytes: 8 << 20,
+            ..ServerConfig::default()
+        },
+    );
+    let huge = "many words in a row ".repeat(200_000);
+    let (msg, param, code) = error_of(s.post(CHAT, &chat(&huge, 4)), 400);
+    assert_eq!(code.as_deref(), Some("context_length_exceeded"), "{msg}");
+    assert_eq!(param.as_deref(), Some("messages"));
+    assert!(msg.contains("over 511 tokens"), "{msg}");
+    let body = json!({"model": MODEL, "prompt": huge, "max_tokens": 2});
+    let (msg, param, code) = error_of(s.post(COMPLETIONS, &body), 400);
+    assert_eq!(code.as_deref(), Some("context_length_exceeded"), "{msg}");
+    assert_eq!(param.as_deref(), Some("prompt"));
+    // Just over the context, counted exactly.
+    let (msg, _, _) = error_of(s.post(CHAT, &chat(&"word ".repeat(600), 4)), 400);
+    assert!(msg.contains("context"), "{msg}");
+    assert_eq!(s.post(CHAT, &chat("short", 2)).status, 200);
 }
 
 #[test]
@@ -537,10 +643,10 @@ fn stopping_lets_running_requests_finish_and_refuses_new_ones() {
     while !shared.closing.load(std::sync::atomic::Ordering::SeqCst) {
         std::thread::sleep(Duration::from_millis(5));
     }
-    // New requests are refused (503) or find the listener closed.
-    if let Ok(r) = client::post_json(&addr, CHAT, &[], &chat("late", 2), common::TIMEOUT) {
-        assert_eq!(r.status, 503);
-    }
+    // New requests are refused with a 503 (the listener stays open).
+    let r = client::post_json(&addr, CHAT, &[], &chat("late", 2), common::TIMEOUT).unwrap();
+    let (_, _, code) = error_of(r, 503);
+    assert_eq!(code.as_deref(), Some("shutting_down"));
     let rest: Vec<String> = ev.map(Result::unwrap).collect();
     assert_eq!(rest.last().map(String::as_str), Some("[DONE]"), "{rest:?}");
     stopper.join().unwrap().unwrap();

@@ -3,7 +3,10 @@
 //! loopback ports by the test: the second instance answers a prompt the
 //! first one served with `cached_tokens` > 0 and the same greedy tokens as
 //! the first one's own prefix hit; with Redis paused, it answers by
-//! recompute within the deadline and hits again once Redis resumes.
+//! recompute within the deadline and hits again once Redis resumes, and a
+//! stream running meanwhile is not held up by the stalled lookup. Tenants:
+//! no hit crosses API keys, on one instance or several, whatever order
+//! `--api-key` lists them in; the same key hits on every instance.
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -27,11 +30,17 @@ struct Instance {
 
 impl Instance {
     fn start(config: &Path) -> Instance {
+        Self::with_args(config, &["--max-batch", "1"])
+    }
+
+    fn with_args(config: &Path, args: &[&str]) -> Instance {
         let mut child = Command::new(BIN)
-            .args(["--port", "0", "--max-batch", "1", "--model"])
+            .args(["--port", "0", "--model"])
             .arg(common::model_path())
+            .args(args)
             .arg("--config")
             .arg(config)
+            .env_remove("KVFORGE_API_KEY")
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
@@ -51,12 +60,26 @@ impl Instance {
 
     /// A greedy completion of `prompt`: its text and cached tokens.
     fn complete(&self, prompt: &str) -> (String, u64) {
+        self.complete_as(None, prompt)
+    }
+
+    /// The same, with API key `key`.
+    fn complete_as(&self, key: Option<&str>, prompt: &str) -> (String, u64) {
         let body = json!({
             "model": "SmolLM2-135M-Instruct.Q4_1", "prompt": prompt,
             "max_tokens": 12, "temperature": 0, "ignore_eos": true,
         });
-        let r =
-            client::post_json(&self.addr, "/v1/completions", &[], &body, common::TIMEOUT).unwrap();
+        let auth = key.map(|k| format!("Bearer {k}"));
+        let headers: Vec<(&str, &str)> =
+            auth.iter().map(|a| ("Authorization", a.as_str())).collect();
+        let r = client::post_json(
+            &self.addr,
+            "/v1/completions",
+            &headers,
+            &body,
+            common::TIMEOUT,
+        )
+        .unwrap();
         assert_eq!(r.status, 200);
         let v: Value = r.json().unwrap();
         let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -99,11 +122,22 @@ impl Drop for Instance {
 }
 
 fn config(dir: &Path, remote: &str) -> PathBuf {
+    config_with(dir, remote, 300)
+}
+
+/// A mechanisms file with prefix reuse and the remote tier `remote`, its
+/// secret in a file beside it.
+fn config_with(dir: &Path, remote: &str, deadline_ms: u64) -> PathBuf {
     std::fs::create_dir_all(dir).unwrap();
+    let secret = dir.join("secret");
+    std::fs::write(&secret, "the cluster secret of this test\n").unwrap();
     let p = dir.join("remote.toml");
     std::fs::write(
         &p,
-        format!("prefix = {{}}\nremote = {{ {remote}, seed = 42, deadline_ms = 300 }}\n"),
+        format!(
+            "prefix = {{}}\nremote = {{ {remote}, seed = 42, deadline_ms = {deadline_ms}, secret_file = {:?} }}\n",
+            secret.display().to_string()
+        ),
     )
     .unwrap();
     p
@@ -180,5 +214,113 @@ fn two_instances_share_through_a_three_node_redis_cluster() {
     let (remote, cached_remote) = b.complete(&doc);
     assert_eq!(cached_remote, cached);
     assert_eq!(remote, local);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// S1 of the review of `d047843`: tenants never share KV through the
+/// shared tier. X lists `alice, bob`, Y `bob, alice`, Z only `carol`, W
+/// no key at all; alice's prompt served on X is found by alice on Y, and
+/// by nobody else anywhere (bob asks first: by position, he would have
+/// been alice on Y).
+#[test]
+fn no_hit_crosses_tenants_and_a_tenant_hits_on_every_instance() {
+    let redis = RedisServer::start(&[]).unwrap();
+    let d = dir("tenants");
+    let cfg = config(&d, &format!("url = \"{}\"", redis.url()));
+    let keys = |ks: &[&'static str]| -> Vec<&'static str> {
+        ks.iter().flat_map(|k| ["--api-key", *k]).collect()
+    };
+    let x = Instance::with_args(&cfg, &keys(&["sk-alice", "sk-bob"]));
+    let doc = document("lighthouses");
+    let (_, cached) = x.complete_as(Some("sk-alice"), &doc);
+    assert_eq!(cached, 0);
+    let (local, hit) = x.complete_as(Some("sk-alice"), &doc);
+    assert!(hit > 200, "{hit}");
+    x.wait_metric("kvforge:remote_put_blocks_total", hit as f64 / 16.0);
+    let y = Instance::with_args(&cfg, &keys(&["sk-bob", "sk-alice"]));
+    let z = Instance::with_args(&cfg, &keys(&["sk-carol"]));
+    let w = Instance::with_args(&cfg, &[]);
+    assert_eq!(
+        y.complete_as(Some("sk-bob"), &doc).1,
+        0,
+        "bob, listed first on Y"
+    );
+    assert_eq!(z.complete_as(Some("sk-carol"), &doc).1, 0, "carol");
+    assert_eq!(w.complete_as(None, &doc).1, 0, "a keyless instance");
+    let (remote, on_y) = y.complete_as(Some("sk-alice"), &doc);
+    assert_eq!(on_y, hit, "alice's prefix from Redis on another instance");
+    assert_eq!(remote, local);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// S4: with Redis paused, a request's lookup waits for the deadline on a
+/// thread of its own; a stream already running keeps its pace (its
+/// largest gap between tokens stays far below the deadline).
+#[test]
+fn a_paused_redis_slows_only_the_request_that_asks_it() {
+    let redis = RedisServer::start(&[]).unwrap();
+    let d = dir("stall");
+    let deadline = Duration::from_millis(3000);
+    let cfg = config_with(
+        &d,
+        &format!("url = \"{}\"", redis.url()),
+        deadline.as_millis() as u64,
+    );
+    let a = Instance::with_args(&cfg, &["--max-batch", "4"]);
+    let body = json!({
+        "model": "SmolLM2-135M-Instruct.Q4_1", "prompt": "Count slowly:",
+        "max_tokens": 400, "temperature": 0, "ignore_eos": true, "stream": true,
+    });
+    let r = client::post_json(&a.addr, "/v1/completions", &[], &body, common::TIMEOUT).unwrap();
+    assert_eq!(r.status, 200);
+    let mut events = r.events();
+    let mut stamps = Vec::new();
+    // A few tokens first: the stream runs.
+    for _ in 0..5 {
+        events.next().unwrap().unwrap();
+    }
+    redis.pause().unwrap();
+    let addr = a.addr.clone();
+    let asking = std::thread::spawn(move || {
+        let t0 = Instant::now();
+        let body = json!({
+            "model": "SmolLM2-135M-Instruct.Q4_1", "prompt": document("kites"),
+            "max_tokens": 2, "temperature": 0,
+        });
+        let r = client::post_json(&addr, "/v1/completions", &[], &body, common::TIMEOUT).unwrap();
+        (r.status, t0.elapsed())
+    });
+    // While the lookup stalls (the asking request's own prefill comes
+    // after it, and is not what this measures).
+    let t0 = Instant::now();
+    while t0.elapsed() < deadline - Duration::from_millis(300) {
+        match events.next() {
+            Some(Ok(e)) if e != "[DONE]" => stamps.push(Instant::now()),
+            _ => break,
+        }
+    }
+    redis.resume().unwrap();
+    let (status, took) = asking.join().unwrap();
+    events.close();
+    assert_eq!(status, 200);
+    assert!(
+        took >= deadline - Duration::from_millis(500),
+        "the lookup did stall: {took:?}"
+    );
+    let gaps: Vec<Duration> = stamps.windows(2).map(|w| w[1] - w[0]).collect();
+    let worst = gaps.iter().max().copied().unwrap_or_default();
+    eprintln!(
+        "{} tokens during the stall, largest gap {worst:?}; the stalled request took {took:?}",
+        stamps.len()
+    );
+    assert!(
+        stamps.len() > 20,
+        "the stream went on: {} tokens",
+        stamps.len()
+    );
+    assert!(
+        worst < deadline / 3,
+        "a gap of {worst:?} during a {deadline:?} stall"
+    );
     let _ = std::fs::remove_dir_all(&d);
 }

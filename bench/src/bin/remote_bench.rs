@@ -37,7 +37,7 @@ use kvforge_engine::cache::RemoteSetup;
 use kvforge_engine::{
     CacheManager, Engine, EngineConfig, Kind, KvQuant, ReuseConfig, SamplingParams,
 };
-use kvforge_remote::{ExtraKeys, RemoteOptions, RemoteTier, blob};
+use kvforge_remote::{ExtraKeys, RemoteOptions, RemoteTier, Secret, blob};
 use kvforge_remote_redis::{RedisConfig, RedisServer, RedisTier};
 
 struct Args {
@@ -92,6 +92,11 @@ fn main() -> std::process::ExitCode {
 
 const SEED: u64 = 42;
 
+/// The secret this benchmark's instances share (its store is its own).
+fn secret() -> Result<Secret> {
+    Ok(Secret::new(b"kvforge remote-bench: its own store")?)
+}
+
 /// An instance: the model with an f16 KV cache (INT4 cold tier when
 /// `cold`), prefix reuse on, and the tier on `url` when given.
 fn instance(a: &Args, cold: bool, url: Option<&str>) -> Result<CacheManager> {
@@ -106,6 +111,7 @@ fn instance(a: &Args, cold: bool, url: Option<&str>) -> Result<CacheManager> {
         let model = e.fingerprint()?;
         e.cache.set_remote(Some(RemoteSetup {
             store: Arc::new(tier(url)?),
+            secret: secret()?,
             seed: SEED,
             model,
             cold,
@@ -220,7 +226,8 @@ fn throughput(
     let toks: Vec<u32> = (0..(blocks * 16) as u32).collect();
     // Fresh keys every round.
     let ns = format!("bench-{}-{round}", std::process::id());
-    let links = scope.chain(&toks, &ExtraKeys::namespace(ns));
+    let secret = secret()?;
+    let links = scope.chain(&secret, &toks, &ExtraKeys::namespace(ns));
     let body = vec![0x5au8; payload as usize];
     let items: Vec<_> = links
         .iter()
@@ -228,7 +235,7 @@ fn throughput(
         .map(|(i, l)| {
             (
                 l.key,
-                blob::seal(&scope, *l, &toks[i * 16..(i + 1) * 16], &body),
+                blob::seal(&secret, &scope, *l, &toks[i * 16..(i + 1) * 16], &body),
             )
         })
         .collect();

@@ -155,7 +155,7 @@ fn a_cold_slot_reported_freed_is_not_handed_out_again_before_the_report_is_taken
 /// Finding 1b: the same across calls. A plan's idle cut reports cold blocks
 /// freed; before its commit (when the engine drains the report) another
 /// call — here an import of remote cold blocks, as
-/// `PagedKvCache::import_remote` does for a request opened meanwhile —
+/// `PagedKvCache::import_fetched` does for a request opened meanwhile —
 /// allocates one of those slots and fills it. The drain after the first
 /// step's commit frees the imported block's content.
 #[test]
@@ -188,7 +188,7 @@ fn a_cold_slot_freed_by_an_idle_cut_is_not_imported_into_before_the_report_is_ta
 #[derive(Default)]
 struct Contents(HashMap<BlockId, usize>);
 
-/// `PagedKvCache::import_remote` (engine/src/cache/remote.rs) transcribed
+/// `RemoteLookup::fetch` + `PagedKvCache::import_fetched` (engine/src/cache/remote.rs) transcribed
 /// onto the coordinator: the full blocks after the local hit, in runs that
 /// travel alike (the sink's blocks hot, the rest cold in cold mode), each
 /// run cut to `import_room` before it is fetched; a run that imports fewer

@@ -24,12 +24,14 @@ use crate::kv::KvDims;
 use crate::policies::Policies;
 use crate::tier::{ColdTier, KvQuant};
 
+mod import;
 mod policies;
 mod remote;
 mod rewrite;
 mod sequences;
 mod step;
 
+pub use import::{RemoteFetched, RemoteLookup};
 pub use remote::RemoteSetup;
 pub use step::PagedSeq;
 

@@ -1,7 +1,8 @@
-//! The cache's link to a shared remote tier ([`kvforge_remote`]): after a
-//! local prefix hit, the next full blocks of the prompt are asked for in
-//! one round and imported (verified) into the sequence's own blocks; after
-//! a request, the full blocks it registered are offered for writing behind.
+//! The cache's link to a shared remote tier ([`kvforge_remote`]): the
+//! caches blocks travel through and their scopes; after a request, the
+//! full blocks it registered are offered for writing behind. What comes
+//! back in (a lookup after a local prefix hit, and its import) is
+//! `import.rs`.
 //!
 //! Blocks travel in one of two formats, part of every key: the hot tier's
 //! dtype (`f16`, `f32`, `bf16`: each layer's K then V rows, `[block_size,
@@ -12,11 +13,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvforge_coordinator::{COLD, HOT, TieredPool};
+use kvforge_coordinator::TieredPool;
 use kvforge_coordinator::{Coordinator, SeqId};
 use kvforge_pool::{Slot, StorageFormat};
 use kvforge_prefix::ExtraKeys;
-use kvforge_remote::{Link, RemoteCache, RemoteOptions, RemoteStats, RemoteTier, Scope};
+use kvforge_remote::{
+    Link, RemoteCache, RemoteOptions, RemoteStats, RemoteTier, Scope, Secret, StatsSource,
+};
 
 use super::*;
 
@@ -25,6 +28,9 @@ use super::*;
 pub struct RemoteSetup {
     /// The store.
     pub store: Arc<dyn RemoteTier>,
+    /// The cluster's secret (the same on every instance): blobs are
+    /// authenticated under it and keys live in its key space.
+    pub secret: Secret,
     /// The cluster-wide hash seed (the same on every instance).
     pub seed: u64,
     /// The model's fingerprint ([`Engine::fingerprint`](crate::Engine::fingerprint)).
@@ -47,9 +53,9 @@ pub(super) enum Part {
 pub(super) struct RemoteLink {
     /// Blocks at the KV dtype: every block in hot mode; the cold tier's
     /// sink blocks (kept in full precision) in cold mode.
-    hot: Option<RemoteCache>,
+    hot: Option<Arc<RemoteCache>>,
     /// Blocks as the cold tier's bytes (cold mode).
-    cold: Option<RemoteCache>,
+    cold: Option<Arc<RemoteCache>>,
     /// Blocks before this index travel hot.
     hot_blocks: usize,
     setup: RemoteSetup,
@@ -60,14 +66,14 @@ pub(super) struct RemoteLink {
 pub(super) type Outgoing = Vec<(Part, Link, std::ops::Range<usize>, Vec<u8>)>;
 
 impl RemoteLink {
-    fn cache(&self, part: Part) -> Option<&RemoteCache> {
+    pub(super) fn cache(&self, part: Part) -> Option<&Arc<RemoteCache>> {
         match part {
             Part::Hot => self.hot.as_ref(),
             Part::Cold => self.cold.as_ref(),
         }
     }
 
-    fn caches(&self) -> impl Iterator<Item = &RemoteCache> {
+    fn caches(&self) -> impl Iterator<Item = &Arc<RemoteCache>> {
         self.hot.iter().chain(&self.cold)
     }
 
@@ -76,7 +82,7 @@ impl RemoteLink {
     }
 
     /// Runs of consecutive blocks of `range` that travel alike.
-    fn runs(&self, range: std::ops::Range<usize>) -> Vec<(Part, std::ops::Range<usize>)> {
+    pub(super) fn runs(&self, range: std::ops::Range<usize>) -> Vec<(Part, std::ops::Range<usize>)> {
         let cut = self.hot_blocks.clamp(range.start, range.end);
         [(Part::Hot, range.start..cut), (Part::Cold, cut..range.end)]
             .into_iter()
@@ -123,12 +129,13 @@ impl PagedKvCache {
     }
 
     fn remote_link(&self, s: RemoteSetup) -> Result<RemoteLink> {
-        let cache = |part| -> Result<RemoteCache> {
-            Ok(RemoteCache::new(
+        let cache = |part| -> Result<Arc<RemoteCache>> {
+            Ok(Arc::new(RemoteCache::new(
                 s.store.clone(),
                 self.remote_scope(&s, part)?,
+                s.secret.clone(),
                 s.options,
-            ))
+            )))
         };
         // In cold mode the sink stays in full precision: it travels hot.
         let sink = match (&self.cold, s.cold) {
@@ -164,10 +171,16 @@ impl PagedKvCache {
 
     /// The remote tier's counters (`None`: no remote tier).
     pub fn remote_stats(&self) -> Option<RemoteStats> {
+        self.remote_stats_source().map(|s| s.read())
+    }
+
+    /// A handle on the remote tier's live counters, readable from another
+    /// thread whenever it likes (`None`: no remote tier).
+    pub fn remote_stats_source(&self) -> Option<StatsSource> {
         self.remote.as_ref().map(|r| {
-            let mut st = RemoteStats::default();
-            r.caches().for_each(|c| st.add(&c.stats()));
-            st
+            r.caches()
+                .map(|c| c.stats_source())
+                .fold(StatsSource::default(), StatsSource::join)
         })
     }
 
@@ -177,83 +190,6 @@ impl PagedKvCache {
         self.remote
             .as_ref()
             .is_none_or(|r| r.caches().all(|c| c.flush(timeout)))
-    }
-
-    /// After `open`: the full blocks of `tokens[..len - 1]` after the local
-    /// hit, from the remote tier, appended to `seq` (its length grows by
-    /// their tokens) — the leading ones that verify and fit the budget,
-    /// asked for only as far as they fit. No store call runs under the
-    /// coordinator's lock; the blocks are filled under it. Anything that
-    /// fails leaves `seq` as opened.
-    pub(super) fn import_remote(&self, seq: &mut Sequence, tokens: &[u32], extra: &ExtraKeys) {
-        let (Some(r), Some(id)) = (&self.remote, seq.id) else {
-            return;
-        };
-        let bs = self.block_size;
-        let full = tokens.len().saturating_sub(1) / bs;
-        if seq.len % bs != 0 || seq.len / bs >= full {
-            return;
-        }
-        let mut added = 0;
-        for (part, run) in r.runs(seq.len / bs..full) {
-            let (Some(cache), tier) = (r.cache(part), if part == Part::Hot { HOT } else { COLD })
-            else {
-                break;
-            };
-            let room = self.coordinator().import_room(id, tier);
-            let asked = run.start..run.end.min(run.start + room);
-            let links = cache.chain(&tokens[..asked.end * bs], extra);
-            let payloads = cache.fetch(
-                &links[asked.clone()],
-                &tokens[asked.start * bs..asked.end * bs],
-            );
-            match self.fill(id, part, asked.start * bs, &payloads) {
-                // Fewer than the whole run (cut by room, a miss, a block
-                // that did not verify, the budget): the blocks after it
-                // would not follow on. The import ends here.
-                Ok(n) if n < run.len() => {
-                    added += n;
-                    break;
-                }
-                Ok(n) => added += n,
-                Err(e) => {
-                    // Cut the imported blocks off again: close, reopen locally.
-                    tracing::warn!("remote blocks not imported: {e}");
-                    if self.free(seq).is_ok() {
-                        if let Ok(s) = self.coordinator().open(tokens, extra) {
-                            *seq = Sequence {
-                                id: Some(s.seq),
-                                len: s.reused,
-                            };
-                        }
-                    }
-                    return;
-                }
-            }
-        }
-        seq.len += added * bs;
-    }
-
-    /// Appends fresh blocks for `payloads` (the KV of positions `at..`) to
-    /// `id` and writes them, all under the coordinator's lock (no other
-    /// step can take them before they hold their KV). Returns how many the
-    /// budget let in.
-    fn fill(&self, id: SeqId, part: Part, at: usize, payloads: &[Vec<u8>]) -> Result<usize> {
-        if payloads.is_empty() {
-            return Ok(0);
-        }
-        let mut c = self.coordinator();
-        let tier = if part == Part::Hot { HOT } else { COLD };
-        let blocks = c.import(id, tier, at as u64, payloads.len())?;
-        for (&b, p) in blocks.iter().zip(payloads) {
-            match (&self.cold, part) {
-                (Some(t), Part::Cold) => {
-                    t.put(b, Arc::new(t.block_of_content(self.k.len(), p)?))?
-                }
-                _ => self.write_hot(TieredPool::slot_of(b) as usize, p)?,
-            }
-        }
-        Ok(blocks.len())
     }
 
     /// Under the lock of `register`: the blocks to offer — the first
@@ -342,30 +278,4 @@ impl PagedKvCache {
         Ok(out)
     }
 
-    /// Writes `bytes` ([`read_hot`](Self::read_hot)'s layout) into hot
-    /// block `slot`, which only the importing sequence holds; refuses
-    /// values that are not finite (a verified blob's numbers are checked
-    /// too: nothing non-finite reaches attention).
-    fn write_hot(&self, slot: usize, bytes: &[u8]) -> Result<()> {
-        let bs = self.block_size as i64;
-        let per = self.hot_layout.block_bytes() as usize / (2 * self.k.len());
-        let dims = [bs, self.shape.heads as i64, self.shape.head_dim as i64];
-        for (i, t) in self
-            .k
-            .iter()
-            .zip(&self.v)
-            .flat_map(|(k, v)| [k, v])
-            .enumerate()
-        {
-            let src = Tensor::f_from_data_size(&bytes[i * per..(i + 1) * per], &dims, t.kind())?;
-            if src.f_isfinite()?.f_all()?.f_int64_value(&[])? == 0 {
-                return Err(EngineError::Request(
-                    "a remote block with values that are not finite".into(),
-                ));
-            }
-            let src = src.f_to_device(t.device())?;
-            t.f_narrow(0, slot as i64 * bs, bs)?.f_copy_(&src)?;
-        }
-        Ok(())
-    }
 }

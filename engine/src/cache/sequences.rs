@@ -20,15 +20,34 @@ impl PagedKvCache {
 
     /// Opens a sequence for a prompt: with prefix reuse on, it starts with
     /// the longest cached prefix of `tokens` (all but the last token), then
-    /// with a remote tier, the blocks after it that the tier holds.
+    /// with a remote tier, the blocks after it that the tier holds (asked
+    /// for on this thread: [`open_local`](Self::open_local) leaves that to
+    /// the caller).
     pub fn open(&self, tokens: &[u32], extra: &ExtraKeys) -> Result<Sequence> {
+        let (mut seq, lookup) = self.open_local(tokens, extra)?;
+        if let Some(l) = lookup {
+            self.import_fetched(&mut seq, tokens, extra, l.fetch());
+        }
+        Ok(seq)
+    }
+
+    /// Opens a sequence on the longest locally cached prefix of `tokens`,
+    /// and says what the remote tier could add after it: run the lookup
+    /// where waiting for the store holds up nothing else, then
+    /// [`import_fetched`](Self::import_fetched) before the sequence's
+    /// first step.
+    pub fn open_local(
+        &self,
+        tokens: &[u32],
+        extra: &ExtraKeys,
+    ) -> Result<(Sequence, Option<RemoteLookup>)> {
         let o = self.coordinator().open(tokens, extra)?;
-        let mut seq = Sequence {
+        let seq = Sequence {
             id: Some(o.seq),
             len: o.reused,
         };
-        self.import_remote(&mut seq, tokens, extra);
-        Ok(seq)
+        let lookup = self.remote_lookup(&seq, tokens, extra);
+        Ok((seq, lookup))
     }
 
     /// Registers the completed blocks of `seq`, which holds the KV of

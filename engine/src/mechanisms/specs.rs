@@ -306,6 +306,11 @@ pub struct RemoteSpec {
     pub cluster: bool,
     /// The cluster-wide hash seed: the same on every instance that shares.
     pub seed: u64,
+    /// A file holding the cluster's secret (the same on every instance;
+    /// at least 16 bytes): blobs are authenticated with it and tenants'
+    /// namespaces keyed by it. Absent: the `KVFORGE_REMOTE_SECRET`
+    /// environment variable. Never the secret itself in this file.
+    pub secret_file: Option<std::path::PathBuf>,
     /// Keys expire after this many seconds (0: never).
     #[serde(default = "RemoteSpec::default_ttl")]
     pub ttl_s: u64,

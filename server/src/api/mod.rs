@@ -217,9 +217,11 @@ impl ChatRequest {
             };
             messages.push(Message::new(role, content_text(&m.content, &param)?));
         }
+        // Encoding stops once the prompt is known not to fit the context.
         let prompt = tok
-            .chat_ids(&messages)
-            .map_err(|e| ApiError::invalid(format!("cannot tokenize the messages: {e}")))?;
+            .chat_ids_within(&messages, limits.max_ctx.saturating_sub(1))
+            .map_err(|e| ApiError::invalid(format!("cannot tokenize the messages: {e}")))?
+            .ok_or_else(|| too_long(Endpoint::Chat, limits))?;
         let max = self.max_completion_tokens.or(self.common.max_tokens);
         let param = if self.max_completion_tokens.is_some() {
             "max_completion_tokens"
@@ -296,8 +298,9 @@ fn prompt_ids(v: &Value, limits: &Limits, tok: &Tokenizer) -> Result<Vec<u32>, A
     };
     match v {
         Value::String(s) => tok
-            .encode_text(s)
-            .map_err(|e| bad("prompt", format!("cannot tokenize the prompt: {e}"))),
+            .encode_text_within(s, limits.max_ctx.saturating_sub(1))
+            .map_err(|e| bad("prompt", format!("cannot tokenize the prompt: {e}")))?
+            .ok_or_else(|| too_long(Endpoint::Completion, limits)),
         Value::Array(items) if items.iter().all(Value::is_number) => {
             let mut ids = Vec::with_capacity(items.len());
             for (i, x) in items.iter().enumerate() {
@@ -323,6 +326,30 @@ fn prompt_ids(v: &Value, limits: &Limits, tok: &Tokenizer) -> Result<Vec<u32>, A
             "prompt must be a string or an array of token ids",
         )),
     }
+}
+
+/// A prompt found to hold more tokens than the context before it was
+/// encoded whole.
+fn too_long(endpoint: Endpoint, limits: &Limits) -> ApiError {
+    context_exceeded(
+        endpoint,
+        format!(
+            "the prompt is over {} tokens, and this model's context is {} tokens",
+            limits.max_ctx.saturating_sub(1),
+            limits.max_ctx
+        ),
+    )
+}
+
+/// OpenAI's `context_length_exceeded` error, on the prompt's parameter.
+pub(crate) fn context_exceeded(endpoint: Endpoint, msg: String) -> ApiError {
+    ApiError::invalid(msg)
+        .with_param(if endpoint == Endpoint::Chat {
+            "messages"
+        } else {
+            "prompt"
+        })
+        .with_code("context_length_exceeded")
 }
 
 fn check_model(model: &str, limits: &Limits) -> Result<(), ApiError> {

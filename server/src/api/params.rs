@@ -39,17 +39,14 @@ impl Common {
             ));
         }
         if prompt.len() >= limits.max_ctx {
-            return Err(ApiError::invalid(format!(
-                "the prompt is {} tokens, and this model's context is {} tokens",
-                prompt.len(),
-                limits.max_ctx
-            ))
-            .with_param(if endpoint == Endpoint::Chat {
-                "messages"
-            } else {
-                "prompt"
-            })
-            .with_code("context_length_exceeded"));
+            return Err(super::context_exceeded(
+                endpoint,
+                format!(
+                    "the prompt is {} tokens, and this model's context is {} tokens",
+                    prompt.len(),
+                    limits.max_ctx
+                ),
+            ));
         }
         let params = self.sampling(max_tokens, max_param, limits)?;
         let stop = stop_strings(self.stop.as_ref())?;

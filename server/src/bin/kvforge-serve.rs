@@ -6,8 +6,9 @@
 //!
 //! Binds a loopback address unless told otherwise, prints one line with
 //! the address it listens on, and stops on SIGTERM or Ctrl-C: new requests
-//! get 503, running ones finish within `--grace-secs`, then it exits 0.
-//! Every bad flag or file is one line on stderr and a non-zero exit.
+//! get 503, running ones finish within `--grace-secs`, then it exits 0; a
+//! second signal exits at once (status 130). Every bad flag or file is one
+//! line on stderr and a non-zero exit.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -81,8 +82,10 @@ struct Args {
     /// Requests waiting at most; more get 429.
     #[arg(long, default_value_t = 256)]
     max_waiting: usize,
-    /// An accepted API key (repeat for several; each key is its own
-    /// prefix-cache namespace). Also KVFORGE_API_KEY (comma-separated).
+    /// An accepted API key (repeat for several; each key is a tenant
+    /// with a prefix-cache namespace of its own, whatever its place in the
+    /// list; surrounding spaces are trimmed). Also KVFORGE_API_KEY
+    /// (comma-separated).
     #[arg(long, env = "KVFORGE_API_KEY", value_delimiter = ',')]
     api_key: Vec<String>,
     /// Largest request body in bytes.
@@ -94,6 +97,13 @@ struct Args {
     /// Seconds a shutdown lets running requests finish.
     #[arg(long, default_value_t = 30)]
     grace_secs: u64,
+    /// Seconds a client may take to send a request's headers (or to idle
+    /// between requests on a kept-alive connection).
+    #[arg(long, default_value_t = 10)]
+    header_timeout_secs: u64,
+    /// Seconds a client may take to send a request's body.
+    #[arg(long, default_value_t = 30)]
+    body_timeout_secs: u64,
 }
 
 /// The engine, its reuse, and the remote tier the mechanisms file names.
@@ -109,9 +119,6 @@ fn engine(a: &Args) -> Result<Loaded, String> {
     }
     if a.block_size == 0 || a.block_size > 4096 {
         return Err(format!("--block-size {} must be in 1..=4096", a.block_size));
-    }
-    if a.api_key.iter().any(|k| k.trim().is_empty()) {
-        return Err("--api-key must not be empty".into());
     }
     if a.threads > 0 {
         kvforge_engine::tch::set_num_threads(a.threads);
@@ -181,6 +188,8 @@ fn run(a: Args) -> Result<(), String> {
         max_body_bytes: a.max_body_bytes,
         default_max_tokens: a.default_max_tokens,
         grace: Duration::from_secs(a.grace_secs),
+        header_timeout: Duration::from_secs(a.header_timeout_secs),
+        body_timeout: Duration::from_secs(a.body_timeout_secs),
         fault: None,
         check_invariants: false,
         remote,
@@ -207,21 +216,40 @@ fn run(a: Args) -> Result<(), String> {
     Ok(())
 }
 
-/// SIGTERM or Ctrl-C.
+/// The next signal `s` catches (never, without one).
+async fn next(s: &mut Option<tokio::signal::unix::Signal>) {
+    match s {
+        Some(s) => {
+            s.recv().await;
+        }
+        None => std::future::pending::<()>().await,
+    }
+}
+
+/// SIGTERM or Ctrl-C. A second one, while stopping, exits at once.
 async fn stop_signal() {
     use tokio::signal::unix::{SignalKind, signal};
-    match signal(SignalKind::terminate()) {
-        Ok(mut term) => {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = tokio::signal::ctrl_c() => {}
-            }
-        }
-        Err(_) => {
-            let _ = tokio::signal::ctrl_c().await;
-        }
+    let Ok(mut term) = signal(SignalKind::terminate()) else {
+        let _ = tokio::signal::ctrl_c().await;
+        eprintln!("kvforge-serve: stopping (new requests get 503; running ones may finish)");
+        return;
+    };
+    let mut int = signal(SignalKind::interrupt()).ok();
+    tokio::select! {
+        _ = term.recv() => {}
+        () = next(&mut int) => {}
     }
-    eprintln!("kvforge-serve: stopping (new requests get 503; running ones may finish)");
+    eprintln!(
+        "kvforge-serve: stopping (new requests get 503; running ones may finish; a second signal exits now)"
+    );
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            () = next(&mut int) => {}
+        }
+        eprintln!("kvforge-serve: second signal: exiting now");
+        std::process::exit(130);
+    });
 }
 
 fn main() -> ExitCode {

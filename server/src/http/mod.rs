@@ -23,7 +23,11 @@ use crate::error::ApiError;
 use crate::metrics;
 use crate::sched::{Event, Job, Msg, Shared, lock};
 
+mod auth;
+mod listen;
 mod reply;
+pub use auth::{ANONYMOUS, Auth};
+pub use listen::Connections;
 use reply::{Meta, stream_reply, whole_reply};
 
 /// What every handler reads.
@@ -32,10 +36,14 @@ pub struct App {
     pub limits: Limits,
     /// The model's tokenizer (prompts are tokenized here, not in the loop).
     pub tokenizer: Tokenizer,
-    /// Accepted API keys (empty: no key needed); each its own namespace.
-    pub keys: Vec<String>,
+    /// Accepted API keys, each a tenant with a namespace of its own.
+    pub auth: Auth,
+    /// The remote tier's live counters (read when `/metrics` is scraped).
+    pub remote: Option<kvforge_remote::StatsSource>,
     /// Largest request body in bytes.
     pub max_body: usize,
+    /// How long a request's body may take to arrive.
+    pub body_timeout: std::time::Duration,
     /// Requests waiting at most.
     pub max_waiting: usize,
     /// Into the engine loop.
@@ -47,11 +55,14 @@ pub struct App {
 
 impl App {
     /// The state of a router over the loop behind `tx`.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         limits: Limits,
         tokenizer: Tokenizer,
-        keys: Vec<String>,
+        auth: Auth,
+        remote: Option<kvforge_remote::StatsSource>,
         max_body: usize,
+        body_timeout: std::time::Duration,
         max_waiting: usize,
         tx: mpsc::Sender<Msg>,
         shared: Arc<Shared>,
@@ -59,8 +70,10 @@ impl App {
         App {
             limits,
             tokenizer,
-            keys,
+            auth,
+            remote,
             max_body,
+            body_timeout,
             max_waiting,
             tx,
             shared,
@@ -80,7 +93,35 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/metrics", get(metrics_text))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(limit))
+        .layer(axum::middleware::from_fn_with_state(app.clone(), read_body))
         .with_state(app)
+}
+
+/// Reads the whole body within the body timeout (a client that sends its
+/// headers, then trickles or withholds the body, gets 408 and is let go)
+/// and the size limit (413), before any handler runs.
+async fn read_body(
+    State(app): State<Arc<App>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let (parts, body) = req.into_parts();
+    let limited = http_body_util::Limited::new(body, app.max_body);
+    let read = tokio::time::timeout(app.body_timeout, http_body_util::BodyExt::collect(limited));
+    match read.await {
+        Ok(Ok(b)) => {
+            let body = axum::body::Body::from(b.to_bytes());
+            next.run(axum::extract::Request::from_parts(parts, body))
+                .await
+        }
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
+            ApiError::too_large(app.max_body).into_response()
+        }
+        Ok(Err(e)) => {
+            ApiError::invalid(format!("reading the request body failed: {e}")).into_response()
+        }
+        Err(_) => ApiError::body_timeout(app.body_timeout.as_secs_f64()).into_response(),
+    }
 }
 
 impl IntoResponse for ApiError {
@@ -110,32 +151,6 @@ fn now_secs() -> u64 {
 }
 
 impl App {
-    /// The index of the request's API key (0 when none is configured).
-    fn authorize(&self, headers: &HeaderMap) -> Result<usize, ApiError> {
-        if self.keys.is_empty() {
-            return Ok(0);
-        }
-        let given = headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| {
-                v.get(..7)
-                    .filter(|p| p.eq_ignore_ascii_case("bearer "))
-                    .map(|_| &v[7..])
-            })
-            .map(str::trim);
-        match given {
-            None => Err(ApiError::unauthorized(
-                "no API key: send the header Authorization: Bearer KEY",
-            )),
-            Some(k) => self
-                .keys
-                .iter()
-                .position(|x| x == k)
-                .ok_or_else(|| ApiError::unauthorized("incorrect API key provided")),
-        }
-    }
-
     /// Takes a place in the queue, or refuses.
     fn reserve(&self) -> Result<(), ApiError> {
         if self.shared.closing.load(Ordering::SeqCst) {
@@ -206,7 +221,7 @@ async fn generate(
 ) -> Response {
     let arrived = Instant::now();
     let run = async {
-        let key = app.authorize(&headers)?;
+        let mut namespace = app.auth.authorize(&headers)?;
         // JSON and tokenization of a large body off the async workers.
         let parsing = app.clone();
         let p = tokio::task::spawn_blocking(move || parsing.parse(body, ep))
@@ -214,7 +229,6 @@ async fn generate(
             .map_err(|e| ApiError::internal(format!("parsing the request failed: {e}")))??;
         app.reserve()?;
         let (tx, mut rx) = unbounded_channel();
-        let mut namespace = format!("key{key}");
         if let Some(salt) = &p.cache_salt {
             namespace.push('\u{0}');
             namespace.push_str(salt);
@@ -260,7 +274,7 @@ async fn generate(
 }
 
 async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
-    if let Err(e) = app.authorize(&headers) {
+    if let Err(e) = app.auth.authorize(&headers) {
         return e.into_response();
     }
     axum::Json(json!({
@@ -288,7 +302,14 @@ async fn metrics_text(State(app): State<Arc<App>>) -> Response {
     let m = lock(&app.shared.metrics).clone();
     let cache = lock(&app.shared.cache).clone();
     let text = match cache {
-        Some(c) => metrics::render(&m, &c),
+        Some(mut c) => {
+            // The remote tier's counters as they are now, not as the
+            // engine loop last published them.
+            if let Some(r) = &app.remote {
+                c.remote = Some(r.read());
+            }
+            metrics::render(&m, &c)
+        }
         None => String::new(),
     };
     (

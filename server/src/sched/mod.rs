@@ -8,8 +8,10 @@
 //!    go back within the step);
 //! 2. admits waiting requests, oldest first, up to `max_batch` running:
 //!    each opens a sequence in the coordinator with the longest cached
-//!    prefix of its prompt (the prefix index, namespaced per API key and
-//!    `cache_salt`);
+//!    prefix of its prompt (the prefix index, namespaced per tenant and
+//!    `cache_salt`); with a remote tier, the blocks after it are looked up
+//!    on a thread of the request's own, and the request runs once they are
+//!    imported — a slow or paused store delays that request only;
 //! 3. decodes every request that has its prompt in the cache as one
 //!    batch (`Llama::forward_batch`: the weights are read once per step);
 //! 4. spends what is left of the step's token budget (`max_step_tokens`)
@@ -36,14 +38,14 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
-use kvforge_engine::cache::CacheStats;
+use kvforge_engine::cache::{CacheStats, RemoteFetched};
 use kvforge_engine::{Engine, Sampler, SamplingParams, Sequence};
-use kvforge_prefix::ExtraKeys;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::error::ApiError;
 use crate::metrics::{Ended, ServeMetrics};
 
+mod admit;
 mod step;
 #[cfg(test)]
 mod tests;
@@ -159,6 +161,9 @@ struct Req {
     cached: Option<usize>,
     /// Order of admission (the newest is preempted first).
     admitted: u64,
+    /// Its remote lookup in flight (the ticket its answer comes back with):
+    /// the request waits for it before its first step.
+    lookup: Option<u64>,
     last_token: Option<Instant>,
     /// Set when the request has ended in this step.
     end: Option<End>,
@@ -187,7 +192,15 @@ pub struct Scheduler {
     /// A step did not fit: admit nothing until a request finishes.
     pressure: bool,
     deadline: Option<Instant>,
+    /// Remote lookups answer here, with their tickets.
+    fetched_tx: mpsc::Sender<(u64, RemoteFetched)>,
+    fetched: mpsc::Receiver<(u64, RemoteFetched)>,
+    tickets: u64,
 }
+
+/// How often a loop with nothing to do but wait for remote lookups looks
+/// for their answers (and for new requests).
+const LOOKUP_POLL: Duration = Duration::from_millis(2);
 
 impl Scheduler {
     /// A loop over `engine` (whose cache has prefix reuse configured).
@@ -197,7 +210,11 @@ impl Scheduler {
         shared: Arc<Shared>,
         fault: Option<Fault>,
     ) -> Self {
+        let (fetched_tx, fetched) = mpsc::channel();
         Scheduler {
+            fetched_tx,
+            fetched,
+            tickets: 0,
             engine,
             cfg,
             shared,
@@ -223,10 +240,18 @@ impl Scheduler {
                     Ok(m) => self.take(m),
                     Err(_) => break,
                 }
+            } else if self.only_lookups() {
+                match rx.recv_timeout(LOOKUP_POLL) {
+                    Ok(m) => self.take(m),
+                    Err(mpsc::RecvTimeoutError::Timeout) => {}
+                    // No more requests can come; the lookups still answer.
+                    Err(mpsc::RecvTimeoutError::Disconnected) => std::thread::sleep(LOOKUP_POLL),
+                }
             }
             while let Ok(m) = rx.try_recv() {
                 self.take(m);
             }
+            self.take_fetched();
             if self.deadline.is_some_and(|d| Instant::now() >= d) {
                 self.cancel_all();
             }
@@ -298,6 +323,7 @@ impl Scheduler {
                     reply: text::Reply::default(),
                     cached: None,
                     admitted: 0,
+                    lookup: None,
                     last_token: None,
                     end: None,
                 });
@@ -325,38 +351,6 @@ impl Scheduler {
 
     fn cancel_all(&mut self) {
         self.fail_all(ApiError::shutting_down());
-    }
-
-    /// Admits waiting requests, oldest (and preempted) first.
-    fn admit(&mut self) {
-        while !self.pressure && self.running.len() < self.cfg.max_batch {
-            let Some(mut r) = self.waiting.pop_front() else {
-                break;
-            };
-            self.shared.queued.fetch_sub(1, Ordering::SeqCst);
-            let extra = ExtraKeys::namespace(&r.job.namespace);
-            match self.engine.cache.open(&r.context, &extra) {
-                Ok(seq) => r.seq = seq,
-                Err(e) => {
-                    let _ = r
-                        .job
-                        .events
-                        .send(Event::Failed(ApiError::internal(e.to_string())));
-                    lock(&self.shared.metrics).ended(Ended::Failed);
-                    continue;
-                }
-            }
-            if r.cached.is_none() {
-                let mut m = lock(&self.shared.metrics);
-                m.prefix_queries += r.job.prompt.len() as u64;
-                m.prefix_hits += r.seq.len() as u64;
-                m.prompt_tokens += r.job.prompt.len() as u64;
-                r.cached = Some(r.seq.len());
-            }
-            self.admissions += 1;
-            r.admitted = self.admissions;
-            self.running.push(r);
-        }
     }
 
     /// Publishes the gauges and the cache's counters.
