@@ -50,6 +50,7 @@ pub mod manager;
 pub mod mechanisms;
 pub mod metrics;
 pub mod model;
+pub mod numerics;
 pub mod policies;
 pub mod ppl;
 mod tier;

@@ -83,7 +83,7 @@ fn a_batch_decodes_what_the_sequences_decode_one_by_one() {
         got_rows.extend(super::forced::rows(&logits));
     }
     let want_rows: Vec<Vec<f32>> = want_logits.iter().flat_map(super::forced::rows).collect();
-    let a = super::forced::agree(&got_rows, &want_rows, 1e-4).unwrap();
+    let a = super::forced::agree(Some("batch logits"), &got_rows, &want_rows, 1e-4).unwrap();
     assert!(a.decided > 100, "{a:?}");
     // The same tables, up to which block ids the pools handed out (the
     // batch allocates in another order).

@@ -8,6 +8,7 @@
 //! the top-2 gap exceeds it, and a free-running greedy continuation must
 //! follow the reference up to its first near-tie.
 
+use kvforge_engine::numerics::within;
 use kvforge_engine::{CacheManager, Engine, Sequence};
 use kvforge_prefix::ExtraKeys;
 use tch::{Kind, Tensor};
@@ -16,15 +17,22 @@ use tch::{Kind, Tensor};
 /// weights, over 16 teacher-forced chat turns
 /// (`manager::real_model_reuse_matches_a_full_recompute…` prints it): at
 /// most 0.055 on a 2-core AMD EPYC with AVX2 only (issue 28), 0.051 on
-/// one with AVX-512. KV of another position or another token moves logits
-/// by 0.46–6.2 (the same test breaks a position and a block on purpose).
-/// The tolerance sits between the two.
-pub(super) const REAL_TOL: f32 = 0.2;
+/// one with AVX-512 (the worst of the two kernel settings `cargo xtask
+/// numerics` runs it under). KV of another position or another token
+/// moves logits by 0.46–6.2 (the same test breaks a position and a block
+/// on purpose). The tolerance sits between the two, 4.5× over the noise.
+pub(super) const REAL_TOL: f32 = 0.25;
 
 /// The same on the tiny random model in f32: noise 2.7e-5 over 16 turns
 /// and 18 reuse configurations; a position off by one moves a logit by
 /// 0.24 (`manager::reuse_matches_recomputing_every_prompt…`).
 pub(super) const TINY_TOL: f32 = 1e-3;
+
+/// The tiny model over the real tokenizer's vocabulary (49,152 logits, not
+/// 97): a fork against a fresh prefill is 4.4e-4 apart at worst over every
+/// kernel setting of a 2-core AMD EPYC (`cargo xtask numerics`); wrong KV
+/// at one position is caught (`lifecycle::a_fork_continues…`).
+pub(super) const TINY_VOCAB_TOL: f32 = 4e-3;
 
 /// Rows of `[n, vocab]` logits, as f32.
 pub(super) fn rows(t: &Tensor) -> Vec<Vec<f32>> {
@@ -75,8 +83,15 @@ impl Agreement {
 /// `got` and `want` (logits of the same teacher-forced tokens, one row per
 /// position) agree within `tol` everywhere, and pick the same argmax
 /// wherever `want`'s top-2 gap exceeds `tol`. Err names the first position
-/// that does not.
-pub(super) fn agree(got: &[Vec<f32>], want: &[Vec<f32>], tol: f32) -> Result<Agreement, String> {
+/// that does not; when they agree, the largest difference is recorded
+/// ([`within`], as `what`; `None` for synthetic rows, not two computation
+/// orders).
+pub(super) fn agree(
+    what: Option<&str>,
+    got: &[Vec<f32>],
+    want: &[Vec<f32>],
+    tol: f32,
+) -> Result<Agreement, String> {
     if got.len() != want.len() {
         return Err(format!("{} rows against {}", got.len(), want.len()));
     }
@@ -102,6 +117,9 @@ pub(super) fn agree(got: &[Vec<f32>], want: &[Vec<f32>], tol: f32) -> Result<Agr
         } else {
             a.near_ties += 1;
         }
+    }
+    if let Some(what) = what {
+        within(what, f64::from(a.max_diff), f64::from(tol));
     }
     Ok(a)
 }
@@ -202,12 +220,12 @@ fn agreement_is_checked_against_the_tolerance_and_near_ties_are_spared() {
     let want = vec![vec![1.0, 0.0, 0.0], vec![0.5, 0.45, 0.0]];
     // Within the tolerance, same argmax where decided, either at the tie.
     let got = vec![vec![0.95, 0.02, 0.0], vec![0.45, 0.5, 0.0]];
-    let a = agree(&got, &want, 0.1).unwrap();
+    let a = agree(None, &got, &want, 0.1).unwrap();
     assert_eq!((a.decided, a.near_ties), (1, 1));
     assert!((a.max_diff - 0.05).abs() < 1e-6);
     // Over the tolerance, or another argmax where the gap is clear.
-    assert!(agree(&[vec![1.0, 0.0, 0.3], want[1].clone()], &want, 0.1).is_err());
-    assert!(agree(&[vec![0.45, 0.55, 0.0], want[1].clone()], &want, 0.6).is_err());
+    assert!(agree(None, &[vec![1.0, 0.0, 0.3], want[1].clone()], &want, 0.1).is_err());
+    assert!(agree(None, &[vec![0.45, 0.55, 0.0], want[1].clone()], &want, 0.6).is_err());
     // A continuation may leave the reference only at a near-tie.
     assert_eq!(follows(&[0, 1], &[0, 0], &want, 0.1), Ok(1));
     assert!(follows(&[1, 0], &[0, 0], &want, 0.1).is_err());

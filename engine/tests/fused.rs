@@ -5,6 +5,7 @@
 //! key novelty it reports drive H2O, KeyDiff and SnapKV eviction (page
 //! by page and head by head) to the same victims.
 
+use kvforge_engine::numerics::within;
 use kvforge_engine::{
     Axis, DedupConfig, Device, EvictionConfig, FusedBackend, Isa, Kind, KvQuant, PagedKvCache,
     ReferenceBackend, Score, Sequence, SimHashConfig, Tensor, Trigger,
@@ -72,8 +73,13 @@ fn cache(
 /// blocks) in two chunks, then decodes 60 greedy-free steps of fixed
 /// tokens; returns every step's logits and the final table.
 fn stream(c: &PagedKvCache) -> (Vec<Tensor>, kvforge_pool::BlockTable) {
-    let model = tiny();
     let toks: Vec<u32> = (0..100u32).map(|i| 3 + (i % 16) * 5).collect();
+    stream_of(c, &toks)
+}
+
+/// [`stream`] of `toks` (100 tokens).
+fn stream_of(c: &PagedKvCache, toks: &[u32]) -> (Vec<Tensor>, kvforge_pool::BlockTable) {
+    let model = tiny();
     let mut seq = Sequence::default();
     let mut outs = Vec::new();
     for chunk in [&toks[..24], &toks[24..40]] {
@@ -86,6 +92,14 @@ fn stream(c: &PagedKvCache) -> (Vec<Tensor>, kvforge_pool::BlockTable) {
     c.free(&mut seq).unwrap();
     (outs, table)
 }
+
+/// Fused against reference attention, the largest |Δlogit| of a step:
+/// worst 1.5e-4 over every kernel setting of a 2-core AMD EPYC with
+/// AVX-512 (`cargo xtask numerics`; the f16 KV cases, whose reference
+/// rounds attention through f16), 3.5e-4 on an Intel Xeon with AVX-512
+/// (`int8-kt+rot`, Scalar, 2 threads: issue 42). Wrong KV at one position
+/// moves a logit by far more (the test checks it).
+const FUSED_TOL: f64 = 2e-3;
 
 #[test]
 fn fused_decode_equals_the_reference_over_every_tier_mix() {
@@ -242,6 +256,20 @@ fn fused_decode_equals_the_reference_over_every_tier_mix() {
         ),
     ];
     let isas: Vec<Isa> = Isa::ALL.into_iter().filter(|i| i.supported()).collect();
+    // The bound still tells wrong KV apart: one prompt token other (its
+    // position's keys and values wrong) moves the reference's logits by
+    // far more than the bound.
+    let mut toks: Vec<u32> = (0..100u32).map(|i| 3 + (i % 16) * 5).collect();
+    let (right, _) = stream_of(&cache(Kind::Float, None, None, None, None), &toks);
+    toks[20] = 1;
+    let (wrong, _) = stream_of(&cache(Kind::Float, None, None, None, None), &toks);
+    let broken = right[2..]
+        .iter()
+        .zip(&wrong[2..])
+        .map(|(a, b)| max_diff(a, b))
+        .fold(f64::INFINITY, f64::min);
+    eprintln!("one position's KV wrong: every decode step's logits {broken:.3e} or more apart");
+    assert!(broken > 10.0 * FUSED_TOL, "{broken}");
     for (name, kind, q, ev, dd) in cases {
         let (want, want_table) = stream(&cache(kind, q, ev, dd, None));
         for &isa in &isas {
@@ -254,7 +282,10 @@ fn fused_decode_equals_the_reference_over_every_tier_mix() {
                 assert_eq!(table, want_table, "{name} {isa:?} x{threads}: same table");
                 for (i, (a, b)) in got.iter().zip(&want).enumerate() {
                     let d = max_diff(a, b);
-                    assert!(d < 2e-4, "{name} {isa:?} x{threads} step {i}: {d}");
+                    assert!(
+                        within(name, d, FUSED_TOL),
+                        "{name} {isa:?} x{threads} step {i}: {d}"
+                    );
                 }
             }
         }

@@ -74,11 +74,12 @@ fn constrained_decoding_gives_a_valid_block_even_from_random_weights() {
 /// A fork continues what its source holds: the source, continued on the
 /// same schedule, gives the fork's tokens bit for bit; against a fresh
 /// sequence that prefills everything at once (another computation order)
-/// the fork's teacher-forced logits agree within `TINY_TOL` and its
-/// greedy tokens follow the fresh ones up to their first near-tie.
+/// the fork's teacher-forced logits agree within `TINY_VOCAB_TOL` and its
+/// greedy tokens follow the fresh ones up to their first near-tie; a fork
+/// of a source whose KV is wrong at one position does not.
 #[test]
 fn a_fork_continues_as_a_fresh_sequence_and_leaves_the_original_alone() {
-    use super::forced::{TINY_TOL, agree, follows, forced};
+    use super::forced::{TINY_VOCAB_TOL as TOL, agree, follows, forced};
     let e = tiny_engine(None);
     let p: Vec<u32> = (0..13).map(|i| 100 + i * 7).collect();
     let suffix: Vec<u32> = vec![5, 6, 7, 8, 9];
@@ -111,9 +112,22 @@ fn a_fork_continues_as_a_fresh_sequence_and_leaves_the_original_alone() {
     let got = e
         .generate(&mut f, &suffix, &greedy, &mut |_, _| true)
         .unwrap();
-    follows(&got.tokens, &want.tokens, &want_rows, TINY_TOL).unwrap();
+    follows(&got.tokens, &want.tokens, &want_rows, TOL).unwrap();
     let rows = forced(&e, &mut f2, &suffix, &want.tokens);
-    agree(&rows, &want_rows, TINY_TOL).unwrap();
+    agree(Some("fork logits"), &rows, &want_rows, TOL).unwrap();
+    let mut wrong_source = Sequence::default();
+    let mut wrong_p = p.clone();
+    wrong_p[6] += 1;
+    let _ = e
+        .model
+        .forward(&wrong_p, &mut e.cache.view(&mut wrong_source), false)
+        .unwrap();
+    let mut wrong_fork = e.cache.fork(&wrong_source).unwrap();
+    let wrong = forced(&e, &mut wrong_fork, &suffix, &want.tokens);
+    let err = agree(None, &wrong, &want_rows, TOL).expect_err("wrong KV at one position");
+    eprintln!("a fork over wrong KV at one position: caught ({err})");
+    e.cache.free(&mut wrong_fork).unwrap();
+    e.cache.free(&mut wrong_source).unwrap();
     // The original continues as if there had been no fork.
     let after = e
         .generate(&mut a, &suffix, &greedy, &mut |_, _| true)

@@ -5,6 +5,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use kvforge_engine::gguf::GgufFile;
+use kvforge_engine::numerics::within;
 use kvforge_engine::{
     CacheManager, Engine, EngineConfig, IndexKind, ReuseConfig, SamplingParams, Sequence,
     Tokenizer, TurnTail,
@@ -141,7 +142,7 @@ fn reuse_matches_recomputing_every_prompt_over_16_turns() {
                 let mut history = 0usize;
                 for t in 0..users.len() {
                     let (reused, rows) = forced_complete(&m, "tenant", &prompts[t], &want[t]);
-                    let a = agree(&rows, &want_rows[t], TINY_TOL)
+                    let a = agree(Some("reuse logits"), &rows, &want_rows[t], TINY_TOL)
                         .unwrap_or_else(|e| panic!("{label}, turn {t}: {e}"));
                     worst = worst.max(a.max_diff);
                     // Reusable: everything computed before (history minus
@@ -190,7 +191,8 @@ fn reuse_matches_recomputing_every_prompt_over_16_turns() {
         .unwrap();
     let rows = forced(e, &mut seq, tail, &want[last]);
     e.cache.free(&mut seq).unwrap();
-    let err = agree(&rows, &want_rows[last], TINY_TOL).expect_err("a lost position is caught");
+    let err =
+        agree(None, &rows, &want_rows[last], TINY_TOL).expect_err("a lost position is caught");
     eprintln!("tiny model, a position off by one: caught ({err})");
 }
 
@@ -576,7 +578,8 @@ fn real_model_reuse_matches_a_full_recompute_within_rounding_over_16_turns() {
             "turn {t}: teacher forcing replays the run"
         );
         let want = answer_rows(&full, prompts[t].len(), answers[t].len());
-        let a = agree(&got, want, REAL_TOL).unwrap_or_else(|e| panic!("turn {t}: {e}"));
+        let a = agree(Some("reuse logits"), &got, want, REAL_TOL)
+            .unwrap_or_else(|e| panic!("turn {t}: {e}"));
         worst = worst.merge(a);
     }
     eprintln!(
@@ -607,7 +610,7 @@ fn real_model_reuse_matches_a_full_recompute_within_rounding_over_16_turns() {
             .unwrap();
         let got = forced(e, &mut seq, tail, answer);
         e.cache.free(&mut seq).unwrap();
-        let err = agree(&got, want, REAL_TOL).expect_err(what);
+        let err = agree(None, &got, want, REAL_TOL).expect_err(what);
         eprintln!("{what}: caught ({err})");
     }
 }
@@ -637,8 +640,9 @@ fn streaming_and_window_perplexity_agree_and_do_not_depend_on_chunking() {
         assert_eq!(s.chunks.iter().map(|c| c.0).sum::<usize>(), 32);
         let chunk_nll: f64 = s.chunks.iter().map(|c| c.1).sum();
         assert!((chunk_nll - s.nll_sum).abs() < 1e-9 * s.nll_sum.abs().max(1.0));
+        let rel_window = (s.nll_sum - w.nll_sum).abs() / w.nll_sum.abs().max(1.0);
         assert!(
-            (s.nll_sum - w.nll_sum).abs() < 1e-3 * w.nll_sum.abs().max(1.0),
+            within("streaming NLL against the window", rel_window, 1e-3),
             "chunk {chunk}: {} vs {}",
             s.nll_sum,
             w.nll_sum
@@ -650,7 +654,7 @@ fn streaming_and_window_perplexity_agree_and_do_not_depend_on_chunking() {
             s.ppl
         );
         assert!(
-            rel < 1e-4,
+            within("perplexity across chunk sizes", rel, 1e-4),
             "chunk {chunk} changed perplexity: {} vs {p1}",
             s.ppl
         );

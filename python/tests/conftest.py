@@ -1,7 +1,31 @@
-"""Fixtures shared by the transformers tests."""
+"""Fixtures shared by the transformers tests, and `within`: a float
+comparison between two paths, recorded for `cargo xtask numerics`."""
+
+import os
 
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "numerics: compares floats of two paths (cargo xtask numerics reruns it under other kernel settings)")
+
+
+def within(what, err, bound, kind="order"):
+    """Whether `err` is within `bound`; with KVFORGE_NUMERICS_LOG set, the
+    comparison is appended to it (the current test, `what`, the error, the
+    bound, `order` for two computation orders of the same arithmetic or
+    `loss` for a lossy path against an exact one), as the engine's
+    `numerics::within` does."""
+    err = float(err)
+    log = os.environ.get("KVFORGE_NUMERICS_LOG")
+    if log:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "unnamed").rsplit(" ", 1)[0]
+        clean = lambda s: s.replace("\t", " ").replace("\n", " ")
+        with open(log, "a", encoding="utf-8") as f:
+            f.write(f"{clean(test)}\t{clean(what)}\t{err:e}\t{float(bound):e}\t{kind}\n")
+    return err <= bound
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,12 @@
 //! pattern). Plain `std::process::Command`, so it compiles in seconds.
 //!
 //! * `setup` — venv with torch, the model, the data (see `setup.rs`).
-//! * `ci`    — setup, fmt check, clippy `-D warnings`, all tests, loom model,
-//!   a short run of each fuzz target.
+//! * `ci`    — setup, fmt check, clippy `-D warnings`, all tests, the
+//!   engine's float comparisons under every kernel setting (`numerics`),
+//!   loom model, a short run of each fuzz target.
+//! * `numerics` — the engine's tests, then its float comparisons under
+//!   every `MKL_CBWR` × `ATEN_CPU_CAPABILITY` setting of this CPU; fails
+//!   when an error passes a quarter of its bound (`target/numerics/`).
 //! * `ablate ARGS` — the main job: every mechanism on and off on the real
 //!   model (`configs/ablate.toml`; `--quick`, `--full`, `--config FILE`,
 //!   `--resume`), one report in `target/ablate/<name>/`.
@@ -40,7 +44,7 @@
 //!   against the CPU, bandwidth, engine logits, 8B-shape throughput) and
 //!   stages it, stripped, with its launcher in `target/gpu-check/`.
 //! * `model-check [CASES]` — the coordinator's randomized model-based
-//!   test at 10^5 cases (CI runs 2,000), in release.
+//!   test at 10^5 cases (CI runs 1,500), in release.
 //! * `cross-test` — the kernels' and quantizers' tests on AArch64 (the
 //!   NEON path) under `qemu-aarch64`: needs `rustup`, and Debian's
 //!   `gcc-aarch64-linux-gnu` and `qemu-user`; not part of `ci`.
@@ -51,6 +55,7 @@
 //!   libFuzzer), 10^6 runs each by default.
 //! * `tidy`  — source hygiene checks (also run by `cargo test`).
 
+mod numerics;
 mod setup;
 mod tidy;
 
@@ -60,7 +65,7 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 
 const USAGE: &str = "usage: cargo xtask <setup [--reference] | ci | ablate [--quick | --full | --config FILE] [--resume] | \
-                     bench [FILTER] | fuzz [RUNS] | kvforge ARGS... | serve ARGS... | serve-load ARGS... | prefix-bench ARGS... | remote-bench ARGS... | route-sim ARGS... | pressure ARGS... | lifecycle ARGS... | quant-sweep ARGS... | decode-ab ARGS... | gpu-check | model-check [CASES] | cross-test | kv-stats ARGS... | engine-bench [CONTEXT] [DECODE] | tidy>";
+                     bench [FILTER] | fuzz [RUNS] | kvforge ARGS... | serve ARGS... | serve-load ARGS... | prefix-bench ARGS... | remote-bench ARGS... | route-sim ARGS... | pressure ARGS... | lifecycle ARGS... | quant-sweep ARGS... | decode-ab ARGS... | gpu-check | model-check [CASES] | numerics | cross-test | kv-stats ARGS... | engine-bench [CONTEXT] [DECODE] | tidy>";
 
 fn main() {
     if let Err(e) = run() {
@@ -135,6 +140,14 @@ fn run() -> Result<()> {
             model_check(&root, cases)
         }
         Some("cross-test") if args.len() == 1 => cross_test(&root),
+        Some("numerics") if args.len() == 1 => {
+            let env = setup::setup(&root, false)?;
+            let none = numerics::Baselines {
+                engine: None,
+                python: None,
+            };
+            numerics::numerics(&root, &env, none)
+        }
         Some("bench") if args.len() <= 2 => bench(&root, args.get(1).map(String::as_str)),
         Some("fuzz") if args.len() <= 2 => {
             let runs = match args.get(1) {
@@ -307,32 +320,36 @@ fn ci(root: &Path) -> Result<()> {
     // and run under the CPU emulator in every CI run: a missing library or
     // compiler fails the tests instead of skipping them.
     let nvrtc = nvrtc_dir(root)?;
+    // The run as it is records the engine's float comparisons: the
+    // baseline of the kernel matrix below.
+    let baseline = root.join("target/numerics/baseline.tsv");
+    std::fs::create_dir_all(root.join("target/numerics"))?;
+    let _ = std::fs::remove_file(&baseline);
     let mut test = cargo();
     test.current_dir(root)
         .env("LD_LIBRARY_PATH", prepend_path(&nvrtc, "LD_LIBRARY_PATH"))
         .env("KVFORGE_REQUIRE_NVRTC", "1")
         .env("KVFORGE_REDIS_SERVER", &env.redis_server)
+        .env("KVFORGE_NUMERICS_LOG", &baseline)
         .args(["test", "--workspace"]);
     step("cargo test --workspace", test)?;
 
     // The Python package, rebuilt from these sources, and its pytest suite
     // (offline: the model is the local GGUF).
     setup::python_package(root, &env.python, true)?;
-    let mut pytest = Command::new(&env.python);
+    let py_baseline = root.join("target/numerics/python-baseline.tsv");
+    let _ = std::fs::remove_file(&py_baseline);
+    let mut pytest = numerics::pytest(root, &env.python);
     pytest
-        .current_dir(root)
-        .env("HF_HUB_OFFLINE", "1")
-        .env("TRANSFORMERS_OFFLINE", "1")
-        .env("KVFORGE_REQUIRE_ALL", "1")
-        .args([
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "python/tests",
-        ]);
+        .env("KVFORGE_NUMERICS_LOG", &py_baseline)
+        .arg("python/tests");
     step("pytest python/tests", pytest)?;
+    // The same comparisons under every other kernel setting of this CPU.
+    let base = numerics::Baselines {
+        engine: Some(&baseline),
+        python: Some(&py_baseline),
+    };
+    numerics::numerics(root, &env, base)?;
 
     // The loom model needs its own cfg, hence its own target directory.
     let mut loom = cargo();

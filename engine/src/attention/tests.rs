@@ -24,6 +24,22 @@ fn dense(q: &[f64], k: &[Vec<f64>], v: &[Vec<f64>]) -> (Vec<f64>, Vec<f64>) {
     (out, w)
 }
 
+/// The largest |difference| between `got` and `want`, checked against
+/// `bound` and recorded ([`crate::numerics::within`]).
+fn close<'a>(
+    what: &str,
+    got: impl IntoIterator<Item = f64>,
+    want: impl IntoIterator<Item = &'a f64>,
+    bound: f64,
+) -> bool {
+    let d = got
+        .into_iter()
+        .zip(want)
+        .map(|(g, w)| (g - w).abs())
+        .fold(0.0, f64::max);
+    crate::numerics::within(what, d, bound)
+}
+
 fn row(t: &Tensor, i: i64) -> Vec<f64> {
     Vec::<f64>::try_from(t.get(i).to_kind(Kind::Double).flatten(0, -1)).unwrap()
 }
@@ -69,23 +85,23 @@ fn dropped_entries_are_skipped_positions_kept_and_mass_is_per_entry() {
         let vals: Vec<Vec<f64>> = slots[..visible].iter().map(|&s| row(&v, s)).collect();
         let (out, w) = dense(&row(&q, qi), &keys, &vals);
         let got = row(&a.out, qi);
-        for (x, y) in got.iter().zip(&out) {
-            assert!((x - y).abs() < 1e-4, "query {qi}: {got:?} vs {out:?}");
-        }
+        assert!(
+            close("output", got.iter().copied(), &out, 1e-4),
+            "query {qi}: {got:?} vs {out:?}"
+        );
         for (j, wj) in w.iter().enumerate() {
             want_mass[[0, 2, 3][j / 4]] += wj;
         }
     }
     assert_eq!(mass.len(), 4);
     assert_eq!(mass[1], 0.0, "dropped");
-    for (m, w) in mass.iter().zip(want_mass) {
-        assert!(
-            (f64::from(*m) - w).abs() < 1e-4,
-            "{mass:?} vs {want_mass:?}"
-        );
-    }
+    let mass64 = || mass.iter().map(|m| f64::from(*m));
     assert!(
-        (mass.iter().sum::<f32>() - 2.0).abs() < 1e-4,
+        close("mass", mass64(), &want_mass, 1e-4),
+        "{mass:?} vs {want_mass:?}"
+    );
+    assert!(
+        close("mass sum", [mass64().sum::<f64>()], &[2.0], 1e-4),
         "one per query"
     );
 }
@@ -139,11 +155,10 @@ fn windowed_mass_per_head_counts_only_the_last_queries() {
         }
     }
     assert_eq!(mass.len(), 6);
-    for (m, w) in mass.iter().zip(want) {
-        assert!((f64::from(*m) - w).abs() < 1e-4, "{mass:?} vs {want:?}");
-    }
+    let mass64 = || mass.iter().map(|m| f64::from(*m));
+    assert!(close("mass", mass64(), &want, 1e-4), "{mass:?} vs {want:?}");
     // Two queries × four heads of weight one each.
-    assert!((mass.iter().sum::<f32>() - 8.0).abs() < 1e-4);
+    assert!(close("mass sum", [mass64().sum::<f64>()], &[8.0], 1e-4));
 }
 
 /// Token-level eviction's holes: attention reads only a holed entry's
@@ -185,21 +200,18 @@ fn holes_are_skipped_and_mass_per_token_is_per_row() {
         let vals: Vec<Vec<f64>> = slots.iter().map(|&s| row(&v, s)).collect();
         let (out, w) = dense(&row(&q, 0), &keys, &vals);
         let got = row(&a.out, 0);
-        for (x, y) in got.iter().zip(&out) {
-            assert!(
-                (x - y).abs() < 1e-4,
-                "{}: {got:?} vs {out:?}",
-                backend.name()
-            );
-        }
+        assert!(
+            close(backend.name(), got.iter().copied(), &out, 1e-4),
+            "{}: {got:?} vs {out:?}",
+            backend.name()
+        );
         let Some(mass) = a.mass else {
             continue;
         };
         let want = [w[0], 0.0, 0.0, w[1], w[2], w[3], 0.0, 0.0];
         assert_eq!(mass.len(), 8);
-        for (m, w) in mass.iter().zip(want) {
-            assert!((f64::from(*m) - w).abs() < 1e-5, "{mass:?} vs {want:?}");
-        }
+        let got = mass.iter().map(|m| f64::from(*m));
+        assert!(close("mass", got, &want, 1e-5), "{mass:?} vs {want:?}");
     }
 }
 
@@ -262,15 +274,16 @@ fn key_novelty_is_the_distance_from_the_mean_live_key_per_entry() {
         }
     }
     assert_eq!(got_heads.len(), 6, "per entry and head");
-    for (g, w) in got_heads.iter().zip(want_heads) {
-        assert!(
-            (f64::from(*g) - w).abs() < 1e-4,
-            "{got_heads:?} vs {want_heads:?}"
-        );
-    }
+    let heads = got_heads.iter().map(|g| f64::from(*g));
+    assert!(
+        close("novelty per head", heads, &want_heads, 1e-4),
+        "{got_heads:?} vs {want_heads:?}"
+    );
     assert_eq!(got.len(), 3);
     assert_eq!(got[1], 0.0, "dropped");
-    for (g, w) in got.iter().zip(want) {
-        assert!((f64::from(*g) - w).abs() < 1e-4, "{got:?} vs {want:?}");
-    }
+    let entries = got.iter().map(|g| f64::from(*g));
+    assert!(
+        close("novelty", entries, &want, 1e-4),
+        "{got:?} vs {want:?}"
+    );
 }

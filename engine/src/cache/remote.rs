@@ -82,7 +82,10 @@ impl RemoteLink {
     }
 
     /// Runs of consecutive blocks of `range` that travel alike.
-    pub(super) fn runs(&self, range: std::ops::Range<usize>) -> Vec<(Part, std::ops::Range<usize>)> {
+    pub(super) fn runs(
+        &self,
+        range: std::ops::Range<usize>,
+    ) -> Vec<(Part, std::ops::Range<usize>)> {
         let cut = self.hot_blocks.clamp(range.start, range.end);
         [(Part::Hot, range.start..cut), (Part::Cold, cut..range.end)]
             .into_iter()
@@ -277,5 +280,4 @@ impl PagedKvCache {
         }
         Ok(out)
     }
-
 }

@@ -11,27 +11,51 @@ use super::{Series, c};
 type Counter = (&'static str, &'static str, fn(&RemoteStats) -> u64);
 
 const COUNTERS: &[Counter] = &[
-    ("remote_lookups_total", "Remote lookup rounds (one per prompt that asked).", |r| r.lookups),
+    (
+        "remote_lookups_total",
+        "Remote lookup rounds (one per prompt that asked).",
+        |r| r.lookups,
+    ),
     (
         "remote_lookups_skipped_total",
         "Lookups skipped in the back-off after a timeout or a lost connection (each a miss).",
         |r| r.lookups_skipped,
     ),
-    ("remote_lookup_blocks_total", "Blocks asked of the remote tier.", |r| r.lookup_blocks),
-    ("remote_hit_blocks_total", "Blocks found there and verified.", |r| r.hit_blocks),
+    (
+        "remote_lookup_blocks_total",
+        "Blocks asked of the remote tier.",
+        |r| r.lookup_blocks,
+    ),
+    (
+        "remote_hit_blocks_total",
+        "Blocks found there and verified.",
+        |r| r.hit_blocks,
+    ),
     (
         "remote_hit_tokens_total",
         "Tokens those blocks hold (not recomputed).",
         |r| r.hit_tokens,
     ),
-    ("remote_miss_blocks_total", "Blocks asked for and not used.", |r| r.miss_blocks),
+    (
+        "remote_miss_blocks_total",
+        "Blocks asked for and not used.",
+        |r| r.miss_blocks,
+    ),
     (
         "remote_invalid_blocks_total",
         "Values found that failed verification (forged, corrupt, truncated, foreign).",
         |r| r.invalid_blocks,
     ),
-    ("remote_put_blocks_total", "Blocks written to the remote tier.", |r| r.put_blocks),
-    ("remote_put_existing_total", "Blocks the remote tier already held.", |r| r.put_existing),
+    (
+        "remote_put_blocks_total",
+        "Blocks written to the remote tier.",
+        |r| r.put_blocks,
+    ),
+    (
+        "remote_put_existing_total",
+        "Blocks the remote tier already held.",
+        |r| r.put_existing,
+    ),
     (
         "remote_put_dropped_total",
         "Blocks not written: the write-behind queue was full.",
@@ -62,8 +86,16 @@ const COUNTERS: &[Counter] = &[
         "Times the store was found to have forgotten everything (its blocks offered again).",
         |r| r.store_resets,
     ),
-    ("remote_bytes_in_total", "Bytes read from the remote tier.", |r| r.bytes_in),
-    ("remote_bytes_out_total", "Bytes written to the remote tier.", |r| r.bytes_out),
+    (
+        "remote_bytes_in_total",
+        "Bytes read from the remote tier.",
+        |r| r.bytes_in,
+    ),
+    (
+        "remote_bytes_out_total",
+        "Bytes written to the remote tier.",
+        |r| r.bytes_out,
+    ),
 ];
 
 /// The remote tier's counters as series.
