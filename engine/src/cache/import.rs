@@ -9,6 +9,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use kvforge_coordinator::{COLD, HOT, SeqId, TieredPool};
+use kvforge_pool::StorageFormat;
 use kvforge_prefix::ExtraKeys;
 use kvforge_remote::RemoteCache;
 
@@ -122,6 +123,11 @@ impl PagedKvCache {
     /// values that are not finite (a verified blob's numbers are checked
     /// too: nothing non-finite reaches attention).
     fn write_hot(&self, slot: usize, bytes: &[u8]) -> Result<()> {
+        if !all_finite(self.hot_layout.format(), bytes) {
+            return Err(EngineError::Request(
+                "a remote block with values that are not finite".into(),
+            ));
+        }
         let bs = self.block_size as i64;
         let per = self.hot_layout.block_bytes() as usize / (2 * self.k.len());
         let dims = [bs, self.shape.heads as i64, self.shape.head_dim as i64];
@@ -132,16 +138,30 @@ impl PagedKvCache {
             .flat_map(|(k, v)| [k, v])
             .enumerate()
         {
-            let src = Tensor::f_from_data_size(&bytes[i * per..(i + 1) * per], &dims, t.kind())?;
-            if src.f_isfinite()?.f_all()?.f_int64_value(&[])? == 0 {
-                return Err(EngineError::Request(
-                    "a remote block with values that are not finite".into(),
-                ));
-            }
-            let src = src.f_to_device(t.device())?;
+            let src = Tensor::f_from_data_size(&bytes[i * per..(i + 1) * per], &dims, t.kind())?
+                .f_to_device(t.device())?;
             t.f_narrow(0, slot as i64 * bs, bs)?.f_copy_(&src)?;
         }
         Ok(())
+    }
+}
+
+/// Whether every value of `bytes` (little-endian, in `format`) is finite:
+/// its exponent bits are not all ones. A format that is not a float is
+/// not a hot tier's (the link refuses it).
+pub(super) fn all_finite(format: StorageFormat, bytes: &[u8]) -> bool {
+    let half = |exp: u16| {
+        bytes
+            .chunks_exact(2)
+            .all(|c| u16::from_le_bytes([c[0], c[1]]) & exp != exp)
+    };
+    match format {
+        StorageFormat::F16 => half(0x7c00),
+        StorageFormat::BF16 => half(0x7f80),
+        StorageFormat::F32 => bytes
+            .chunks_exact(4)
+            .all(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) & 0x7f80_0000 != 0x7f80_0000),
+        _ => false,
     }
 }
 

@@ -192,3 +192,32 @@ fn an_in_place_pack_permutes_lanes_and_undoes_exactly() {
         assert!(t.equal(old), "undone exactly");
     }
 }
+
+/// Remote payloads are checked finite on arrival, in every hot dtype.
+#[test]
+fn non_finite_remote_values_are_recognised_in_every_hot_dtype() {
+    use super::import::all_finite;
+    use kvforge_pool::StorageFormat;
+    let f16 = |v: f32| half::f16::from_f32(v).to_bits().to_le_bytes();
+    let bf16 = |v: f32| half::bf16::from_f32(v).to_bits().to_le_bytes();
+    let fine = [0.0f32, -1.5, 65504.0, 1e-7];
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        for (format, enc) in [
+            (StorageFormat::F16, &f16 as &dyn Fn(f32) -> [u8; 2]),
+            (StorageFormat::BF16, &bf16),
+        ] {
+            let ok: Vec<u8> = fine.iter().flat_map(|&v| enc(v)).collect();
+            assert!(all_finite(format, &ok), "{format:?}");
+            let mut with = ok.clone();
+            with.extend(enc(bad));
+            assert!(!all_finite(format, &with), "{format:?} {bad}");
+        }
+        let ok: Vec<u8> = fine.iter().flat_map(|v| v.to_le_bytes()).collect();
+        assert!(all_finite(StorageFormat::F32, &ok));
+        let mut with = ok.clone();
+        with.extend(bad.to_le_bytes());
+        assert!(!all_finite(StorageFormat::F32, &with), "f32 {bad}");
+    }
+    let int8 = StorageFormat::Int8 { group_size: 32 };
+    assert!(!all_finite(int8, &[0, 0]), "not a hot format");
+}
