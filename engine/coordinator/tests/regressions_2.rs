@@ -101,6 +101,37 @@ fn idle_cut_config(budget: u64, low: f64) -> CoordinatorConfig {
     cfg
 }
 
+/// S holds two full hot blocks; idle I four cold and two hot ones, under
+/// a budget that S's next step (a demotion and one hot block) fits only by
+/// cutting I's oldest cold entries.
+fn stepping_and_idle() -> (Coordinator, EngineColdStore, SeqId, SeqId) {
+    let (h, k) = (hot_bytes(), cold_bytes());
+    let mut c = Coordinator::new(idle_cut_config(4 * h + 5 * k - 1, 0.9)).unwrap();
+    c.check_every_call(true);
+    let mut st = EngineColdStore::default();
+    let s = c.open_empty();
+    engine_step(&mut c, &mut st, s, 8);
+    let i = c.open_empty();
+    for _ in 0..6 {
+        engine_step(&mut c, &mut st, i, 4);
+    }
+    (c, st, s, i)
+}
+
+/// The eviction of `idle_cut_config`, on its own.
+fn lfu() -> kvforge_evict::Scored {
+    kvforge_evict::Scored::new(
+        Score::Lfu,
+        Trigger::Watermark {
+            high: 1.0,
+            low: 0.9,
+        },
+        0,
+        4,
+    )
+    .unwrap()
+}
+
 /// Finding 1 (wrong KV / storage freed under a reader). A plan that only fits by
 /// cutting an idle sequence's cold entries releases their blocks (reported
 /// by `take_freed_cold`), then allocates the step's fresh cold copy — which
@@ -111,15 +142,7 @@ fn idle_cut_config(budget: u64, low: f64) -> CoordinatorConfig {
 #[test]
 fn a_cold_slot_reported_freed_is_not_handed_out_again_before_the_report_is_taken() {
     let (h, k) = (hot_bytes(), cold_bytes());
-    let mut c = Coordinator::new(idle_cut_config(4 * h + 5 * k - 1, 0.9)).unwrap();
-    c.check_every_call(true);
-    let mut st = EngineColdStore::default();
-    let s = c.open_empty();
-    engine_step(&mut c, &mut st, s, 8); // two full hot blocks
-    let i = c.open_empty();
-    for _ in 0..6 {
-        engine_step(&mut c, &mut st, i, 4); // 4 cold + 2 hot blocks
-    }
+    let (mut c, mut st, s, i) = stepping_and_idle();
     assert_eq!(c.bytes_in_use(), 4 * h + 4 * k);
     // S's next step demotes its block 0 and needs one hot block: it fits
     // only by cutting idle I's oldest cold entries.
@@ -324,26 +347,8 @@ impl EvictionPolicy for FailsFor {
 /// `EvictionPolicy::take_error`), not the stepping one's.
 #[test]
 fn a_policy_failing_on_an_idle_sequence_mid_plan_changes_nothing() {
-    let (h, k) = (hot_bytes(), cold_bytes());
-    let mut c = Coordinator::new(idle_cut_config(4 * h + 5 * k - 1, 0.9)).unwrap();
-    c.check_every_call(true);
-    let mut st = EngineColdStore::default();
-    let s = c.open_empty();
-    engine_step(&mut c, &mut st, s, 8);
-    let i = c.open_empty();
-    for _ in 0..6 {
-        engine_step(&mut c, &mut st, i, 4);
-    }
-    let inner = kvforge_evict::Scored::new(
-        Score::Lfu,
-        Trigger::Watermark {
-            high: 1.0,
-            low: 0.9,
-        },
-        0,
-        4,
-    )
-    .unwrap();
+    let (mut c, _, s, i) = stepping_and_idle();
+    let inner = lfu();
     c.set_eviction_policy(Some(Box::new(FailsFor {
         inner,
         fail: Some(i),
@@ -576,32 +581,14 @@ impl EvictionPolicy for PyLike {
 }
 
 /// Finding 3 (contract): "an `observe` that raises fails the sequence's
-/// next step" (python/src/policy.rs:6-10). When another sequence's step
-/// needs room, the coordinator asks the policy about the idle one
-/// (evict.rs:165-166) and fails the *stepping* sequence with the idle
-/// one's words; the idle sequence's own next step then succeeds.
+/// next step" (python/src/policy.rs). When another sequence's step needs
+/// room, the coordinator asks the policy about the idle one: the failure
+/// is the idle sequence's — its own next step fails with it — and never
+/// the stepping sequence's.
 #[test]
 fn a_failed_observe_fails_its_own_sequences_next_step_not_anothers() {
-    let (h, k) = (hot_bytes(), cold_bytes());
-    let mut c = Coordinator::new(idle_cut_config(4 * h + 5 * k - 1, 0.9)).unwrap();
-    c.check_every_call(true);
-    let mut st = EngineColdStore::default();
-    let s = c.open_empty();
-    engine_step(&mut c, &mut st, s, 8);
-    let i = c.open_empty();
-    for _ in 0..6 {
-        engine_step(&mut c, &mut st, i, 4);
-    }
-    let inner = kvforge_evict::Scored::new(
-        Score::Lfu,
-        Trigger::Watermark {
-            high: 1.0,
-            low: 0.9,
-        },
-        0,
-        4,
-    )
-    .unwrap();
+    let (mut c, _, s, i) = stepping_and_idle();
+    let inner = lfu();
     let mut observed = HashMap::new();
     observed.insert(i, format!("seq {i}: ZeroDivisionError in observe"));
     c.set_eviction_policy(Some(Box::new(PyLike {
