@@ -35,8 +35,8 @@ pub const PIECE_BYTES: usize = 64 << 10;
 /// The first piece of `text` for [`Tokenizer::encode_text_within`]: all of
 /// it when short, else up to the first space after [`PIECE_BYTES`] that
 /// stands between two non-space characters (searched for another
-/// [`PIECE_BYTES`]), and whether it was cut there (else at a character
-/// boundary, where the ids may differ a little from the whole text's).
+/// [`PIECE_BYTES`]), and whether it ends cleanly — at the text's end or
+/// such a space (else at a character boundary, inside a pre-token).
 fn first_piece(text: &str) -> (&str, bool) {
     if text.len() <= PIECE_BYTES {
         return (text, true);
@@ -236,38 +236,50 @@ impl Tokenizer {
     }
 
     /// [`encode_text`](Self::encode_text), or `None` as soon as `text` is
-    /// known to hold more than `max` tokens: a long text is counted in
-    /// pieces of about [`PIECE_BYTES`], each cut at a space between two
-    /// words (where the pre-tokenizer cuts anyway), and the work stops once
-    /// the count is past `max` — a multi-megabyte prompt for a context of
-    /// thousands costs the encoding of about `max` tokens, not of its
-    /// whole length. A text that stays within `max` is encoded whole (its
-    /// ids are exactly [`encode_text`](Self::encode_text)'s).
+    /// known to hold more than `max` tokens. A long text is counted in
+    /// pieces of about [`PIECE_BYTES`]: a piece that both starts and ends
+    /// at a space between two words (where the pre-tokenizer cuts anyway)
+    /// counts exactly its tokens; a run of pieces cut elsewhere (no such
+    /// space in reach: CJK prose, base64) counts the fewest tokens its
+    /// bytes can be, by the longest token's length. So the count is a
+    /// lower bound of the whole text's, the work stops once it passes
+    /// `max` — a multi-megabyte prompt for a context of thousands costs
+    /// the encoding of about `max` tokens — and a text that fits is never
+    /// refused: it is encoded whole (its ids exactly
+    /// [`encode_text`](Self::encode_text)'s).
     pub fn encode_text_within(&self, text: &str, max: usize) -> Result<Option<Vec<u32>>> {
         // Every token holds at least one byte of the text.
         if text.len() <= max {
             return self.encode_text(text).map(Some);
         }
-        let (mut count, mut pieces, mut rest) = (0usize, 0usize, text);
-        // Pieces cut elsewhere than between words: each may count a token
-        // more than the whole text holds there.
-        let mut rough = 0;
+        let longest = self.longest_token_bytes();
+        let (mut lower, mut rest, mut start_clean) = (0usize, text, true);
         while !rest.is_empty() {
-            let (piece, clean) = first_piece(rest);
-            rough += usize::from(!clean);
-            pieces += 1;
-            let ids = self.encode_text(piece)?;
-            count += ids.len();
-            if count > max.saturating_add(rough) {
+            let (piece, end_clean) = first_piece(rest);
+            lower += if start_clean && end_clean {
+                self.encode_text(piece)?.len()
+            } else {
+                piece.len() / longest
+            };
+            if lower > max {
                 return Ok(None);
             }
-            if pieces == 1 && piece.len() == text.len() {
-                return Ok((count <= max).then_some(ids));
-            }
             rest = &rest[piece.len()..];
+            start_clean = end_clean;
         }
         let ids = self.encode_text(text)?;
         Ok((ids.len() <= max).then_some(ids))
+    }
+
+    /// Bytes of the longest token's text (at least 1; a byte that is not a
+    /// whole character counts as U+FFFD's three, which only overstates it).
+    fn longest_token_bytes(&self) -> usize {
+        self.pieces()
+            .iter()
+            .map(String::len)
+            .max()
+            .unwrap_or(1)
+            .max(1)
     }
 
     /// [`chat_prompt`](Self::chat_prompt) as token ids, with every

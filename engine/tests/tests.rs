@@ -8,6 +8,7 @@ use std::process::Command;
 
 use kvforge_engine::gguf::GgufFile;
 use kvforge_engine::numerics::within;
+use kvforge_engine::tokenizer::PIECE_BYTES;
 use kvforge_engine::{
     ContiguousCache, Device, Engine, EngineConfig, EngineError, Kind, KvStore, Lack, Llama,
     LlamaConfig, PagedKvCache, SamplingParams, Sequence, Tokenizer, parse_device, parse_dtype,
@@ -229,7 +230,6 @@ fn tokenizer_json_round_trips() {
 /// whether it fits one piece or several, cut between words or not.
 #[test]
 fn encoding_within_a_limit_stops_early_and_otherwise_matches_the_whole() {
-    use kvforge_engine::tokenizer::PIECE_BYTES;
     let tok = Tokenizer::from_gguf(&GgufFile::open(&model_path()).unwrap()).unwrap();
     let words = "The harbour's 12 old cranes, rusted; 🦀 and\nthen  more words. ";
     let long = words.repeat(3 * PIECE_BYTES / words.len());
@@ -261,6 +261,80 @@ fn encoding_within_a_limit_stops_early_and_otherwise_matches_the_whole() {
         Some(ids.clone())
     );
     assert_eq!(tok.chat_ids_within(&msgs, ids.len() - 1).unwrap(), None);
+}
+
+/// The word and cut whose two halves cost the most tokens more than the
+/// whole word.
+fn worst_split(t: &Tokenizer, words: &[&str]) -> (String, usize, usize) {
+    let mut best = (String::new(), 0, 0);
+    for w in words {
+        let whole = t.encode_text(&format!("\n{w}")).unwrap().len();
+        for k in 1..w.len() {
+            if !w.is_char_boundary(k) {
+                continue;
+            }
+            let a = t.encode_text(&format!("\n{}", &w[..k])).unwrap().len();
+            let b = t.encode_text(&w[k..]).unwrap().len();
+            let extra = (a + b).saturating_sub(whole);
+            if extra > best.2 {
+                best = (w.to_string(), k, extra);
+            }
+        }
+    }
+    best
+}
+
+/// `encode_text_within` never refuses a text that fits, even when a piece
+/// is cut inside a word (no space between two words within reach) and the
+/// two halves cost more tokens than the whole word (the review of issue
+/// 42's fixes, R2: a text of exactly `max` tokens was refused).
+#[test]
+fn a_text_that_fits_is_never_refused_when_a_piece_is_cut_inside_a_word() {
+    let t = Tokenizer::from_gguf(&GgufFile::open(&model_path()).unwrap()).unwrap();
+    let words = [
+        "internationalization",
+        "Mathematics",
+        "understanding",
+        "responsibilities",
+        "administration",
+        "photosynthesis",
+        "characteristically",
+        "counterrevolutionary",
+        "electroencephalography",
+        "incomprehensibilities",
+        "supercalifragilistic",
+        "thermodynamics",
+        "implementation",
+        "nevertheless",
+    ];
+    let (w, k, extra) = worst_split(&t, &words);
+    eprintln!("worst split: {w:?} at {k}: {extra} tokens more than the whole word");
+    // Lines of words, no space anywhere: the first piece is cut at exactly
+    // PIECE_BYTES, which falls k bytes into `w`.
+    let filler = "word\n";
+    let mut text = String::new();
+    while text.len() + filler.len() < PIECE_BYTES - k - 1 {
+        text.push_str(filler);
+    }
+    while text.len() < PIECE_BYTES - k - 1 {
+        text.push('x');
+    }
+    text.push('\n');
+    assert_eq!(text.len(), PIECE_BYTES - k);
+    text.push_str(&w);
+    text.push('\n');
+    while text.len() < PIECE_BYTES + 40_000 {
+        text.push_str(filler);
+    }
+    assert!(!text.contains(' '));
+    let all = t.encode_text(&text).unwrap();
+    let got = t.encode_text_within(&text, all.len()).unwrap();
+    assert!(
+        got.as_deref() == Some(&all[..]),
+        "a text of {} tokens refused under a limit of {} tokens (the cut at byte {PIECE_BYTES} splits {w:?} after {k} bytes, {extra} tokens more than whole)",
+        all.len(),
+        all.len()
+    );
 }
 
 // ----------------------------------------------------------------------------

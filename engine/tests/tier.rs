@@ -3,7 +3,7 @@
 
 use kvforge_engine::numerics::{within, within_loss};
 use kvforge_engine::{
-    Axis, ContiguousCache, Device, Kind, KvQuant, PagedKvCache, Sequence, Tensor,
+    Axis, ContiguousCache, Device, EvictionConfig, Kind, KvQuant, PagedKvCache, Sequence, Tensor,
 };
 use kvforge_pool::{BlockId, Slot};
 
@@ -314,4 +314,132 @@ fn out_of_range_kv_is_reported_and_the_block_stays_hot() {
         },
         "is outside what int4",
     );
+}
+
+/// A cold tier (window 8) under sink-and-window eviction: each step drops
+/// the oldest cold entries (their blocks released for good and reported
+/// freed) and allocates the step's hot blocks in the same plan. The cold
+/// tier stores exactly what the coordinator counts after every step, and
+/// nothing once the sequence is freed (a hot allocation once withdrew the
+/// report of the cold block of the same slot number: the review of issue
+/// 42's fixes, R1).
+#[test]
+fn cold_storage_matches_the_cold_blocks_in_use() {
+    let model = tiny();
+    let toks: Vec<u32> = (0..160u32).map(|i| (i * 37 + 11) % 97).collect();
+    let mut found = None;
+    'all: for kv_tokens in [64usize, 128, 512] {
+        for window in [12usize, 16, 20, 24] {
+            for chunk_len in 1..8 {
+                let mut cache =
+                    PagedKvCache::new(&model.cfg, 4, kv_tokens, Device::Cpu, Kind::Float).unwrap();
+                let mut cfg = cache.base_config();
+                cfg.eviction = Some(EvictionConfig::SinkWindow { sink: 4, window });
+                let quant = KvQuant {
+                    bits: 4,
+                    group_size: 8,
+                    window: 8,
+                    rotate: false,
+                    key_axis: Axis::PerChannel,
+                    sink: 4,
+                };
+                cache.configure(cfg, Some(quant)).unwrap();
+                let mut seq = Sequence::default();
+                for (k, chunk) in toks.chunks(chunk_len).enumerate() {
+                    let _ = model
+                        .forward(chunk, &mut cache.view(&mut seq), false)
+                        .unwrap();
+                    let (_, counted) = cache.tier_bytes();
+                    let stored = cache.cold_stored_bytes();
+                    if stored != counted {
+                        found = Some(format!(
+                            "kv_tokens {kv_tokens}, eviction window {window}, steps of {chunk_len}: after step {k} the cold tier stores {stored} bytes where the coordinator counts {counted}"
+                        ));
+                    }
+                }
+                cache.free(&mut seq).unwrap();
+                let left = cache.cold_stored_bytes();
+                if left != 0 {
+                    let f = found.take().unwrap_or_default();
+                    found = Some(format!(
+                        "{f}; after the sequence is freed it still stores {left} bytes"
+                    ));
+                }
+                if found.is_some() {
+                    break 'all;
+                }
+            }
+        }
+    }
+    assert!(found.is_none(), "{}", found.unwrap());
+}
+
+/// The same with idle cuts, where the releases happen at plan time,
+/// before the step's own allocations (coordinator/step.rs): three
+/// sequences under a byte budget, page eviction only when it is full (a
+/// step that does not fit cuts idle sequences' entries), a cold tier of
+/// window 4. After every step the engine stores exactly what the
+/// coordinator counts.
+#[test]
+fn cold_storage_matches_the_cold_blocks_in_use_under_idle_cuts() {
+    use kvforge_engine::{Score, Trigger};
+    let model = tiny();
+    let mut found = None;
+    'cases: for case in 0..60u64 {
+        let mut rng = case.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let mut next = move || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        let mut cache = PagedKvCache::new(&model.cfg, 4, 64, Device::Cpu, Kind::Float).unwrap();
+        let quant = KvQuant {
+            bits: 4,
+            group_size: 8,
+            window: 4,
+            rotate: false,
+            key_axis: Axis::PerChannel,
+            sink: 0,
+        };
+        cache.set_cold_tier(Some(quant)).unwrap();
+        let (h, k) = {
+            let t = cache.tier_stats();
+            (t[0].pool.block_bytes, t[1].pool.block_bytes)
+        };
+        let mut cfg = cache.config();
+        cfg.budget_bytes = (3 + next() % 4) * h + (2 + next() % 6) * k - 1;
+        cfg.eviction = Some(EvictionConfig::Scored {
+            score: Score::Lfu,
+            trigger: Trigger::Watermark {
+                high: 1.0,
+                low: 0.9,
+            },
+            sink: 0,
+            window: 4,
+            per_head: false,
+            per_token: false,
+        });
+        cache.configure(cfg, Some(quant)).unwrap();
+        let mut seqs: Vec<Sequence> = (0..3).map(|_| Sequence::default()).collect();
+        for op in 0..60 {
+            let j = (next() % 3) as usize;
+            if next() % 10 == 0 {
+                cache.free(&mut seqs[j]).unwrap();
+            } else {
+                let n = 1 + (next() % 6) as usize;
+                let chunk: Vec<u32> = (0..n as u32).map(|i| (i * 37 + op * 11) % 97).collect();
+                let _ = model.forward(&chunk, &mut cache.view(&mut seqs[j]), false);
+            }
+            let (_, counted) = cache.tier_bytes();
+            let stored = cache.cold_stored_bytes();
+            if stored != counted {
+                found = Some(format!(
+                    "case {case} op {op}: the cold tier stores {stored} bytes where the coordinator counts {counted} (cold block bytes {k})"
+                ));
+                break 'cases;
+            }
+        }
+    }
+    assert!(found.is_none(), "{}", found.unwrap());
 }

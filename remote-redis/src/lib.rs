@@ -73,6 +73,8 @@ pub struct RedisTier {
     reads: Arc<Conn>,
     /// Writes, renewals, deletions.
     writes: Arc<Conn>,
+    /// Connections found dropped (retried or not).
+    reconnects: Arc<std::sync::atomic::AtomicU64>,
     rt: Option<tokio::runtime::Runtime>,
 }
 
@@ -151,6 +153,7 @@ impl RedisTier {
             cfg,
             reads,
             writes,
+            reconnects: Arc::default(),
             rt: Some(rt),
         })
     }
@@ -169,10 +172,14 @@ impl RedisTier {
             Lane::Read => self.reads.clone(),
             Lane::Write => self.writes.clone(),
         };
+        let reconnects = self.reconnects.clone();
         rt.spawn(async move {
             let once = async {
                 match batch(conn.clone(), cmds.clone()).await {
-                    Err(e) if remote(&e).kind == ErrorKind::Connection => batch(conn, cmds).await,
+                    Err(e) if remote(&e).kind == ErrorKind::Connection => {
+                        reconnects.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        batch(conn, cmds).await
+                    }
                     r => r,
                 }
             };
@@ -208,10 +215,11 @@ impl Drop for RedisTier {
 }
 
 /// One key's answer in a batch: its value, or the store refusing that
-/// key alone (a wrong type, say) while the others were answered.
+/// command alone (with its error code: `WRONGTYPE`, `OOM`, `BUSY`, …)
+/// while the others were answered.
 enum Item {
     Value(Value),
-    Refused,
+    Refused(String),
 }
 
 /// One command per key, all sent before any answer is awaited (routed per
@@ -231,7 +239,9 @@ async fn each<C: ConnectionLike + Clone + Send + 'static>(
         .into_iter()
         .map(|a| match a {
             Ok(v) => Ok(Item::Value(v)),
-            Err(e) if remote(&e).kind == ErrorKind::Store => Ok(Item::Refused),
+            Err(e) if remote(&e).kind == ErrorKind::Store => {
+                Ok(Item::Refused(e.code().unwrap_or("ERR").to_string()))
+            }
             Err(e) => Err(e),
         })
         .collect()
@@ -251,7 +261,7 @@ async fn batch(conn: Arc<Conn>, cmds: Vec<redis::Cmd>) -> Result<Vec<Item>, Redi
             let v = p.query_async::<Vec<Value>>(&mut m).await?;
             Ok(v.into_iter()
                 .map(|x| match x {
-                    Value::ServerError(_) => Item::Refused,
+                    Value::ServerError(e) => Item::Refused(e.code().to_string()),
                     x => Item::Value(x),
                 })
                 .collect())
@@ -278,14 +288,20 @@ fn held(item: &Item) -> bool {
     matches!(item, Item::Value(Value::Int(n)) if *n > 0)
 }
 
-/// A value as bytes: absent, a byte string, or — a value of another
-/// type, or one the store refused — empty bytes, which no blob verifies
-/// (an invalid block, not a failed lookup).
-fn bytes(item: Item) -> Option<Vec<u8>> {
+/// A value as bytes: absent, a byte string, or — a value of another type
+/// at the key — empty bytes, which no blob verifies (an invalid block, to
+/// be deleted). Any other refusal (`BUSY`, `LOADING`, `MASTERDOWN`, …) says
+/// nothing about the key: the lookup fails, a miss.
+fn bytes(item: Item) -> Result<Option<Vec<u8>>, RemoteError> {
     match item {
-        Item::Value(Value::Nil) => None,
-        Item::Value(Value::BulkString(b)) => Some(b),
-        Item::Value(_) | Item::Refused => Some(Vec::new()),
+        Item::Value(Value::Nil) => Ok(None),
+        Item::Value(Value::BulkString(b)) => Ok(Some(b)),
+        Item::Value(_) => Ok(Some(Vec::new())),
+        Item::Refused(code) if code == "WRONGTYPE" => Ok(Some(Vec::new())),
+        Item::Refused(code) => Err(RemoteError::new(
+            ErrorKind::Store,
+            format!("the store refused a read: {code}"),
+        )),
     }
 }
 
@@ -313,7 +329,7 @@ impl RemoteTier for RedisTier {
             .map(|k| redis::cmd("GET").arg(k).clone())
             .collect();
         let v = self.call(Lane::Read, cmds)?;
-        Ok(v.into_iter().map(bytes).collect())
+        v.into_iter().map(bytes).collect()
     }
 
     fn put_many(&self, items: &[(RemoteKey, Vec<u8>)]) -> Result<Vec<Put>, RemoteError> {
@@ -358,6 +374,10 @@ impl RemoteTier for RedisTier {
             .collect();
         let v = self.call(Lane::Write, cmds)?;
         Ok(v.iter().map(held).collect())
+    }
+
+    fn reconnects(&self) -> u64 {
+        self.reconnects.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     fn remove_many(&self, keys: &[RemoteKey]) -> Result<usize, RemoteError> {

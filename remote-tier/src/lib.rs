@@ -128,6 +128,14 @@ pub trait RemoteTier: Send + Sync {
     /// Deletes each of `keys`; how many were held.
     fn remove_many(&self, keys: &[RemoteKey]) -> Result<usize, RemoteError>;
 
+    /// How many times the connection to the store was lost so far, retried
+    /// calls included: a store that restarted may have lost what was
+    /// written since its last snapshot, so a reader forgets what it
+    /// believed stored whenever this changes. 0 for a store in process.
+    fn reconnects(&self) -> u64 {
+        0
+    }
+
     /// Where it stores (for logs): `memory`, `redis://127.0.0.1:6379`, ….
     fn describe(&self) -> String;
 }
@@ -147,6 +155,9 @@ impl<T: RemoteTier + ?Sized> RemoteTier for std::sync::Arc<T> {
     }
     fn remove_many(&self, keys: &[RemoteKey]) -> Result<usize, RemoteError> {
         (**self).remove_many(keys)
+    }
+    fn reconnects(&self) -> u64 {
+        (**self).reconnects()
     }
     fn describe(&self) -> String {
         (**self).describe()

@@ -168,6 +168,7 @@ fn run(s: &Shared, w: &WriterSetup) {
     let c = &*w.counters;
     let forget_all = || w.known.lock().unwrap_or_else(|e| e.into_inner()).clear();
     let mut marker_set = false;
+    let mut reconnects = w.store.reconnects();
     let mut next_probe = Instant::now();
     loop {
         let ops: Vec<Op> = {
@@ -200,7 +201,7 @@ fn run(s: &Shared, w: &WriterSetup) {
         };
         if Instant::now() >= next_probe {
             next_probe = Instant::now() + w.probe_every;
-            probe(w, &mut marker_set, &forget_all);
+            probe(w, &mut marker_set, &mut reconnects, &forget_all);
         }
         carry_out(w, ops, &forget_all);
         s.lock().busy = false;
@@ -208,9 +209,17 @@ fn run(s: &Shared, w: &WriterSetup) {
     }
 }
 
-/// Renews the marker; a marker that is gone means the store forgot
-/// everything since: every key remembered as stored is forgotten.
-fn probe(w: &WriterSetup, marker_set: &mut bool, forget_all: &dyn Fn()) {
+/// Renews the marker; a marker that is gone, or a connection lost since
+/// the last probe (a restart may have lost what was written after the
+/// store's last snapshot), means the store may have forgotten: every key
+/// remembered as stored is forgotten.
+fn probe(w: &WriterSetup, marker_set: &mut bool, reconnects: &mut u64, forget_all: &dyn Fn()) {
+    let now = w.store.reconnects();
+    if now != *reconnects {
+        *reconnects = now;
+        Counters::add(&w.counters.store_resets, 1);
+        forget_all();
+    }
     if *marker_set {
         match guarded(|| w.store.touch_many(&[w.marker])) {
             Ok(held) if held.first() == Some(&true) => return,
@@ -222,7 +231,12 @@ fn probe(w: &WriterSetup, marker_set: &mut bool, forget_all: &dyn Fn()) {
         }
     }
     let value = b"kvforge marker: its absence means the store forgot everything".to_vec();
-    *marker_set = guarded(|| w.store.put_many(&[(w.marker, value)])).is_ok();
+    // Set only if the store holds it now: a store that refuses writes (out
+    // of memory) has not forgotten anything when the marker is absent.
+    *marker_set = matches!(
+        guarded(|| w.store.put_many(&[(w.marker, value)])).as_deref(),
+        Ok([Put::Written | Put::Held])
+    );
 }
 
 /// One batch: deletions first (a value found invalid can then be written

@@ -689,3 +689,26 @@ fn a_panicking_store_fails_its_batch_not_the_writer() {
     }
     assert_eq!(c.stats().put_failed, 2);
 }
+
+/// A store that refuses the marker's write (out of memory under
+/// `maxmemory` + `noeviction`: `Put::Refused`) has not forgotten anything
+/// when the marker is absent: no reset is counted, nothing forgotten (the
+/// review of issue 42's fixes, R5: 19 resets in 0.4 s).
+#[test]
+fn a_store_that_refuses_the_marker_is_not_a_store_that_forgot_everything() {
+    // Holds no value at all: every write is refused, nothing is evicted.
+    let store = Arc::new(MemoryTier::with_capacity(8));
+    let opts = RemoteOptions {
+        probe_every: Duration::from_millis(20),
+        ..RemoteOptions::default()
+    };
+    let c = RemoteCache::new(store.clone(), scope(), secret(), opts);
+    std::thread::sleep(Duration::from_millis(400));
+    let st = c.stats();
+    assert!(store.is_empty());
+    assert_eq!(
+        st.store_resets, 0,
+        "a store that never held the marker reported as flushed {} times in 0.4 s: {st:?}",
+        st.store_resets
+    );
+}

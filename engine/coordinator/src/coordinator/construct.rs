@@ -111,9 +111,14 @@ impl Coordinator {
     }
 
     /// Replaces the eviction policy (a researcher's own); `None` turns
-    /// eviction off.
+    /// eviction off. Failures the old policy left on idle sequences (to
+    /// fail their next steps) are dropped with it.
     pub fn set_eviction_policy(&mut self, p: Option<Box<dyn EvictionPolicy>>) {
         self.evict = p;
+        // What the old policy could not answer is not the new one's.
+        for s in self.seqs.values_mut() {
+            s.policy_error = None;
+        }
     }
 
     /// Replaces the tier policy (which hot entries go cold). Refused

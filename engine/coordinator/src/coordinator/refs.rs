@@ -106,10 +106,11 @@ impl Coordinator {
         }
         taken.extend_from_slice(&got.blocks);
         self.forget_reclaimed(&got.reclaimed);
-        if !self.freed_cold.is_empty() {
-            let slot = TieredPool::slot_of;
+        if tier != HOT && !self.freed_cold.is_empty() {
+            // The same tier's slot (`index` keeps the tier bits): a hot
+            // block of the same local slot number is another block.
             self.freed_cold
-                .retain(|f| got.blocks.iter().all(|b| slot(*b) != slot(*f)));
+                .retain(|f| got.blocks.iter().all(|b| b.index() != f.index()));
         }
         Ok(got.blocks)
     }
