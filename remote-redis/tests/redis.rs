@@ -448,6 +448,9 @@ fn a_forged_blob_is_refused_deleted_and_written_again() {
         c.fetch(&links, &tok),
         (0..4).map(payload).collect::<Vec<_>>()
     );
+    // That read renews all four behind: let it land before the expiry
+    // below is set, or it would renew the block after the fact.
+    assert!(c.flush(Duration::from_secs(5)));
     // A missing head: the blocks after it are neither used nor renewed.
     r.command(&["DEL", &links[0].key.text()]).unwrap();
     r.command(&["PEXPIRE", &links[2].key.text(), "5000"])
