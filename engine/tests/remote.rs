@@ -234,3 +234,67 @@ fn an_import_cut_short_in_the_sink_does_not_shift_the_cold_blocks() {
     assert_eq!((z.len(), layout(&z).as_str()), (36, "HHCCCCCCC"));
     cache.free(&mut z).unwrap();
 }
+
+/// A server asks the remote tier while the request waits for admission
+/// (`remote_lookup`), then opens with the answer (`open_with`): blocks the
+/// local prefix gained meanwhile are skipped, the rest imported at their
+/// own positions — the KV is the first engine's, as a later local hit
+/// shows token for token.
+#[test]
+fn a_lookup_asked_before_the_open_imports_what_follows_the_local_prefix() {
+    let store = Arc::new(MemoryTier::new());
+    let a = manager(&store, 7, 1, false);
+    greedy(&a, &prompt());
+    assert!(a.engine().cache.remote_flush(Duration::from_secs(10)));
+    let (local, reused) = greedy(&a, &prompt());
+    assert_eq!(reused, 36);
+    let b = manager(&store, 7, 1, false);
+    let cache = &b.engine().cache;
+    let e = ExtraKeys::default();
+    let fetched = cache.remote_lookup(&prompt(), &e).unwrap().fetch();
+    assert_eq!(stats(&b).hit_blocks, 9);
+    // Meanwhile another request brings the first 3 blocks in locally.
+    greedy(&b, &prompt()[..13]);
+    let mut seq = cache.open_with(&prompt(), &e, Some(fetched)).unwrap();
+    assert_eq!(seq.len(), 36, "3 local blocks, then 6 of the 9 fetched");
+    cache.register(&seq, &prompt()[..36], &e).unwrap();
+    cache.free(&mut seq).unwrap();
+    assert_eq!(stats(&b).lookups, 2, "the lookup, then the short request's");
+    let (again, reused) = greedy(&b, &prompt());
+    assert_eq!((again, reused), (local, 36));
+    assert_eq!(stats(&b).lookups, 2, "a local hit now");
+}
+
+/// An answer imports nothing where it does not follow on: for other
+/// tokens, another namespace, or a sequence whose local prefix is shorter
+/// than where the lookup began (its blocks were reclaimed meanwhile).
+#[test]
+fn a_lookup_answer_that_does_not_follow_on_imports_nothing() {
+    let store = Arc::new(MemoryTier::new());
+    let a = manager(&store, 7, 1, false);
+    greedy(&a, &prompt());
+    assert!(a.engine().cache.remote_flush(Duration::from_secs(10)));
+    let b = manager(&store, 7, 1, false);
+    let cache = &b.engine().cache;
+    let e = ExtraKeys::default();
+    let other: Vec<u32> = prompt().iter().map(|t| t + 1).collect();
+    let tenant = ExtraKeys::namespace("tenant");
+    for (tokens, extra) in [(&other, &e), (&prompt(), &tenant)] {
+        let fetched = cache.remote_lookup(&prompt(), &e).unwrap().fetch();
+        let mut seq = cache.open_with(tokens, extra, Some(fetched)).unwrap();
+        assert_eq!(seq.len(), 0);
+        cache.free(&mut seq).unwrap();
+    }
+    // Asked after 3 local blocks; opened where none is held.
+    greedy(&b, &prompt()[..13]);
+    let fetched = cache.remote_lookup(&prompt(), &e).unwrap().fetch();
+    let c = manager(&store, 7, 1, false);
+    let mut seq = c
+        .engine()
+        .cache
+        .open_with(&prompt(), &e, Some(fetched))
+        .unwrap();
+    assert_eq!(seq.len(), 0, "blocks 3.. do not follow on an empty prefix");
+    c.engine().cache.free(&mut seq).unwrap();
+    assert_eq!(c.engine().cache.bytes_in_use(), 0);
+}

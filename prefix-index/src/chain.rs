@@ -342,6 +342,13 @@ impl<H: BlockHasher> PrefixMatcher for HashChainIndex<H> {
         m
     }
 
+    fn peek_prefix(&mut self, tokens: &[u32], extra: &ExtraKeys) -> PrefixMatch {
+        let counted = self.stats;
+        let m = self.match_prefix(tokens, extra);
+        self.stats = counted;
+        m
+    }
+
     fn insert(
         &mut self,
         tokens: &[u32],

@@ -196,6 +196,11 @@ pub trait PrefixMatcher: Send {
     /// first (so full blocks win ties).
     fn match_prefix(&mut self, tokens: &[u32], extra: &ExtraKeys) -> PrefixMatch;
 
+    /// What [`match_prefix`](Self::match_prefix) would return, without
+    /// counting a query: a caller estimating a hit ahead of its request
+    /// (a remote prefetch) leaves the hit rate as the requests made it.
+    fn peek_prefix(&mut self, tokens: &[u32], extra: &ExtraKeys) -> PrefixMatch;
+
     /// Registers `blocks`, which hold `tokens` from the start in order
     /// (block `i` holds the `len_i` tokens after blocks `0..i`). Blocks
     /// already indexed at their place are kept; their chain is followed. A
@@ -264,6 +269,9 @@ macro_rules! forward_matcher {
             }
             fn match_prefix(&mut self, tokens: &[u32], extra: &ExtraKeys) -> PrefixMatch {
                 (**self).match_prefix(tokens, extra)
+            }
+            fn peek_prefix(&mut self, tokens: &[u32], extra: &ExtraKeys) -> PrefixMatch {
+                (**self).peek_prefix(tokens, extra)
             }
             fn insert(
                 &mut self,

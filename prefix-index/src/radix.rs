@@ -366,6 +366,13 @@ impl PrefixMatcher for RadixIndex {
         m
     }
 
+    fn peek_prefix(&mut self, tokens: &[u32], extra: &ExtraKeys) -> PrefixMatch {
+        let counted = self.stats;
+        let m = self.match_prefix(tokens, extra);
+        self.stats = counted;
+        m
+    }
+
     fn insert(
         &mut self,
         tokens: &[u32],

@@ -32,6 +32,7 @@ pub fn check_matcher<M: PrefixMatcher>(make: impl Fn(usize) -> M) {
     equal_paths_prefer_full_blocks(make(4));
     relocated_blocks_keep_their_place_and_subtree(make(4));
     extend_continues_below_a_block_for_the_cost_of_the_new_tokens(make(4));
+    a_peek_matches_and_counts_nothing(make(4));
 }
 
 /// A handle for tests: slot `i`, epoch `e`.
@@ -67,6 +68,20 @@ fn empty_index_matches_nothing<M: PrefixMatcher>(mut m: M) {
     let s = m.stats();
     assert_eq!((s.queries, s.query_tokens, s.hit_tokens), (2, 10, 0));
     assert_eq!(s.cached_blocks, 0);
+}
+
+fn a_peek_matches_and_counts_nothing<M: PrefixMatcher>(mut m: M) {
+    let e = ExtraKeys::default();
+    let t = seq(0..14);
+    m.insert(&t, &e, &full_blocks(0, 2, 4))
+        .expect("valid insert");
+    for q in [seq(0..14), seq(0..6), seq(3..9), Vec::new()] {
+        let before = m.stats();
+        let peeked = m.peek_prefix(&q, &e);
+        assert_eq!(m.stats(), before, "a peek counts nothing");
+        assert_eq!(peeked, m.match_prefix(&q, &e), "a peek is the match");
+        assert_eq!(m.stats().queries, before.queries + 1);
+    }
 }
 
 fn full_blocks_match_and_partial_tails_do_not<M: PrefixMatcher>(mut m: M) {

@@ -570,6 +570,9 @@ impl PrefixMatcher for Shared {
     fn match_prefix(&mut self, tokens: &[u32], extra: &ExtraKeys) -> PrefixMatch {
         self.0.lock().unwrap().match_prefix(tokens, extra)
     }
+    fn peek_prefix(&mut self, tokens: &[u32], extra: &ExtraKeys) -> PrefixMatch {
+        self.0.lock().unwrap().peek_prefix(tokens, extra)
+    }
     fn insert(
         &mut self,
         tokens: &[u32],

@@ -253,6 +253,54 @@ fn no_hit_crosses_tenants_and_a_tenant_hits_on_every_instance() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// The lookup runs while its request waits for admission: with one batch
+/// slot and Redis paused, a request whose lookup stalls holds no slot, so
+/// a short request sent after it (nothing to look up) is answered at once
+/// rather than after the stall.
+#[test]
+fn a_stalled_lookup_holds_no_batch_slot() {
+    let redis = RedisServer::start(&[]).unwrap();
+    let d = dir("slot");
+    let deadline = Duration::from_millis(3000);
+    let cfg = config_with(
+        &d,
+        &format!("url = \"{}\"", redis.url()),
+        deadline.as_millis() as u64,
+    );
+    let a = Instance::start(&cfg);
+    let ask = |addr: String, prompt: String| {
+        std::thread::spawn(move || {
+            let t0 = Instant::now();
+            let body = json!({
+                "model": "SmolLM2-135M-Instruct.Q4_1", "prompt": prompt,
+                "max_tokens": 4, "temperature": 0, "ignore_eos": true,
+            });
+            let r =
+                client::post_json(&addr, "/v1/completions", &[], &body, common::TIMEOUT).unwrap();
+            (r.status, t0.elapsed())
+        })
+    };
+    // Warm: the engine's first step is not what this measures.
+    assert_eq!(ask(a.addr.clone(), "Hi".into()).join().unwrap().0, 200);
+    redis.pause().unwrap();
+    let stalled = ask(a.addr.clone(), document("lanterns"));
+    std::thread::sleep(Duration::from_millis(300));
+    let (status, short) = ask(a.addr.clone(), "Hi".into()).join().unwrap();
+    let (stalled_status, took) = stalled.join().unwrap();
+    redis.resume().unwrap();
+    eprintln!("the short request took {short:?}; the stalled one {took:?}");
+    assert_eq!((status, stalled_status), (200, 200));
+    assert!(
+        took >= deadline - Duration::from_millis(500),
+        "the lookup did stall: {took:?}"
+    );
+    assert!(
+        short < deadline / 2,
+        "the short request waited {short:?} behind a {deadline:?} stall"
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// S4: with Redis paused, a request's lookup waits for the deadline on a
 /// thread of its own; a stream already running keeps its pace (its
 /// largest gap between tokens stays far below the deadline).

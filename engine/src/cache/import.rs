@@ -1,9 +1,9 @@
-//! Blocks from the remote tier into a sequence just opened: after a local
-//! prefix hit, the next full blocks of the prompt are asked for in one
+//! Blocks from the remote tier into a sequence just opened: the full
+//! blocks of the prompt after its local prefix hit are asked for in one
 //! round ([`RemoteLookup::fetch`], on whatever thread can wait for the
-//! store) and imported (verified) into the sequence's own blocks
-//! ([`PagedKvCache::import_fetched`]), at the positions they were fetched
-//! for.
+//! store — a server asks while the request waits for admission) and
+//! imported (verified) into the sequence's own blocks when it opens
+//! ([`PagedKvCache::open_with`]), at the positions they were fetched for.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -17,31 +17,39 @@ use super::remote::Part;
 use super::*;
 
 impl PagedKvCache {
-    /// After a local open of `seq` on `tokens`: what to ask the remote
-    /// tier for — the full blocks of `tokens[..len - 1]` after the local
-    /// hit (`None`: no remote tier, or nothing to ask).
-    pub(super) fn remote_lookup(
+    /// What the remote tier could add to a request for `tokens` now: the
+    /// full blocks of `tokens[..len - 1]` after the prefix the local index
+    /// holds (`None`: no remote tier, or nothing to ask). Ask it
+    /// ([`RemoteLookup::fetch`]) where waiting for the store holds up
+    /// nothing else — while the request waits for admission — and hand
+    /// the answer to [`open_with`](Self::open_with).
+    pub fn remote_lookup(&self, tokens: &[u32], extra: &ExtraKeys) -> Option<RemoteLookup> {
+        self.remote.as_ref()?;
+        let cached = self.coordinator().cached_prefix(tokens, extra);
+        self.lookup_after(cached, tokens, extra)
+    }
+
+    /// The lookup of the full blocks of `tokens[..len - 1]` after the
+    /// first `cached` positions.
+    pub(super) fn lookup_after(
         &self,
-        seq: &Sequence,
+        cached: usize,
         tokens: &[u32],
         extra: &ExtraKeys,
     ) -> Option<RemoteLookup> {
-        let (Some(r), Some(id)) = (&self.remote, seq.id) else {
-            return None;
-        };
+        let r = self.remote.as_ref()?;
         let bs = self.block_size;
         let full = tokens.len().saturating_sub(1) / bs;
-        if seq.len % bs != 0 || seq.len / bs >= full {
+        if cached % bs != 0 || cached / bs >= full {
             return None;
         }
         let runs = r
-            .runs(seq.len / bs..full)
+            .runs(cached / bs..full)
             .into_iter()
             .map_while(|(part, run)| Some((part, run, r.cache(part)?.clone())))
             .collect();
         Some(RemoteLookup {
-            seq: id,
-            at: seq.len,
+            first: cached / bs,
             runs,
             tokens: tokens[..full * bs].to_vec(),
             extra: extra.clone(),
@@ -49,51 +57,69 @@ impl PagedKvCache {
         })
     }
 
-    /// Imports what `fetched` brought into `seq`, still as opened (its
-    /// length where the lookup began): the leading blocks that fit the
-    /// budget and the tiers' room, in order, at their own positions. A run
-    /// cut short (by room, a miss, a block that did not verify) ends the
-    /// import: the blocks after it would not follow on. Anything that
-    /// fails leaves `seq` as opened (closed and opened again on the local
-    /// prefix).
-    pub fn import_fetched(
+    /// Imports into `seq`, just opened on `tokens`, what `fetched` brought
+    /// after the blocks `seq` holds: the leading blocks that fit the budget
+    /// and the tiers' room, in order, at their own positions. Blocks the
+    /// sequence already holds (the local prefix grew since the lookup) are
+    /// skipped; a sequence shorter than where the lookup began (its prefix
+    /// was reclaimed meanwhile), or an answer for other tokens or another
+    /// namespace, imports nothing. A run cut short (by room, a miss, a
+    /// block that did not verify) ends the import: the blocks after it
+    /// would not follow on. Anything that fails leaves `seq` as opened
+    /// (closed and opened again on the local prefix).
+    pub(super) fn import_fetched(
         &self,
         seq: &mut Sequence,
         tokens: &[u32],
         extra: &ExtraKeys,
         fetched: RemoteFetched,
     ) {
-        if seq.id != Some(fetched.seq) || seq.len != fetched.at {
+        let (Some(id), bs) = (seq.id, self.block_size) else {
+            return;
+        };
+        if fetched.extra != *extra
+            || !tokens.starts_with(&fetched.tokens)
+            || seq.len % bs != 0
+            || seq.len / bs < fetched.first
+        {
             return;
         }
-        let id = fetched.seq;
+        let have = seq.len / bs;
         let mut added = 0;
         for (part, run, payloads) in fetched.runs {
-            let tier = if part == Part::Hot { HOT } else { COLD };
-            let room = self.coordinator().import_room(id, tier);
-            let take = payloads.len().min(room);
-            match self.fill(id, part, run.start * self.block_size, &payloads[..take]) {
-                Ok(n) if n < run.len() => {
-                    added += n;
-                    break;
-                }
-                Ok(n) => added += n,
-                Err(e) => {
-                    // Cut the imported blocks off again: close, reopen locally.
-                    tracing::warn!("remote blocks not imported: {e}");
-                    if self.free(seq).is_ok() {
-                        if let Ok(s) = self.coordinator().open(tokens, extra) {
-                            *seq = Sequence {
-                                id: Some(s.seq),
-                                len: s.reused,
-                            };
+            let skip = (have + added).saturating_sub(run.start).min(payloads.len());
+            let new = &payloads[skip..];
+            if !new.is_empty() {
+                let tier = if part == Part::Hot { HOT } else { COLD };
+                let room = self.coordinator().import_room(id, tier);
+                let at = (run.start + skip) * bs;
+                match self.fill(id, part, at, &new[..new.len().min(room)]) {
+                    Ok(n) => {
+                        added += n;
+                        if n < new.len() {
+                            break;
                         }
                     }
-                    return;
+                    Err(e) => {
+                        // Cut the imported blocks off again: close, reopen locally.
+                        tracing::warn!("remote blocks not imported: {e}");
+                        if self.free(seq).is_ok() {
+                            if let Ok(s) = self.coordinator().open(tokens, extra) {
+                                *seq = Sequence {
+                                    id: Some(s.seq),
+                                    len: s.reused,
+                                };
+                            }
+                        }
+                        return;
+                    }
                 }
             }
+            if payloads.len() < run.len() {
+                break;
+            }
         }
-        seq.len += added * self.block_size;
+        seq.len += added * bs;
     }
 
     /// Appends fresh blocks for `payloads` (the KV of positions `at..`) to
@@ -165,15 +191,14 @@ pub(super) fn all_finite(format: StorageFormat, bytes: &[u8]) -> bool {
     }
 }
 
-/// What an opened sequence may find in the remote tier: the runs of
-/// blocks after its local hit, with the caches they travel through.
+/// What a request may find in the remote tier: the runs of blocks after
+/// its local hit, with the caches they travel through.
 /// [`fetch`](Self::fetch) asks the store (it waits for it, at most its
 /// deadline: call it off any loop others wait on), and
-/// [`PagedKvCache::import_fetched`] takes the answer in.
+/// [`PagedKvCache::open_with`] takes the answer in.
 pub struct RemoteLookup {
-    seq: SeqId,
-    /// The sequence's length when it was opened.
-    at: usize,
+    /// The first block asked for.
+    first: usize,
     runs: Vec<(Part, Range<usize>, Arc<RemoteCache>)>,
     /// The prompt's full blocks.
     tokens: Vec<u32>,
@@ -183,8 +208,10 @@ pub struct RemoteLookup {
 
 /// The verified leading blocks a [`RemoteLookup`] found, per run.
 pub struct RemoteFetched {
-    seq: SeqId,
-    at: usize,
+    first: usize,
+    /// The full blocks' tokens and the namespace they were asked for.
+    tokens: Vec<u32>,
+    extra: ExtraKeys,
     runs: Vec<(Part, Range<usize>, Vec<Vec<u8>>)>,
 }
 
@@ -207,8 +234,9 @@ impl RemoteLookup {
             }
         }
         RemoteFetched {
-            seq: self.seq,
-            at: self.at,
+            first: self.first,
+            tokens: self.tokens,
+            extra: self.extra,
             runs,
         }
     }

@@ -21,33 +21,36 @@ impl PagedKvCache {
     /// Opens a sequence for a prompt: with prefix reuse on, it starts with
     /// the longest cached prefix of `tokens` (all but the last token), then
     /// with a remote tier, the blocks after it that the tier holds (asked
-    /// for on this thread: [`open_local`](Self::open_local) leaves that to
-    /// the caller).
+    /// for on this thread: a caller that cannot wait for the store asks
+    /// [`remote_lookup`](Self::remote_lookup) elsewhere and opens with
+    /// [`open_with`](Self::open_with)).
     pub fn open(&self, tokens: &[u32], extra: &ExtraKeys) -> Result<Sequence> {
-        let (mut seq, lookup) = self.open_local(tokens, extra)?;
-        if let Some(l) = lookup {
+        let mut seq = self.open_with(tokens, extra, None)?;
+        if let Some(l) = self.lookup_after(seq.len, tokens, extra) {
             self.import_fetched(&mut seq, tokens, extra, l.fetch());
         }
         Ok(seq)
     }
 
     /// Opens a sequence on the longest locally cached prefix of `tokens`,
-    /// and says what the remote tier could add after it: run the lookup
-    /// where waiting for the store holds up nothing else, then
-    /// [`import_fetched`](Self::import_fetched) before the sequence's
-    /// first step.
-    pub fn open_local(
+    /// then imports what `fetched` (the answer to a
+    /// [`remote_lookup`](Self::remote_lookup) for the same tokens and
+    /// namespace) holds after it.
+    pub fn open_with(
         &self,
         tokens: &[u32],
         extra: &ExtraKeys,
-    ) -> Result<(Sequence, Option<RemoteLookup>)> {
+        fetched: Option<RemoteFetched>,
+    ) -> Result<Sequence> {
         let o = self.coordinator().open(tokens, extra)?;
-        let seq = Sequence {
+        let mut seq = Sequence {
             id: Some(o.seq),
             len: o.reused,
         };
-        let lookup = self.remote_lookup(&seq, tokens, extra);
-        Ok((seq, lookup))
+        if let Some(f) = fetched {
+            self.import_fetched(&mut seq, tokens, extra, f);
+        }
+        Ok(seq)
     }
 
     /// Registers the completed blocks of `seq`, which holds the KV of

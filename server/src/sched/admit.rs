@@ -1,7 +1,9 @@
-//! Admission: waiting requests open their sequences on the longest cached
-//! prefix; with a remote tier, the blocks after it are looked up on a
-//! thread of the request's own, and imported when the answer comes back —
-//! the loop never waits for the store.
+//! Admission: with a remote tier, a request's lookup of the blocks after
+//! its local prefix runs on a thread of its own while the request waits
+//! (the loop never waits for the store, and a lookup that stalls holds no
+//! batch slot); waiting requests whose lookup has answered open their
+//! sequences on the longest cached prefix, oldest (and preempted) first,
+//! and import what the lookup brought.
 
 use std::sync::atomic::Ordering;
 
@@ -12,19 +14,43 @@ use crate::error::ApiError;
 use crate::metrics::Ended;
 
 impl Scheduler {
-    /// Admits waiting requests, oldest (and preempted) first.
+    /// Starts the remote lookup of `r`, about to wait for admission (no
+    /// remote tier, or nothing after the local prefix: nothing to ask).
+    pub(super) fn prefetch(&mut self, r: &mut Req) {
+        let extra = ExtraKeys::namespace(&r.job.namespace);
+        let Some(l) = self.engine.cache.remote_lookup(&r.context, &extra) else {
+            return;
+        };
+        self.tickets += 1;
+        let (ticket, tx) = (self.tickets, self.fetched_tx.clone());
+        // Off the loop: a store that stalls holds this request only.
+        r.lookup = std::thread::Builder::new()
+            .name("kvforge-lookup".into())
+            .spawn(move || {
+                let _ = tx.send((ticket, l.fetch()));
+            })
+            .ok()
+            .map(|_| ticket);
+    }
+
+    /// Admits waiting requests whose lookup has answered, oldest (and
+    /// preempted) first.
     pub(super) fn admit(&mut self) {
         while !self.pressure && self.running.len() < self.cfg.max_batch {
-            let Some(mut r) = self.waiting.pop_front() else {
+            let Some(i) = self.waiting.iter().position(|r| r.lookup.is_none()) else {
+                break;
+            };
+            let Some(mut r) = self.waiting.remove(i) else {
                 break;
             };
             self.shared.queued.fetch_sub(1, Ordering::SeqCst);
             let extra = ExtraKeys::namespace(&r.job.namespace);
-            let lookup = match self.engine.cache.open_local(&r.context, &extra) {
-                Ok((seq, lookup)) => {
-                    r.seq = seq;
-                    lookup
-                }
+            match self
+                .engine
+                .cache
+                .open_with(&r.context, &extra, r.fetched.take())
+            {
+                Ok(seq) => r.seq = seq,
                 Err(e) => {
                     let _ = r
                         .job
@@ -33,49 +59,30 @@ impl Scheduler {
                     lock(&self.shared.metrics).ended(Ended::Failed);
                     continue;
                 }
-            };
-            r.lookup = lookup.and_then(|l| {
-                self.tickets += 1;
-                let (ticket, tx) = (self.tickets, self.fetched_tx.clone());
-                // Off the loop: a store that stalls holds this request only.
-                std::thread::Builder::new()
-                    .name("kvforge-lookup".into())
-                    .spawn(move || {
-                        let _ = tx.send((ticket, l.fetch()));
-                    })
-                    .ok()
-                    .map(|_| ticket)
-            });
-            if r.lookup.is_none() {
-                Self::count_hit(&self.shared, &mut r);
             }
+            Self::count_hit(&self.shared, &mut r);
             self.admissions += 1;
             r.admitted = self.admissions;
             self.running.push(r);
         }
     }
 
-    /// Every running request waits for its remote lookup, and no waiting
-    /// one can be admitted: nothing to compute.
+    /// Nothing runs, and every waiting request waits for its remote
+    /// lookup: nothing to compute.
     pub(super) fn only_lookups(&self) -> bool {
-        let admissible =
-            !self.waiting.is_empty() && !self.pressure && self.running.len() < self.cfg.max_batch;
-        !admissible && self.running.iter().all(|r| r.lookup.is_some())
+        self.running.is_empty()
+            && !self.waiting.is_empty()
+            && self.waiting.iter().all(|r| r.lookup.is_some())
     }
 
-    /// Imports what the remote lookups answered into their requests' own
-    /// sequences (a request that has ended meanwhile: nothing to import).
+    /// Keeps what the remote lookups answered with their waiting requests
+    /// (a request that has gone meanwhile: nothing to keep).
     pub(super) fn take_fetched(&mut self) {
         while let Ok((ticket, f)) = self.fetched.try_recv() {
-            let Some(r) = self.running.iter_mut().find(|r| r.lookup == Some(ticket)) else {
-                continue;
-            };
-            r.lookup = None;
-            let extra = ExtraKeys::namespace(&r.job.namespace);
-            self.engine
-                .cache
-                .import_fetched(&mut r.seq, &r.context, &extra, f);
-            Self::count_hit(&self.shared, r);
+            if let Some(r) = self.waiting.iter_mut().find(|r| r.lookup == Some(ticket)) {
+                r.lookup = None;
+                r.fetched = Some(f);
+            }
         }
     }
 

@@ -161,9 +161,11 @@ struct Req {
     cached: Option<usize>,
     /// Order of admission (the newest is preempted first).
     admitted: u64,
-    /// Its remote lookup in flight (the ticket its answer comes back with):
-    /// the request waits for it before its first step.
+    /// Its remote lookup in flight while it waits (the ticket its answer
+    /// comes back with): it is admitted once the answer is in.
     lookup: Option<u64>,
+    /// What that lookup brought, imported when the request is admitted.
+    fetched: Option<RemoteFetched>,
     last_token: Option<Instant>,
     /// Set when the request has ended in this step.
     end: Option<End>,
@@ -198,8 +200,9 @@ pub struct Scheduler {
     tickets: u64,
 }
 
-/// How often a loop with nothing to do but wait for remote lookups looks
-/// for their answers (and for new requests).
+/// How often a loop with nothing to do but wait for remote lookups (of
+/// requests waiting for admission) looks for their answers and for new
+/// requests.
 const LOOKUP_POLL: Duration = Duration::from_millis(2);
 
 impl Scheduler {
@@ -314,7 +317,7 @@ impl Scheduler {
                         return;
                     }
                 };
-                self.waiting.push_back(Req {
+                let mut r = Req {
                     context: job.prompt.clone(),
                     job,
                     generated: Vec::new(),
@@ -324,9 +327,12 @@ impl Scheduler {
                     cached: None,
                     admitted: 0,
                     lookup: None,
+                    fetched: None,
                     last_token: None,
                     end: None,
-                });
+                };
+                self.prefetch(&mut r);
+                self.waiting.push_back(r);
             }
             Msg::Shutdown(at) => self.deadline = Some(at),
         }

@@ -47,7 +47,7 @@ impl Scheduler {
         let ready: Vec<usize> = (0..self.running.len())
             .filter(|&i| {
                 let r = &self.running[i];
-                r.end.is_none() && r.lookup.is_none() && r.context.len() == r.seq.len() + 1
+                r.end.is_none() && r.context.len() == r.seq.len() + 1
             })
             .collect();
         let mut budget = self.cfg.max_step_tokens;
@@ -63,7 +63,7 @@ impl Scheduler {
             if !fits || budget == 0 {
                 break;
             }
-            if r.end.is_some() || r.lookup.is_some() || left <= 1 {
+            if r.end.is_some() || left <= 1 {
                 continue;
             }
             let n = left.min(budget);
@@ -291,6 +291,7 @@ impl Scheduler {
                     self.release(&mut r, true);
                     self.shared.queued.fetch_add(1, Ordering::SeqCst);
                     lock(&self.shared.metrics).preemptions += 1;
+                    self.prefetch(&mut r);
                     self.waiting.push_front(r);
                     continue;
                 }

@@ -23,6 +23,17 @@ impl Coordinator {
         self.checked(r)
     }
 
+    /// The tokens [`open`](Self::open) would find cached for `tokens`
+    /// now, as far as the index knows (a block reclaimed since, or the
+    /// budget, may cut the open shorter), without taking a reference or
+    /// counting a query: for a caller preparing a request before it opens.
+    pub fn cached_prefix(&mut self, tokens: &[u32], extra: &ExtraKeys) -> usize {
+        let upto = tokens.len().saturating_sub(1);
+        self.index
+            .as_mut()
+            .map_or(0, |i| i.peek_prefix(&tokens[..upto], extra).tokens)
+    }
+
     pub(super) fn open_call(&mut self, tokens: &[u32], extra: &ExtraKeys) -> Result<Opened> {
         let Some(index) = self.index.as_mut() else {
             return Ok(Opened {
