@@ -25,8 +25,13 @@
 //! own small tokio runtime, so it can be called from any thread, inside
 //! another runtime or not.
 //!
+//! Feature `launcher` (off by default; tests and benchmarks turn it on):
+//! `RedisServer` / `RedisCluster`, a `redis-server` process of one's own
+//! on a loopback port, killed when dropped.
+//!
 //! [`ConnectionManager`]: redis::aio::ConnectionManager
 
+#[cfg(feature = "launcher")]
 mod server;
 
 use std::sync::Arc;
@@ -41,6 +46,7 @@ use redis::cluster_async::ClusterConnection;
 use redis::{RedisError, Value};
 use tokio::sync::Mutex;
 
+#[cfg(feature = "launcher")]
 pub use server::{RedisCluster, RedisServer, redis_server_binary};
 
 /// Where the store is and how long to wait for it.

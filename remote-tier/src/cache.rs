@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use kvforge_prefix::ExtraKeys;
 
 use crate::blob;
+use crate::clock::{Clock, SystemClock};
 use crate::secret::Secret;
 use crate::stats::{Counters, StatsSource};
 use crate::writer::{Op, WriteBehind, WriterSetup};
@@ -82,12 +83,13 @@ pub(crate) struct Known {
 }
 
 impl Known {
-    fn fresh(&self, key: RemoteKey) -> bool {
-        self.at.get(&key).is_some_and(|t| t.elapsed() < self.ttl)
+    fn fresh(&self, key: RemoteKey, now: Instant) -> bool {
+        self.at
+            .get(&key)
+            .is_some_and(|&t| now.saturating_duration_since(t) < self.ttl)
     }
 
-    fn insert(&mut self, key: RemoteKey) {
-        let now = Instant::now();
+    fn insert(&mut self, key: RemoteKey, now: Instant) {
         self.at.insert(key, now);
         self.order.push_back((key, now));
         while self.at.len() > self.cap || self.order.len() > 2 * self.cap.max(1) {
@@ -123,6 +125,7 @@ pub struct RemoteCache {
     /// Until when lookups are skipped (after a timeout or a lost
     /// connection).
     quiet_until: Mutex<Option<Instant>>,
+    clock: Arc<dyn Clock>,
     writer: WriteBehind,
 }
 
@@ -134,6 +137,17 @@ impl RemoteCache {
         scope: Scope,
         secret: Secret,
         opts: RemoteOptions,
+    ) -> Self {
+        Self::with_clock(store, scope, secret, opts, Arc::new(SystemClock))
+    }
+
+    /// [`new`](Self::new), its remembering and back-off read from `clock`.
+    pub fn with_clock(
+        store: Arc<dyn RemoteTier>,
+        scope: Scope,
+        secret: Secret,
+        opts: RemoteOptions,
+        clock: Arc<dyn Clock>,
     ) -> Self {
         let counters = Arc::new(Counters::default());
         let known = Arc::new(Mutex::new(Known {
@@ -163,6 +177,7 @@ impl RemoteCache {
             counters,
             known,
             quiet_until: Mutex::new(None),
+            clock,
             writer,
         }
     }
@@ -225,7 +240,7 @@ impl RemoteCache {
             Err(e) => {
                 c.error(e.kind);
                 if e.kind != crate::ErrorKind::Store {
-                    *self.lock_quiet() = Some(Instant::now() + self.opts.backoff);
+                    *self.lock_quiet() = Some(self.clock.now() + self.opts.backoff);
                 }
                 Counters::add(&c.miss_blocks, n);
                 return Vec::new();
@@ -260,9 +275,10 @@ impl RemoteCache {
         Counters::add(&c.hit_blocks, out.len());
         Counters::add(&c.hit_tokens, out.len() * bs);
         Counters::add(&c.miss_blocks, n - out.len());
+        let now = self.clock.now();
         let mut k = self.known();
         for l in &links[..out.len()] {
-            k.insert(l.key);
+            k.insert(l.key, now);
         }
         for key in bad {
             k.forget(key);
@@ -282,7 +298,7 @@ impl RemoteCache {
     fn quiet(&self) -> bool {
         let mut q = self.lock_quiet();
         match *q {
-            Some(t) if Instant::now() < t => true,
+            Some(t) if self.clock.now() < t => true,
             Some(_) => {
                 *q = None;
                 false
@@ -294,7 +310,7 @@ impl RemoteCache {
     /// Whether a block at `key` should be offered (it was not stored or
     /// queued recently): ask before copying its content out.
     pub fn wants(&self, key: RemoteKey) -> bool {
-        !self.known().fresh(key)
+        !self.known().fresh(key, self.clock.now())
     }
 
     /// Offers the block at `link` holding `tokens`, whose KV is `payload`
@@ -305,7 +321,7 @@ impl RemoteCache {
         }
         let blob = blob::seal(&self.secret, &self.scope, link, tokens, payload);
         // Known before it is queued: the writer forgets it if the write fails.
-        self.known().insert(link.key);
+        self.known().insert(link.key, self.clock.now());
         if self.writer.offer(Op::Put(link.key, blob)) {
             Offer::Queued
         } else {

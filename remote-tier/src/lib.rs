@@ -34,6 +34,7 @@
 
 pub mod blob;
 mod cache;
+mod clock;
 mod key;
 mod memory;
 mod secret;
@@ -43,6 +44,7 @@ mod writer;
 
 pub use blob::BlobError;
 pub use cache::{Offer, RemoteCache, RemoteOptions};
+pub use clock::{Clock, ManualClock, SystemClock};
 pub use key::{Link, RemoteKey, Scope};
 pub use kvforge_prefix::ExtraKeys;
 pub use memory::MemoryTier;

@@ -10,8 +10,8 @@ use kvforge_prefix::ExtraKeys;
 use kvforge_remote::blob::{self, BlobError};
 use kvforge_remote::testing::check_remote_tier;
 use kvforge_remote::{
-    ErrorKind, Link, MemoryTier, Offer, Put, RemoteCache, RemoteError, RemoteKey, RemoteOptions,
-    RemoteTier, Scope, Secret, SecretError,
+    ErrorKind, Link, ManualClock, MemoryTier, Offer, Put, RemoteCache, RemoteError, RemoteKey,
+    RemoteOptions, RemoteTier, Scope, Secret, SecretError,
 };
 
 /// The cluster's secret in these tests.
@@ -501,14 +501,44 @@ fn an_evicting_store_gives_only_the_leading_blocks_it_kept() {
     assert_eq!(c.fetch(&links[2..], &t[8..]).len(), 3);
 }
 
+/// A key stored is not offered again for `remember_for`, then it is (the
+/// store may have expired or evicted it; the write is set-if-absent).
+#[test]
+fn a_stored_key_is_remembered_for_its_time_then_offered_again() {
+    let store = Arc::new(MemoryTier::new());
+    let opts = RemoteOptions {
+        remember_for: Duration::from_secs(600),
+        ..RemoteOptions::default()
+    };
+    let clock = Arc::new(ManualClock::new());
+    let c = RemoteCache::with_clock(store.clone(), scope(), secret(), opts, clock.clone());
+    let t = tokens(4);
+    let links = write_chain(&c, &t, 1);
+    let again = || c.offer(links[0], &t, &payload(c.scope(), 0));
+    assert_eq!(again(), Offer::Known);
+    clock.advance(Duration::from_secs(599));
+    assert!(!c.wants(links[0].key));
+    assert_eq!(again(), Offer::Known);
+    clock.advance(Duration::from_secs(1));
+    assert!(c.wants(links[0].key));
+    assert_eq!(again(), Offer::Queued);
+    assert!(c.flush(Duration::from_secs(10)));
+    // A read renews what it remembers.
+    clock.advance(Duration::from_secs(599));
+    assert_eq!(c.fetch(&links, &t).len(), 1);
+    clock.advance(Duration::from_secs(599));
+    assert_eq!(again(), Offer::Known);
+}
+
 #[test]
 fn after_a_timeout_lookups_back_off_then_resume() {
     let store = Arc::new(MemoryTier::new());
     let opts = RemoteOptions {
-        backoff: Duration::from_millis(300),
+        backoff: Duration::from_secs(30),
         ..RemoteOptions::default()
     };
-    let c = cache(store.clone(), opts);
+    let clock = Arc::new(ManualClock::new());
+    let c = RemoteCache::with_clock(store.clone(), scope(), secret(), opts, clock.clone());
     let t = tokens(8);
     let links = write_chain(&c, &t, 2);
     store.fail_with(Some(ErrorKind::Timeout));
@@ -523,7 +553,9 @@ fn after_a_timeout_lookups_back_off_then_resume() {
         (st.lookups, st.lookups_skipped, st.errors_timeout),
         (1, 5, 1)
     );
-    std::thread::sleep(Duration::from_millis(350));
+    clock.advance(Duration::from_secs(29));
+    assert!(c.fetch(&links, &t).is_empty(), "still backing off");
+    clock.advance(Duration::from_secs(1));
     assert_eq!(c.fetch(&links, &t).len(), 2);
     // A store error (the store answered) does not back off.
     store.fail_with(Some(ErrorKind::Store));
