@@ -8,6 +8,7 @@ use crate::cache::Sequence;
 use crate::engine::Engine;
 use crate::error::{EngineError, Result};
 use crate::kv::KvStore;
+use crate::tokenizer::Detokenizer;
 
 /// How to pick the next token.
 #[derive(Clone, Debug, PartialEq)]
@@ -161,30 +162,6 @@ impl Generation {
     }
 }
 
-/// The text of a growing token list, emitted in whole characters: a
-/// token may end mid UTF-8 sequence.
-#[derive(Default)]
-struct TextStream {
-    printed: String,
-}
-
-impl TextStream {
-    /// The text `tokens` completes since the last call ("" while a
-    /// character is unfinished).
-    fn piece(&mut self, tok: &crate::tokenizer::Tokenizer, tokens: &[u32]) -> Result<String> {
-        let text = tok.decode_text(tokens)?;
-        if text.ends_with('\u{fffd}') {
-            return Ok(String::new());
-        }
-        let p = text
-            .strip_prefix(self.printed.as_str())
-            .unwrap_or_default()
-            .to_string();
-        self.printed = text;
-        Ok(p)
-    }
-}
-
 /// Row `i` of `logits` (`[rows, vocab]`) as f32.
 fn logits_row(logits: &Tensor, i: i64) -> Result<Vec<f32>> {
     let row = logits.f_get(i)?.f_to_kind(Kind::Float)?;
@@ -231,7 +208,7 @@ impl Engine {
             .forward(prompt, &mut self.cache.view(seq), false)?;
         out.prefill_secs = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
-        let mut text = TextStream::default();
+        let mut text = Detokenizer::default();
         loop {
             let next = sampler.sample(&logits_row(&logits, 0)?);
             let go_on = self.emit(0, next, &mut out, &mut text, params, &mut |_, id, piece| {
@@ -289,7 +266,7 @@ impl Engine {
                 ..Generation::default()
             })
             .collect();
-        let mut texts: Vec<TextStream> = (0..n).map(|_| TextStream::default()).collect();
+        let mut texts: Vec<Detokenizer> = (0..n).map(|_| Detokenizer::default()).collect();
         let mut rows = Vec::with_capacity(n);
         for (i, (s, p)) in seqs.iter_mut().zip(prompts).enumerate() {
             let t = Instant::now();
@@ -348,12 +325,12 @@ impl Engine {
         i: usize,
         next: u32,
         out: &mut Generation,
-        text: &mut TextStream,
+        text: &mut Detokenizer,
         params: &SamplingParams,
         on_token: &mut dyn FnMut(usize, u32, &str) -> bool,
     ) -> Result<bool> {
         out.tokens.push(next);
-        let piece = text.piece(&self.tokenizer, &out.tokens)?;
+        let piece = text.step(&self.tokenizer, next)?;
         let go_on = on_token(i, next, &piece);
         if next == self.tokenizer.eos && !params.ignore_eos {
             out.stopped_at_eos = true;

@@ -81,4 +81,4 @@ pub use ppl::PplReport;
 pub use tch;
 pub use tch::{Device, Kind, Tensor};
 pub use tier::{ColdBlock, KvQuant};
-pub use tokenizer::{Message, Tokenizer};
+pub use tokenizer::{Detokenizer, Message, Tokenizer};

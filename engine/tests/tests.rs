@@ -1481,3 +1481,40 @@ fn cli_generates_from_the_real_model() {
     assert!(stdout.contains("Paris"), "{stdout}");
     assert!(stderr.contains("decode"), "{stderr}");
 }
+
+/// The incremental detokenizer's pieces, then what `finish` holds back,
+/// are the text of the whole reply decoded at once — spaces, multi-byte
+/// characters split across tokens, special tokens — and no piece ends in
+/// half a character.
+#[test]
+fn the_detokenizers_pieces_make_the_whole_text() {
+    let t = Tokenizer::from_gguf(&GgufFile::open(&model_path()).unwrap()).unwrap();
+    let texts = [
+        "Hello, world! The  quick brown fox\njumps over the lazy dog.",
+        "日本語のテキストです。emoji 🦀🎉 and accents: café naïve",
+        "<|im_start|>assistant\nSure — here it is<|im_end|>",
+        "   leading spaces, then\ttabs\t\tand 12345 digits",
+    ];
+    for text in texts {
+        let ids = t.encode(text).unwrap();
+        let mut d = kvforge_engine::Detokenizer::default();
+        let mut out = String::new();
+        for &id in &ids {
+            let p = d.step(&t, id).unwrap();
+            assert!(
+                !p.ends_with('\u{fffd}'),
+                "{text:?}: a piece ends mid character: {p:?}"
+            );
+            out.push_str(&p);
+        }
+        out.push_str(&d.finish(&t).unwrap());
+        assert_eq!(out, t.decode_text(&ids).unwrap(), "{text:?}");
+    }
+    // A byte that never completes comes out at the end, as U+FFFD.
+    let crab = t.encode("🦀").unwrap();
+    if crab.len() > 1 {
+        let mut d = kvforge_engine::Detokenizer::default();
+        assert_eq!(d.step(&t, crab[0]).unwrap(), "");
+        assert!(d.finish(&t).unwrap().ends_with('\u{fffd}'));
+    }
+}

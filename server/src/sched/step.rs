@@ -239,7 +239,7 @@ impl Scheduler {
             || r.context.len() >= engine.model.cfg.max_ctx;
         let piece = match r
             .reply
-            .piece(&engine.tokenizer, &r.generated, &r.job.stop, eos || full)
+            .piece(&engine.tokenizer, Some(next), &r.job.stop, eos || full)
         {
             Ok(p) => p,
             Err(e) => {
@@ -299,7 +299,7 @@ impl Scheduler {
                     // Text held back for a stop string or an unfinished
                     // character goes out now (a reply the budget ended).
                     let tok = &self.engine.tokenizer;
-                    if let Ok(p) = r.reply.piece(tok, &r.generated, &r.job.stop, true)
+                    if let Ok(p) = r.reply.piece(tok, None, &r.job.stop, true)
                         && !p.text.is_empty()
                     {
                         let _ = r.job.events.send(Event::Token(p.text));

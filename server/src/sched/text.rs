@@ -1,13 +1,16 @@
-//! A reply's text as its tokens arrive: decoded in whole characters, cut
-//! before the first stop string, and held back while its end could still
-//! become one.
+//! A reply's text as its tokens arrive: decoded incrementally in whole
+//! characters (the engine's [`Detokenizer`]), cut before the first stop
+//! string, and held back while its end could still become one.
 
-use kvforge_engine::{EngineError, Tokenizer};
+use kvforge_engine::{Detokenizer, EngineError, Tokenizer};
 
 /// The text of one reply so far.
 #[derive(Debug, Default)]
 pub(super) struct Reply {
-    /// Bytes of the decoded text already sent to the client.
+    detok: Detokenizer,
+    /// The reply's text decoded so far.
+    text: String,
+    /// Bytes of `text` already sent to the client.
     sent: usize,
 }
 
@@ -21,17 +24,27 @@ pub(super) struct Piece {
 }
 
 impl Reply {
-    /// The text that `tokens` (the whole reply so far) adds; at `last`
-    /// (the reply ends after this token) everything held back goes out.
+    /// The text that token `id` (`None`: no new token) adds to the reply;
+    /// at `last` (the reply ends after it) everything held back goes out.
     pub(super) fn piece(
         &mut self,
         tok: &Tokenizer,
-        tokens: &[u32],
+        id: Option<u32>,
         stop: &[String],
         last: bool,
     ) -> Result<Piece, EngineError> {
-        let text = tok.decode_text(tokens)?;
-        Ok(self.cut(&text, stop, last))
+        if let Some(id) = id {
+            let p = self.detok.step(tok, id)?;
+            self.text.push_str(&p);
+        }
+        if last {
+            let rest = self.detok.finish(tok)?;
+            self.text.push_str(&rest);
+        }
+        let text = std::mem::take(&mut self.text);
+        let p = self.cut(&text, stop, last);
+        self.text = text;
+        Ok(p)
     }
 
     pub(super) fn cut(&mut self, text: &str, stop: &[String], last: bool) -> Piece {
