@@ -5,10 +5,10 @@ use std::time::Instant;
 use tch::{Kind, Tensor};
 
 use crate::cache::Sequence;
+use crate::detokenize::Detokenizer;
 use crate::engine::Engine;
 use crate::error::{EngineError, Result};
 use crate::kv::KvStore;
-use crate::tokenizer::Detokenizer;
 
 /// How to pick the next token.
 #[derive(Clone, Debug, PartialEq)]
