@@ -1,5 +1,5 @@
 """Compares kvforge's dequantization of a GGUF file (the JSON lines of
-`cargo run --example gguf_stats`, on stdin) with the `gguf` package's
+`cargo run -p kvforge-engine --example gguf_stats`, on stdin) with the `gguf` package's
 reference dequantizer, tensor by tensor. Exits non-zero on a mismatch.
 Needs `cargo xtask setup --reference`.
 
