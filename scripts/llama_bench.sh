@@ -9,7 +9,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VERSION=0.3.36
 SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
-URL=https://files.pythonhosted.org/packages/ec/e9/e7de2b0463ea3ffbf0ede6cb21b58c1258a8f6521aae45ca773a59fe7cf3/llama_cpp_python-$VERSION.tar.gz
 MODEL=${1:-models/SmolLM2-135M-Instruct.Q4_1.gguf}
 shift || true
 DIR=target/llama-bench
@@ -27,10 +26,11 @@ if [ ! -x "$BIN" ]; then
     mkdir -p "$DIR"
     TAR=$DIR/llama_cpp_python-$VERSION.tar.gz
     if [ ! -f "$TAR" ]; then
-        curl -fsSL -o "$TAR.part" "$URL"
-        echo "$SHA256  $TAR.part" | sha256sum -c --quiet
-        mv "$TAR.part" "$TAR"
+        # The source distribution through pip, by name (no registry URL).
+        .venv/bin/pip download --quiet --no-deps --no-binary llama-cpp-python \
+            "llama-cpp-python==$VERSION" -d "$DIR"
     fi
+    echo "$SHA256  $TAR" | sha256sum -c --quiet
     rm -rf "$DIR/src" && mkdir -p "$DIR/src"
     tar -xzf "$TAR" -C "$DIR/src" --strip-components=1
     PATH=$PWD/.venv/bin:$PATH cmake -S "$DIR/src/vendor/llama.cpp" -B "$DIR/build" -G Ninja \

@@ -10,16 +10,9 @@ llama_cpp_source() {
     "$out/venv/bin/pip" install -q cmake ninja
   fi
   if [ ! -d "$out/llama_cpp_python-$version" ]; then
-    url=$(python3 - "$version" <<'PY'
-import json, sys, urllib.parse, urllib.request
-base = "https://pypi.org/pypi/llama-cpp-python/json"
-meta = json.load(urllib.request.urlopen(base))
-files = meta["releases"][sys.argv[1]]
-sdist = next(u["url"] for u in files if u["packagetype"] == "sdist")
-print(urllib.parse.urljoin(base, sdist))
-PY
-)
-    python3 -c "import sys, urllib.request; urllib.request.urlretrieve(sys.argv[1], sys.argv[2])" "$url" "$out/llama.tar.gz"
-    tar xzf "$out/llama.tar.gz" -C "$out"
+    # The source distribution through pip, by name (no registry URL).
+    "$out/venv/bin/pip" download -q --no-deps --no-binary llama-cpp-python \
+      "llama-cpp-python==$version" -d "$out"
+    tar xzf "$out/llama_cpp_python-$version.tar.gz" -C "$out"
   fi
 }
