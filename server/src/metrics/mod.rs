@@ -5,11 +5,12 @@
 //! Counters end in `_total`; latencies are histograms with buckets (not
 //! summaries), so that a dashboard can aggregate them across instances.
 
-use std::fmt::Write;
-
 use kvforge_engine::cache::CacheStats;
+use kvforge_engine::metrics::{Exposition, MetricKind, Rows, label};
 
 mod remote;
+#[cfg(test)]
+mod tests;
 
 /// Bucket upper bounds in seconds for time to first token and request
 /// latency (vLLM's, cut to what a CPU server sees).
@@ -58,16 +59,9 @@ impl Histogram {
         self.count
     }
 
-    fn render(&self, out: &mut String, name: &str, help: &str) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        let mut acc = 0;
-        for (b, c) in self.bounds.iter().zip(&self.counts) {
-            acc += c;
-            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {acc}");
-        }
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", self.count);
-        let _ = writeln!(out, "{name}_sum {}", self.sum);
-        let _ = writeln!(out, "{name}_count {}", self.count);
+    fn render(&self, out: &mut Exposition, name: &str, help: &str) {
+        let buckets = self.bounds.iter().copied().zip(self.counts.iter().copied());
+        out.histogram(name, help, buckets, self.count, self.sum);
     }
 }
 
@@ -154,36 +148,44 @@ impl ServeMetrics {
     }
 }
 
-/// A series: name, help, type, and its rows (labels, value).
-type Series<'a> = (&'a str, &'a str, &'a str, Vec<(String, f64)>);
+/// A series: its name (after `kvforge:`), help, and how to read its rows
+/// (labels, value) from `T`. Its type follows from the name: a counter
+/// ends in `_total`.
+type Series<T> = (&'static str, &'static str, fn(&T) -> Rows);
 
-fn one(v: f64) -> Vec<(String, f64)> {
-    vec![(String::new(), v)]
+fn one(v: impl Into<f64>) -> Rows {
+    vec![(String::new(), v.into())]
 }
 
-fn per_tier(cache: &CacheStats, f: impl Fn(&kvforge_pool::PoolStats) -> u64) -> Vec<(String, f64)> {
+/// A count as a value (exact below 2^53).
+fn n(v: u64) -> Rows {
+    one(v as f64)
+}
+
+fn per_tier(cache: &CacheStats, f: impl Fn(&kvforge_pool::PoolStats) -> u64) -> Rows {
     cache
         .tiers
         .iter()
-        .map(|t| (format!("{{tier=\"{}\"}}", t.name), f(&t.pool) as f64))
+        .map(|t| (label("tier", t.name), f(&t.pool) as f64))
         .collect()
 }
 
 /// The text `/metrics` answers: the server's series, then the cache's
-/// (bytes and blocks per tier, what the policies did).
+/// (bytes and blocks per tier, what the policies did), the remote tier's,
+/// and the latency histograms.
 pub fn render(m: &ServeMetrics, cache: &CacheStats) -> String {
-    let mut out = String::new();
-    write_series(&mut out, server_series(m));
-    write_series(&mut out, cache_series(cache));
+    let mut out = Exposition::new();
+    write(&mut out, SERVER, m);
+    write(&mut out, CACHE, cache);
     if let Some(r) = &cache.remote {
-        write_series(&mut out, remote::series(r));
-        remote::render_histogram(
+        write(&mut out, remote::SERIES, r);
+        remote::histogram(
             &mut out,
             &r.get_latency,
             "kvforge:remote_lookup_seconds",
             "Seconds per remote lookup round.",
         );
-        remote::render_histogram(
+        remote::histogram(
             &mut out,
             &r.put_latency,
             "kvforge:remote_put_seconds",
@@ -205,194 +207,144 @@ pub fn render(m: &ServeMetrics, cache: &CacheStats) -> String {
         "kvforge:e2e_request_latency_seconds",
         "Seconds from arrival to the last token.",
     );
-    out
+    out.into_text()
 }
 
-fn write_series(out: &mut String, series: Vec<Series>) {
-    for (name, help, kind, rows) in series {
-        let _ = writeln!(
-            out,
-            "# HELP kvforge:{name} {help}\n# TYPE kvforge:{name} {kind}"
-        );
-        for (labels, v) in rows {
-            let _ = writeln!(out, "kvforge:{name}{labels} {v}");
-        }
+fn write<T>(out: &mut Exposition, table: &[Series<T>], from: &T) {
+    for (name, help, read) in table {
+        let name = format!("kvforge:{name}");
+        out.series(&name, help, MetricKind::of(&name), &read(from));
     }
 }
 
-fn c(v: u64) -> Vec<(String, f64)> {
-    one(v as f64)
-}
-
 /// The scheduler's series, with vLLM's names.
-fn server_series<'a>(m: &ServeMetrics) -> Vec<Series<'a>> {
-    let success = vec![
-        (
-            "{finished_reason=\"stop\"}".to_string(),
-            m.finished_stop as f64,
-        ),
-        (
-            "{finished_reason=\"length\"}".to_string(),
-            m.finished_length as f64,
-        ),
-    ];
-    vec![
-        (
-            "num_requests_running",
-            "Requests in the running batch.",
-            "gauge",
-            one(m.running as f64),
-        ),
-        (
-            "num_requests_waiting",
-            "Requests waiting to be admitted.",
-            "gauge",
-            one(m.waiting as f64),
-        ),
-        (
-            "prefix_cache_queries_total",
-            "Prompt tokens looked up in the prefix cache.",
-            "counter",
-            c(m.prefix_queries),
-        ),
-        (
-            "prefix_cache_hits_total",
-            "Prompt tokens found in the prefix cache.",
-            "counter",
-            c(m.prefix_hits),
-        ),
-        (
-            "prompt_tokens_total",
-            "Prompt tokens of admitted requests.",
-            "counter",
-            c(m.prompt_tokens),
-        ),
-        (
-            "generation_tokens_total",
-            "Tokens generated.",
-            "counter",
-            c(m.generation_tokens),
-        ),
-        (
-            "num_preemptions_total",
-            "Running requests released for room, recomputed later.",
-            "counter",
-            c(m.preemptions),
-        ),
-        (
-            "request_success_total",
-            "Requests finished, by finish reason.",
-            "counter",
-            success,
-        ),
-        (
-            "request_aborted_total",
-            "Requests whose client disconnected.",
-            "counter",
-            c(m.aborted),
-        ),
-        (
-            "request_failed_total",
-            "Requests that failed inside the server.",
-            "counter",
-            c(m.failed),
-        ),
-        (
-            "engine_steps_total",
-            "Engine loop steps that ran the model.",
-            "counter",
-            c(m.steps),
-        ),
-    ]
-}
+const SERVER: &[Series<ServeMetrics>] = &[
+    (
+        "num_requests_running",
+        "Requests in the running batch.",
+        |m| one(m.running as f64),
+    ),
+    (
+        "num_requests_waiting",
+        "Requests waiting to be admitted.",
+        |m| one(m.waiting as f64),
+    ),
+    (
+        "prefix_cache_queries_total",
+        "Prompt tokens looked up in the prefix cache.",
+        |m| n(m.prefix_queries),
+    ),
+    (
+        "prefix_cache_hits_total",
+        "Prompt tokens found in the prefix cache.",
+        |m| n(m.prefix_hits),
+    ),
+    (
+        "prompt_tokens_total",
+        "Prompt tokens of admitted requests.",
+        |m| n(m.prompt_tokens),
+    ),
+    ("generation_tokens_total", "Tokens generated.", |m| {
+        n(m.generation_tokens)
+    }),
+    (
+        "num_preemptions_total",
+        "Running requests released for room, recomputed later.",
+        |m| n(m.preemptions),
+    ),
+    (
+        "request_success_total",
+        "Requests finished, by finish reason.",
+        |m| {
+            vec![
+                (label("finished_reason", "stop"), m.finished_stop as f64),
+                (label("finished_reason", "length"), m.finished_length as f64),
+            ]
+        },
+    ),
+    (
+        "request_aborted_total",
+        "Requests whose client disconnected.",
+        |m| n(m.aborted),
+    ),
+    (
+        "request_failed_total",
+        "Requests that failed inside the server.",
+        |m| n(m.failed),
+    ),
+    (
+        "engine_steps_total",
+        "Engine loop steps that ran the model.",
+        |m| n(m.steps),
+    ),
+];
 
 /// The cache's series, from the coordinator's counters.
-fn cache_series<'a>(cache: &CacheStats) -> Vec<Series<'a>> {
-    let usage = if cache.budget_bytes > 0 {
-        cache.bytes_in_use as f64 / cache.budget_bytes as f64
-    } else {
-        0.0
-    };
-    let p = &cache.policies;
-    let ix = cache.index.unwrap_or_default();
-    vec![
-        (
-            "kv_cache_usage_perc",
-            "KV bytes in use over the byte budget (1 = full).",
-            "gauge",
-            one(usage),
-        ),
-        (
-            "kv_budget_bytes",
-            "Bytes all KV tiers may hold in use.",
-            "gauge",
-            one(cache.budget_bytes as f64),
-        ),
-        (
-            "kv_bytes_in_use",
-            "Bytes of KV blocks in use, per tier.",
-            "gauge",
-            per_tier(cache, |t| t.in_use_bytes),
-        ),
-        (
-            "kv_blocks_in_use",
-            "KV blocks in use, per tier.",
-            "gauge",
-            per_tier(cache, |t| t.in_use as u64),
-        ),
-        (
-            "kv_blocks_cached_free",
-            "Free KV blocks still holding cached prefixes, per tier.",
-            "gauge",
-            per_tier(cache, |t| t.cached_free as u64),
-        ),
-        (
-            "evicted_entries_total",
-            "KV entries dropped by the eviction policy.",
-            "counter",
-            c(p.evicted_entries),
-        ),
-        (
-            "evicted_idle_entries_total",
-            "Of those, entries taken from idle sequences for another's step.",
-            "counter",
-            c(p.evicted_idle_entries),
-        ),
-        (
-            "evicted_tokens_total",
-            "Tokens dropped by token-level eviction.",
-            "counter",
-            c(p.evicted_tokens),
-        ),
-        (
-            "demoted_blocks_total",
-            "Hot blocks moved to the quantized cold tier.",
-            "counter",
-            c(p.demoted_blocks),
-        ),
-        (
-            "lifecycle_dropped_entries_total",
-            "KV entries the context lifecycle dropped.",
-            "counter",
-            c(p.lifecycle_dropped_entries),
-        ),
-        (
-            "shared_blocks_total",
-            "Cold blocks stored once for several holders.",
-            "counter",
-            c(cache.sharing.map_or(0, |s| s.shared)),
-        ),
-        (
-            "prefix_index_hit_blocks_total",
-            "Blocks the prefix index returned.",
-            "counter",
-            c(ix.hit_blocks),
-        ),
-        (
-            "prefix_index_inserted_blocks_total",
-            "Blocks registered in the prefix index.",
-            "counter",
-            c(ix.inserted_blocks),
-        ),
-    ]
-}
+const CACHE: &[Series<CacheStats>] = &[
+    (
+        "kv_cache_usage_perc",
+        "KV bytes in use over the byte budget (1 = full).",
+        |c| {
+            let used = c.bytes_in_use as f64 / c.budget_bytes as f64;
+            one(if c.budget_bytes > 0 { used } else { 0.0 })
+        },
+    ),
+    (
+        "kv_budget_bytes",
+        "Bytes all KV tiers may hold in use.",
+        |c| n(c.budget_bytes),
+    ),
+    (
+        "kv_bytes_in_use",
+        "Bytes of KV blocks in use, per tier.",
+        |c| per_tier(c, |t| t.in_use_bytes),
+    ),
+    ("kv_blocks_in_use", "KV blocks in use, per tier.", |c| {
+        per_tier(c, |t| t.in_use as u64)
+    }),
+    (
+        "kv_blocks_cached_free",
+        "Free KV blocks still holding cached prefixes, per tier.",
+        |c| per_tier(c, |t| t.cached_free as u64),
+    ),
+    (
+        "evicted_entries_total",
+        "KV entries dropped by the eviction policy.",
+        |c| n(c.policies.evicted_entries),
+    ),
+    (
+        "evicted_idle_entries_total",
+        "Of those, entries taken from idle sequences for another's step.",
+        |c| n(c.policies.evicted_idle_entries),
+    ),
+    (
+        "evicted_tokens_total",
+        "Tokens dropped by token-level eviction.",
+        |c| n(c.policies.evicted_tokens),
+    ),
+    (
+        "demoted_blocks_total",
+        "Hot blocks moved to the quantized cold tier.",
+        |c| n(c.policies.demoted_blocks),
+    ),
+    (
+        "lifecycle_dropped_entries_total",
+        "KV entries the context lifecycle dropped.",
+        |c| n(c.policies.lifecycle_dropped_entries),
+    ),
+    (
+        "shared_blocks_total",
+        "Cold blocks stored once for several holders.",
+        |c| n(c.sharing.map_or(0, |s| s.shared)),
+    ),
+    (
+        "prefix_index_hit_blocks_total",
+        "Blocks the prefix index returned.",
+        |c| n(c.index.unwrap_or_default().hit_blocks),
+    ),
+    (
+        "prefix_index_inserted_blocks_total",
+        "Blocks registered in the prefix index.",
+        |c| n(c.index.unwrap_or_default().inserted_blocks),
+    ),
+];
