@@ -2,13 +2,10 @@
 
 use std::time::Instant;
 
-use tch::{Kind, Tensor};
-
 use crate::cache::Sequence;
 use crate::detokenize::Detokenizer;
 use crate::engine::Engine;
 use crate::error::{EngineError, Result};
-use crate::kv::KvStore;
 
 /// How to pick the next token.
 #[derive(Clone, Debug, PartialEq)]
@@ -162,12 +159,6 @@ impl Generation {
     }
 }
 
-/// Row `i` of `logits` (`[rows, vocab]`) as f32.
-fn logits_row(logits: &Tensor, i: i64) -> Result<Vec<f32>> {
-    let row = logits.f_get(i)?.f_to_kind(Kind::Float)?;
-    Vec::<f32>::try_from(row).map_err(EngineError::from)
-}
-
 impl Engine {
     /// Checks that `prompt` fits after what `seq` holds.
     fn check_prompt(&self, seq: &Sequence, prompt: &[u32]) -> Result<()> {
@@ -203,23 +194,21 @@ impl Engine {
             ..Generation::default()
         };
         let t0 = Instant::now();
-        let mut logits = self
-            .model
-            .forward(prompt, &mut self.cache.view(seq), false)?;
+        let mut logits = self.prefill(seq, prompt, true)?.unwrap_or_default();
         out.prefill_secs = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
         let mut text = Detokenizer::default();
         loop {
-            let next = sampler.sample(&logits_row(&logits, 0)?);
+            let next = sampler.sample(&logits);
             let go_on = self.emit(0, next, &mut out, &mut text, params, &mut |_, id, piece| {
                 on_token(id, piece)
             })?;
             if !go_on || seq.len() + 1 >= ctx {
                 break;
             }
-            logits = self
-                .model
-                .forward(&[next], &mut self.cache.view(seq), false)?;
+            // One sequence alone steps as a prompt of one token (the
+            // unbatched forward pass).
+            logits = self.prefill(seq, &[next], true)?.unwrap_or_default();
         }
         out.decode_secs = t1.elapsed().as_secs_f64();
         Ok(out)
@@ -270,9 +259,9 @@ impl Engine {
         let mut rows = Vec::with_capacity(n);
         for (i, (s, p)) in seqs.iter_mut().zip(prompts).enumerate() {
             let t = Instant::now();
-            let logits = self.model.forward(p, &mut self.cache.view(s), false)?;
+            let logits = self.prefill(s, p, true)?.unwrap_or_default();
             outs[i].prefill_secs = t.elapsed().as_secs_f64();
-            rows.push(logits_row(&logits, 0)?);
+            rows.push(logits);
         }
         let t1 = Instant::now();
         // The sequences still going, and the token each feeds next.
@@ -289,22 +278,18 @@ impl Engine {
         }
         while !active.is_empty() {
             let tokens: Vec<u32> = active.iter().map(|&(_, t)| t).collect();
-            let logits = {
-                // `active` is in sequence order, so the views line up with
-                // `tokens`.
-                let mut views: Vec<_> = seqs
-                    .iter_mut()
-                    .enumerate()
-                    .filter(|(j, _)| active.iter().any(|&(i, _)| i == *j))
-                    .map(|(_, s)| self.cache.view(s))
-                    .collect();
-                let mut stores: Vec<&mut dyn KvStore> =
-                    views.iter_mut().map(|v| v as &mut dyn KvStore).collect();
-                self.model.forward_batch(&tokens, &mut stores)?
-            };
+            // `active` is in sequence order, so the sequences line up
+            // with `tokens`.
+            let mut going: Vec<&mut Sequence> = seqs
+                .iter_mut()
+                .enumerate()
+                .filter(|(j, _)| active.iter().any(|&(i, _)| i == *j))
+                .map(|(_, s)| s)
+                .collect();
+            let rows = self.decode(&mut going, &tokens)?;
             let mut still = Vec::with_capacity(active.len());
-            for (r, &(i, _)) in active.iter().enumerate() {
-                let next = samplers[i].sample(&logits_row(&logits, r as i64)?);
+            for (&(i, _), row) in active.iter().zip(&rows) {
+                let next = samplers[i].sample(row);
                 if self.emit(i, next, &mut outs[i], &mut texts[i], &params[i], on_token)?
                     && seqs[i].len() + 1 < ctx
                 {

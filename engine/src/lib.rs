@@ -54,6 +54,7 @@ pub mod model;
 pub mod numerics;
 pub mod policies;
 pub mod ppl;
+mod step;
 mod tier;
 pub mod tokenizer;
 

@@ -9,11 +9,12 @@
 //! 2. admits waiting requests, oldest first, up to `max_batch` running:
 //!    each opens a sequence in the coordinator with the longest cached
 //!    prefix of its prompt (the prefix index, namespaced per tenant and
-//!    `cache_salt`); with a remote tier, the blocks after it are looked up
-//!    on a thread of the request's own, and the request runs once they are
-//!    imported — a slow or paused store delays that request only;
+//!    `cache_salt`); with a remote tier, the blocks after it were looked
+//!    up on a thread of the request's own while it waited, and only a
+//!    request whose lookup has answered is admitted — a slow or paused
+//!    store delays that request only;
 //! 3. decodes every request that has its prompt in the cache as one
-//!    batch (`Llama::forward_batch`: the weights are read once per step);
+//!    batch (`Engine::decode`: the weights are read once per step);
 //! 4. spends what is left of the step's token budget (`max_step_tokens`)
 //!    on prompt chunks (chunked prefill: a long prompt takes several steps
 //!    and never stalls the running decodes);

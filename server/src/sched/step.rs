@@ -7,19 +7,12 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use kvforge_engine::tch::{Kind, Tensor};
-use kvforge_engine::{EngineError, KvStore, Sequence};
+use kvforge_engine::{EngineError, Sequence};
 use kvforge_prefix::ExtraKeys;
 
 use super::{End, Event, Outcome, Req, Scheduler, lock};
 use crate::error::ApiError;
 use crate::metrics::Ended;
-
-/// Row `i` of `[rows, vocab]` logits as f32.
-fn row(logits: &Tensor, i: usize) -> Result<Vec<f32>, EngineError> {
-    let r = logits.f_get(i as i64)?.f_to_kind(Kind::Float)?;
-    Vec::<f32>::try_from(r).map_err(EngineError::from)
-}
 
 /// What a panic said (its `&str` or `String` payload).
 pub(super) fn panic_text(p: &(dyn Any + Send)) -> String {
@@ -86,23 +79,18 @@ impl Scheduler {
         let engine = Arc::clone(&self.engine);
         let running = &mut self.running;
         let out = catch_unwind(AssertUnwindSafe(|| {
-            let mut views: Vec<_> = running
+            let mut seqs: Vec<&mut Sequence> = running
                 .iter_mut()
                 .enumerate()
                 .filter(|(j, _)| ready.binary_search(j).is_ok())
-                .map(|(_, r)| engine.cache.view(&mut r.seq))
+                .map(|(_, r)| &mut r.seq)
                 .collect();
-            let mut stores: Vec<&mut dyn KvStore> =
-                views.iter_mut().map(|v| v as &mut dyn KvStore).collect();
-            engine.model.forward_batch(&tokens, &mut stores)
+            engine.decode(&mut seqs, &tokens)
         }));
         match out {
-            Ok(Ok(logits)) => {
-                for (k, &i) in ready.iter().enumerate() {
-                    match row(&logits, k) {
-                        Ok(r) => self.sample(i, &r),
-                        Err(e) => self.running[i].end = Some(End::Failed(failure(&e))),
-                    }
+            Ok(Ok(rows)) => {
+                for (&i, row) in ready.iter().zip(&rows) {
+                    self.sample(i, row);
                 }
                 true
             }
@@ -142,17 +130,12 @@ impl Scheduler {
         let reaches_end = start + n == r.context.len();
         let seq = &mut r.seq;
         let out = catch_unwind(AssertUnwindSafe(|| {
-            engine
-                .model
-                .forward(&chunk, &mut engine.cache.view(seq), false)
+            engine.prefill(seq, &chunk, reaches_end)
         }));
         match out {
             Ok(Ok(logits)) => {
-                if reaches_end {
-                    match row(&logits, 0) {
-                        Ok(l) => self.sample(i, &l),
-                        Err(e) => self.running[i].end = Some(End::Failed(failure(&e))),
-                    }
+                if let Some(l) = logits {
+                    self.sample(i, &l);
                 }
                 true
             }

@@ -1,0 +1,48 @@
+//! The engine's two step primitives, which every front end drives (the
+//! single and batched `generate`, the server's scheduler): a prompt chunk
+//! after what a sequence holds, and one decode step over many sequences at
+//! once (the weights read once for all). Logits come back as f32 rows, so
+//! a caller names no tensor.
+
+use tch::{Kind, Tensor};
+
+use crate::cache::Sequence;
+use crate::engine::Engine;
+use crate::error::{EngineError, Result};
+use crate::kv::KvStore;
+
+/// Row `i` of `logits` (`[rows, vocab]`) as f32.
+fn logits_row(logits: &Tensor, i: i64) -> Result<Vec<f32>> {
+    let row = logits.f_get(i)?.f_to_kind(Kind::Float)?;
+    Vec::<f32>::try_from(row).map_err(EngineError::from)
+}
+
+impl Engine {
+    /// Runs `tokens` after what `seq` holds (a prompt, or a chunk of one);
+    /// with `logits`, the next token's logits over the vocabulary. On an
+    /// error the step is aborted: `seq` holds what it held.
+    pub fn prefill(
+        &self,
+        seq: &mut Sequence,
+        tokens: &[u32],
+        logits: bool,
+    ) -> Result<Option<Vec<f32>>> {
+        let out = self
+            .model
+            .forward(tokens, &mut self.cache.view(seq), false)?;
+        logits.then(|| logits_row(&out, 0)).transpose()
+    }
+
+    /// One decode step: `tokens[i]` appended to `seqs[i]`, for all of them
+    /// in one batched forward pass; each one's next-token logits, in order.
+    /// On an error the step is aborted for every sequence.
+    pub fn decode(&self, seqs: &mut [&mut Sequence], tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
+        let mut views: Vec<_> = seqs.iter_mut().map(|s| self.cache.view(s)).collect();
+        let mut stores: Vec<&mut dyn KvStore> =
+            views.iter_mut().map(|v| v as &mut dyn KvStore).collect();
+        let out = self.model.forward_batch(tokens, &mut stores)?;
+        (0..tokens.len() as i64)
+            .map(|i| logits_row(&out, i))
+            .collect()
+    }
+}
