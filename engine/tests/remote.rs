@@ -22,8 +22,12 @@ use tch::{Device, Kind};
 use super::manager::tokenizer;
 
 fn engine(weights: i64, cold: bool) -> Engine {
+    engine_bs(4, weights, cold)
+}
+
+fn engine_bs(block_size: usize, weights: i64, cold: bool) -> Engine {
     let cfg = EngineConfig {
-        block_size: 4,
+        block_size,
         kv_tokens: 512,
         kv_quant: cold.then(|| KvQuant {
             window: 8,
@@ -285,6 +289,33 @@ fn a_lookup_answer_that_does_not_follow_on_imports_nothing() {
         assert_eq!(seq.len(), 0);
         cache.free(&mut seq).unwrap();
     }
+    // An answer for a longer prompt covers every token of a shorter one:
+    // the last token must still be computed (the review of issue 43's
+    // first steps).
+    let short = &prompt()[..36];
+    let fetched = cache.remote_lookup(&prompt(), &e).unwrap().fetch();
+    let mut seq = cache.open_with(short, &e, Some(fetched)).unwrap();
+    assert!(seq.len() < short.len(), "{} of {}", seq.len(), short.len());
+    cache.free(&mut seq).unwrap();
+    // Through another link: a cache of another block size (its scope
+    // differs) would lay 4-token payloads out as 2-token blocks.
+    let fetched = cache.remote_lookup(&prompt(), &e).unwrap().fetch();
+    let mut small = engine_bs(2, 7, false);
+    let fingerprint = small.fingerprint().unwrap();
+    small
+        .cache
+        .set_remote(Some(RemoteSetup {
+            store: store.clone(),
+            secret: secret(),
+            seed: 1,
+            model: fingerprint,
+            cold: false,
+            options: RemoteOptions::default(),
+        }))
+        .unwrap();
+    let mut seq = small.cache.open_with(&prompt(), &e, Some(fetched)).unwrap();
+    assert_eq!(seq.len(), 0, "an answer of another link");
+    small.cache.free(&mut seq).unwrap();
     // Asked after 3 local blocks; opened where none is held.
     greedy(&b, &prompt()[..13]);
     let fetched = cache.remote_lookup(&prompt(), &e).unwrap().fetch();

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use kvforge_coordinator::{COLD, HOT, SeqId, TieredPool};
 use kvforge_pool::StorageFormat;
 use kvforge_prefix::ExtraKeys;
-use kvforge_remote::RemoteCache;
+use kvforge_remote::{RemoteCache, Scope};
 
 use super::remote::Part;
 use super::*;
@@ -65,8 +65,11 @@ impl PagedKvCache {
     /// was reclaimed meanwhile), or an answer for other tokens or another
     /// namespace, imports nothing. A run cut short (by room, a miss, a
     /// block that did not verify) ends the import: the blocks after it
-    /// would not follow on. Anything that fails leaves `seq` as opened
-    /// (closed and opened again on the local prefix).
+    /// would not follow on. An answer that came through another remote
+    /// link (another scope: model, layout, block size) imports nothing,
+    /// and neither does one covering every token of `tokens` (the last
+    /// is always computed, for its logits). Anything that fails leaves
+    /// `seq` as opened (closed and opened again on the local prefix).
     pub(super) fn import_fetched(
         &self,
         seq: &mut Sequence,
@@ -74,10 +77,16 @@ impl PagedKvCache {
         extra: &ExtraKeys,
         fetched: RemoteFetched,
     ) {
-        let (Some(id), bs) = (seq.id, self.block_size) else {
+        let (Some(id), Some(link), bs) = (seq.id, &self.remote, self.block_size) else {
             return;
         };
-        if fetched.extra != *extra
+        let same_link = fetched
+            .runs
+            .iter()
+            .all(|(part, scope, ..)| link.cache(*part).is_some_and(|c| c.scope() == scope));
+        if !same_link
+            || fetched.extra != *extra
+            || fetched.tokens.len() >= tokens.len()
             || !tokens.starts_with(&fetched.tokens)
             || seq.len % bs != 0
             || seq.len / bs < fetched.first
@@ -86,7 +95,7 @@ impl PagedKvCache {
         }
         let have = seq.len / bs;
         let mut added = 0;
-        for (part, run, payloads) in fetched.runs {
+        for (part, _, run, payloads) in fetched.runs {
             let skip = (have + added).saturating_sub(run.start).min(payloads.len());
             let new = &payloads[skip..];
             if !new.is_empty() {
@@ -212,8 +221,12 @@ pub struct RemoteFetched {
     /// The full blocks' tokens and the namespace they were asked for.
     tokens: Vec<u32>,
     extra: ExtraKeys,
-    runs: Vec<(Part, Range<usize>, Vec<Vec<u8>>)>,
+    runs: Vec<FetchedRun>,
 }
+
+/// One run of a [`RemoteFetched`]: its part, the scope of the cache it
+/// came through, the blocks it covers, the leading payloads that verified.
+type FetchedRun = (Part, Scope, Range<usize>, Vec<Vec<u8>>);
 
 impl RemoteLookup {
     /// Asks the store, run by run, for the leading blocks that verify; a
@@ -228,7 +241,7 @@ impl RemoteLookup {
                 &self.tokens[run.start * bs..run.end * bs],
             );
             let short = got.len() < run.len();
-            runs.push((part, run, got));
+            runs.push((part, cache.scope().clone(), run, got));
             if short {
                 break;
             }

@@ -30,7 +30,7 @@ pub(super) const SERIES: &[Series<RemoteStats>] = &[
     ),
     (
         "remote_hit_tokens_total",
-        "Tokens those blocks hold (not recomputed).",
+        "Tokens those blocks hold (fewer are imported when the local cache gained some meanwhile).",
         |r| n(r.hit_tokens),
     ),
     (

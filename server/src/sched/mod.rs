@@ -162,14 +162,32 @@ struct Req {
     cached: Option<usize>,
     /// Order of admission (the newest is preempted first).
     admitted: u64,
-    /// Its remote lookup in flight while it waits (the ticket its answer
-    /// comes back with): it is admitted once the answer is in.
-    lookup: Option<u64>,
-    /// What that lookup brought, imported when the request is admitted.
-    fetched: Option<RemoteFetched>,
+    /// Its remote lookup while it waits: it is admitted once `Ready`.
+    lookup: Lookup,
     last_token: Option<Instant>,
     /// Set when the request has ended in this step.
     end: Option<End>,
+}
+
+/// Where a waiting request's remote lookup stands.
+enum Lookup {
+    /// Not looked at yet.
+    New,
+    /// Something to ask, not asked yet: the lookups in flight or answered
+    /// and waiting are at their cap ([`SchedConfig::max_batch`]).
+    Pending,
+    /// In flight; its answer comes back with this ticket.
+    Asking(u64),
+    /// Answered (what it brought, imported at admission), or nothing to
+    /// ask: the request can be admitted.
+    Ready(Option<RemoteFetched>),
+}
+
+impl Lookup {
+    /// Whether it holds a lookup's place (in flight, or an answer held).
+    fn held(&self) -> bool {
+        matches!(self, Lookup::Asking(_) | Lookup::Ready(Some(_)))
+    }
 }
 
 #[derive(Debug)]
@@ -196,8 +214,8 @@ pub struct Scheduler {
     pressure: bool,
     deadline: Option<Instant>,
     /// Remote lookups answer here, with their tickets.
-    fetched_tx: mpsc::Sender<(u64, RemoteFetched)>,
-    fetched: mpsc::Receiver<(u64, RemoteFetched)>,
+    fetched_tx: mpsc::Sender<(u64, Option<RemoteFetched>)>,
+    fetched: mpsc::Receiver<(u64, Option<RemoteFetched>)>,
     tickets: u64,
 }
 
@@ -318,7 +336,7 @@ impl Scheduler {
                         return;
                     }
                 };
-                let mut r = Req {
+                let r = Req {
                     context: job.prompt.clone(),
                     job,
                     generated: Vec::new(),
@@ -327,13 +345,12 @@ impl Scheduler {
                     reply: text::Reply::default(),
                     cached: None,
                     admitted: 0,
-                    lookup: None,
-                    fetched: None,
+                    lookup: Lookup::New,
                     last_token: None,
                     end: None,
                 };
-                self.prefetch(&mut r);
                 self.waiting.push_back(r);
+                self.start_lookups();
             }
             Msg::Shutdown(at) => self.deadline = Some(at),
         }

@@ -274,8 +274,9 @@ impl Scheduler {
                     self.release(&mut r, true);
                     self.shared.queued.fetch_add(1, Ordering::SeqCst);
                     lock(&self.shared.metrics).preemptions += 1;
-                    self.prefetch(&mut r);
+                    r.lookup = super::Lookup::New;
                     self.waiting.push_front(r);
+                    self.start_lookups();
                     continue;
                 }
                 End::Finished { stopped } => {

@@ -16,6 +16,11 @@ use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 use super::{Event, Job, Msg, SchedConfig, Scheduler, Shared};
 
 fn scheduler(max_batch: usize) -> Scheduler {
+    scheduler_with(max_batch, false)
+}
+
+/// With `remote`, a remote tier on an in-memory store.
+fn scheduler_with(max_batch: usize, remote: bool) -> Scheduler {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
     let g = GgufFile::open(&root.join("models/SmolLM2-135M-Instruct.Q4_1.gguf"))
         .expect("the model: run `cargo xtask setup`");
@@ -28,6 +33,20 @@ fn scheduler(max_batch: usize) -> Scheduler {
     let model = Llama::random(mc, 3, Device::Cpu, Kind::Float).unwrap();
     let mut engine = Engine::new(model, tok, &EngineConfig::default()).unwrap();
     ReuseConfig::default().apply(&mut engine.cache).unwrap();
+    if remote {
+        let model = engine.fingerprint().unwrap();
+        engine
+            .cache
+            .set_remote(Some(kvforge_engine::cache::RemoteSetup {
+                store: Arc::new(kvforge_remote::MemoryTier::new()),
+                secret: kvforge_remote::Secret::new(b"the scheduler tests' secret").unwrap(),
+                seed: 1,
+                model,
+                cold: false,
+                options: kvforge_remote::RemoteOptions::default(),
+            }))
+            .unwrap();
+    }
     engine.cache.check_every_call(true);
     let cfg = SchedConfig {
         max_batch,
@@ -37,6 +56,10 @@ fn scheduler(max_batch: usize) -> Scheduler {
 }
 
 fn submit(s: &mut Scheduler, prompt_len: usize) -> UnboundedReceiver<Event> {
+    submit_for(s, prompt_len, 500)
+}
+
+fn submit_for(s: &mut Scheduler, prompt_len: usize, max_tokens: usize) -> UnboundedReceiver<Event> {
     let (tx, rx) = unbounded_channel();
     s.shared
         .queued
@@ -44,7 +67,7 @@ fn submit(s: &mut Scheduler, prompt_len: usize) -> UnboundedReceiver<Event> {
     s.take(Msg::Submit(Job {
         prompt: (1..=prompt_len as u32).collect(),
         params: SamplingParams {
-            max_tokens: 500,
+            max_tokens,
             ignore_eos: true,
             ..SamplingParams::default()
         },
@@ -86,4 +109,45 @@ fn a_gone_client_frees_its_blocks_in_the_next_step() {
     assert_eq!(hot_in_use(&s), 0);
     assert!(s.engine.cache.tier_stats()[0].pool.cached_free > 0);
     assert_eq!(super::lock(&s.shared.metrics).aborted, 2);
+}
+
+/// With a remote tier, lookups start while requests wait, at most
+/// `max_batch` in flight or answered and waiting (what they fetched is
+/// held outside the KV budget); the others wait their turn, and every
+/// request runs to its end.
+#[test]
+fn lookups_of_waiting_requests_are_capped_and_every_request_ends() {
+    let mut s = scheduler_with(2, true);
+    let mut rx: Vec<_> = (0..6).map(|k| submit_for(&mut s, 40 + 7 * k, 3)).collect();
+    let held = s.waiting.iter().filter(|r| r.lookup.held()).count();
+    let pending = s
+        .waiting
+        .iter()
+        .filter(|r| matches!(r.lookup, super::Lookup::Pending))
+        .count();
+    assert_eq!((held, pending), (2, 4));
+    let mut done = vec![false; rx.len()];
+    for _ in 0..5000 {
+        if done.iter().all(|&d| d) {
+            break;
+        }
+        s.take_fetched();
+        s.tick();
+        let held = s.waiting.iter().filter(|r| r.lookup.held()).count();
+        assert!(held <= 2, "{held} lookups held");
+        for (d, r) in done.iter_mut().zip(&mut rx) {
+            while let Ok(e) = r.try_recv() {
+                match e {
+                    Event::Done(_) => *d = true,
+                    Event::Failed(e) => panic!("{e:?}"),
+                    Event::Token(_) => {}
+                }
+            }
+        }
+        if s.only_lookups() {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+    assert!(done.iter().all(|&d| d), "{done:?}");
+    assert_eq!(hot_in_use(&s), 0);
 }
