@@ -45,6 +45,25 @@ fn engine_bs(block_size: usize, weights: i64, cold: bool) -> Engine {
 /// hash seed `seed`, blocks as cold bytes when `cold`.
 fn manager(store: &Arc<MemoryTier>, weights: i64, seed: u64, cold: bool) -> CacheManager {
     let mut e = engine(weights, cold);
+    link(&mut e, store, seed, cold);
+    let m = CacheManager::new(e, ReuseConfig::default()).unwrap();
+    m.engine().cache.check_every_call(true);
+    m
+}
+
+/// A store holding what a first engine (weights 7, seed 1) wrote for
+/// [`prompt`], that engine, and its tokens.
+fn written(cold: bool) -> (Arc<MemoryTier>, CacheManager, Vec<u32>) {
+    let store = Arc::new(MemoryTier::new());
+    let a = manager(&store, 7, 1, cold);
+    let (first, reused) = greedy(&a, &prompt());
+    assert_eq!(reused, 0);
+    assert!(a.engine().cache.remote_flush(Duration::from_secs(10)));
+    (store, a, first)
+}
+
+/// Links `e` to `store` under hash seed `seed`.
+fn link(e: &mut Engine, store: &Arc<MemoryTier>, seed: u64, cold: bool) {
     let model = e.fingerprint().unwrap();
     e.cache
         .set_remote(Some(RemoteSetup {
@@ -56,9 +75,6 @@ fn manager(store: &Arc<MemoryTier>, weights: i64, seed: u64, cold: bool) -> Cach
             options: RemoteOptions::default(),
         }))
         .unwrap();
-    let m = CacheManager::new(e, ReuseConfig::default()).unwrap();
-    m.engine().cache.check_every_call(true);
-    m
 }
 
 fn greedy(m: &CacheManager, prompt: &[u32]) -> (Vec<u32>, usize) {
@@ -82,11 +98,7 @@ fn prompt() -> Vec<u32> {
 #[test]
 fn a_second_engine_answers_from_the_first_ones_blocks_as_a_local_hit_would() {
     for cold in [false, true] {
-        let store = Arc::new(MemoryTier::new());
-        let a = manager(&store, 7, 1, cold);
-        let (first, reused) = greedy(&a, &prompt());
-        assert_eq!(reused, 0);
-        assert!(a.engine().cache.remote_flush(Duration::from_secs(10)));
+        let (store, a, first) = written(cold);
         // 37 prompt tokens + 5 generated held: 10 full blocks written (in
         // cold mode 2 hot sink blocks and 8 INT4 ones).
         assert_eq!(stats(&a).put_blocks, 10, "cold {cold}");
@@ -133,10 +145,7 @@ fn a_second_engine_answers_from_the_first_ones_blocks_as_a_local_hit_would() {
 
 #[test]
 fn another_model_or_seed_gets_no_hit() {
-    let store = Arc::new(MemoryTier::new());
-    let a = manager(&store, 7, 1, false);
-    greedy(&a, &prompt());
-    assert!(a.engine().cache.remote_flush(Duration::from_secs(10)));
+    let (store, _a, _) = written(false);
     for (weights, seed) in [(8, 1), (7, 2)] {
         let b = manager(&store, weights, seed, false);
         assert_eq!(greedy(&b, &prompt()).1, 0);
@@ -147,10 +156,7 @@ fn another_model_or_seed_gets_no_hit() {
 
 #[test]
 fn a_failing_store_is_a_recompute_with_the_same_tokens() {
-    let store = Arc::new(MemoryTier::new());
-    let a = manager(&store, 7, 1, false);
-    let (first, _) = greedy(&a, &prompt());
-    assert!(a.engine().cache.remote_flush(Duration::from_secs(10)));
+    let (store, _a, first) = written(false);
     store.fail_with(Some(ErrorKind::Timeout));
     let b = manager(&store, 7, 1, false);
     let (tokens, reused) = greedy(&b, &prompt());
@@ -175,10 +181,7 @@ fn a_failing_store_is_a_recompute_with_the_same_tokens() {
 /// (block 2's KV would sit at positions 4..8, block 3's at 8..12, …).
 #[test]
 fn an_import_cut_short_in_the_sink_does_not_shift_the_cold_blocks() {
-    let store = Arc::new(MemoryTier::new());
-    let a = manager(&store, 7, 1, true);
-    greedy(&a, &prompt());
-    assert!(a.engine().cache.remote_flush(Duration::from_secs(10)));
+    let (store, _a, _) = written(true);
     // Three hot blocks, bytes to spare.
     let cfg = EngineConfig {
         block_size: 4,
@@ -194,17 +197,7 @@ fn an_import_cut_short_in_the_sink_does_not_shift_the_cold_blocks() {
     };
     let model = Llama::random(LlamaConfig::tiny(), 7, Device::Cpu, Kind::Float).unwrap();
     let mut e = Engine::new(model, tokenizer(), &cfg).unwrap();
-    let fingerprint = e.fingerprint().unwrap();
-    e.cache
-        .set_remote(Some(RemoteSetup {
-            store: store.clone(),
-            secret: secret(),
-            seed: 1,
-            model: fingerprint,
-            cold: true,
-            options: RemoteOptions::default(),
-        }))
-        .unwrap();
+    link(&mut e, &store, 1, true);
     e.cache.check_every_call(true);
     let cache = &e.cache;
     let layout = |seq: &kvforge_engine::Sequence| -> String {
@@ -246,10 +239,7 @@ fn an_import_cut_short_in_the_sink_does_not_shift_the_cold_blocks() {
 /// shows token for token.
 #[test]
 fn a_lookup_asked_before_the_open_imports_what_follows_the_local_prefix() {
-    let store = Arc::new(MemoryTier::new());
-    let a = manager(&store, 7, 1, false);
-    greedy(&a, &prompt());
-    assert!(a.engine().cache.remote_flush(Duration::from_secs(10)));
+    let (store, a, _) = written(false);
     let (local, reused) = greedy(&a, &prompt());
     assert_eq!(reused, 36);
     let b = manager(&store, 7, 1, false);
@@ -274,10 +264,7 @@ fn a_lookup_asked_before_the_open_imports_what_follows_the_local_prefix() {
 /// than where the lookup began (its blocks were reclaimed meanwhile).
 #[test]
 fn a_lookup_answer_that_does_not_follow_on_imports_nothing() {
-    let store = Arc::new(MemoryTier::new());
-    let a = manager(&store, 7, 1, false);
-    greedy(&a, &prompt());
-    assert!(a.engine().cache.remote_flush(Duration::from_secs(10)));
+    let (store, _a, _) = written(false);
     let b = manager(&store, 7, 1, false);
     let cache = &b.engine().cache;
     let e = ExtraKeys::default();
@@ -301,18 +288,7 @@ fn a_lookup_answer_that_does_not_follow_on_imports_nothing() {
     // differs) would lay 4-token payloads out as 2-token blocks.
     let fetched = cache.remote_lookup(&prompt(), &e).unwrap().fetch();
     let mut small = engine_bs(2, 7, false);
-    let fingerprint = small.fingerprint().unwrap();
-    small
-        .cache
-        .set_remote(Some(RemoteSetup {
-            store: store.clone(),
-            secret: secret(),
-            seed: 1,
-            model: fingerprint,
-            cold: false,
-            options: RemoteOptions::default(),
-        }))
-        .unwrap();
+    link(&mut small, &store, 1, false);
     let mut seq = small.cache.open_with(&prompt(), &e, Some(fetched)).unwrap();
     assert_eq!(seq.len(), 0, "an answer of another link");
     small.cache.free(&mut seq).unwrap();
