@@ -194,7 +194,7 @@ impl Engine {
             ..Generation::default()
         };
         let t0 = Instant::now();
-        let mut logits = self.prefill(seq, prompt, true)?.unwrap_or_default();
+        let mut logits = self.prefill(seq, prompt)?;
         out.prefill_secs = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
         let mut text = Detokenizer::default();
@@ -208,7 +208,7 @@ impl Engine {
             }
             // One sequence alone steps as a prompt of one token (the
             // unbatched forward pass).
-            logits = self.prefill(seq, &[next], true)?.unwrap_or_default();
+            logits = self.prefill(seq, &[next])?;
         }
         out.decode_secs = t1.elapsed().as_secs_f64();
         Ok(out)
@@ -259,9 +259,8 @@ impl Engine {
         let mut rows = Vec::with_capacity(n);
         for (i, (s, p)) in seqs.iter_mut().zip(prompts).enumerate() {
             let t = Instant::now();
-            let logits = self.prefill(s, p, true)?.unwrap_or_default();
+            rows.push(self.prefill(s, p)?);
             outs[i].prefill_secs = t.elapsed().as_secs_f64();
-            rows.push(logits);
         }
         let t1 = Instant::now();
         // The sequences still going, and the token each feeds next.

@@ -19,18 +19,13 @@ fn logits_row(logits: &Tensor, i: i64) -> Result<Vec<f32>> {
 
 impl Engine {
     /// Runs `tokens` after what `seq` holds (a prompt, or a chunk of one);
-    /// with `logits`, the next token's logits over the vocabulary. On an
-    /// error the step is aborted: `seq` holds what it held.
-    pub fn prefill(
-        &self,
-        seq: &mut Sequence,
-        tokens: &[u32],
-        logits: bool,
-    ) -> Result<Option<Vec<f32>>> {
+    /// the next token's logits over the vocabulary. On an error the step
+    /// is aborted: `seq` holds what it held.
+    pub fn prefill(&self, seq: &mut Sequence, tokens: &[u32]) -> Result<Vec<f32>> {
         let out = self
             .model
             .forward(tokens, &mut self.cache.view(seq), false)?;
-        logits.then(|| logits_row(&out, 0)).transpose()
+        logits_row(&out, 0)
     }
 
     /// One decode step: `tokens[i]` appended to `seqs[i]`, for all of them

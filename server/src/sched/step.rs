@@ -129,13 +129,12 @@ impl Scheduler {
         };
         let reaches_end = start + n == r.context.len();
         let seq = &mut r.seq;
-        let out = catch_unwind(AssertUnwindSafe(|| {
-            engine.prefill(seq, &chunk, reaches_end)
-        }));
+        let out = catch_unwind(AssertUnwindSafe(|| engine.prefill(seq, &chunk)));
         match out {
             Ok(Ok(logits)) => {
-                if let Some(l) = logits {
-                    self.sample(i, &l);
+                // A chunk before the prompt's end: nothing to sample yet.
+                if reaches_end {
+                    self.sample(i, &logits);
                 }
                 true
             }
