@@ -105,11 +105,9 @@ pub fn machine() -> String {
 
 #[cfg(feature = "engine")]
 fn gpu() -> String {
-    use kvforge_engine::tch::Cuda;
-    if Cuda::is_available() {
-        format!("{} CUDA device(s)", Cuda::device_count())
-    } else {
-        "no GPU".into()
+    match kvforge_engine::cuda_devices() {
+        0 => "no GPU".into(),
+        n => format!("{n} CUDA device(s)"),
     }
 }
 

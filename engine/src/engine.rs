@@ -10,10 +10,36 @@ use crate::attention::ReferenceBackend;
 use crate::cache::PagedKvCache;
 use crate::error::{EngineError, Result};
 use crate::gguf;
-use crate::model::Llama;
+use crate::model::{Llama, LlamaConfig};
 use crate::policies::Policies;
 use crate::tier::KvQuant;
 use crate::tokenizer::Tokenizer;
+
+/// The number of CUDA devices libtorch sees (0 without a GPU, a driver or
+/// a CUDA build of libtorch).
+pub fn cuda_devices() -> usize {
+    if tch::Cuda::is_available() {
+        tch::Cuda::device_count().max(0) as usize
+    } else {
+        0
+    }
+}
+
+/// Waits until every kernel queued on `device` has run (a no-op on the
+/// CPU): what a timing of GPU work must call before reading the clock.
+pub fn synchronize(device: Device) {
+    if let Device::Cuda(n) = device {
+        tch::Cuda::synchronize(n as i64);
+    }
+}
+
+/// Sets how many threads libtorch's CPU kernels use (intra-op), for the
+/// whole process; 0 or less leaves libtorch's default.
+pub fn set_cpu_threads(n: i32) {
+    if n > 0 {
+        tch::set_num_threads(n);
+    }
+}
 
 /// Parses `cpu`, `cuda` or `cuda:N`, checking that CUDA is usable.
 pub fn parse_device(s: &str) -> Result<Device> {
@@ -32,13 +58,13 @@ pub fn parse_device(s: &str) -> Result<Device> {
             }
         },
     };
-    if !tch::Cuda::is_available() {
+    let count = cuda_devices();
+    if count == 0 {
         return Err(EngineError::Device(
             "CUDA requested but not available (no GPU, no driver, or a CPU-only libtorch)".into(),
         ));
     }
     if let Device::Cuda(n) = device {
-        let count = tch::Cuda::device_count() as usize;
         if n >= count {
             return Err(EngineError::Device(format!(
                 "cuda:{n} requested but only {count} GPU(s) present"
@@ -61,13 +87,14 @@ pub fn parse_dtype(s: &str) -> Result<Kind> {
 }
 
 /// A model, its tokenizer and a paged KV cache.
+///
+/// Front ends drive it through [`prefill`](Engine::prefill) and
+/// [`decode`](Engine::decode), which take and return token ids and logits
+/// rows, never tensors; the parts are reached through the accessors below.
 pub struct Engine {
-    /// The model.
-    pub model: Llama,
-    /// Its tokenizer.
-    pub tokenizer: Tokenizer,
-    /// The KV cache.
-    pub cache: PagedKvCache,
+    pub(crate) model: Llama,
+    pub(crate) tokenizer: Tokenizer,
+    pub(crate) cache: PagedKvCache,
 }
 
 /// How to size and place an engine.
@@ -176,6 +203,32 @@ impl Engine {
         self.model.fingerprint(&mut h)?;
         h.update(self.tokenizer.to_json()?.as_bytes());
         Ok(h.digest128())
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Llama {
+        &self.model
+    }
+
+    /// The model's dimensions.
+    pub fn model_config(&self) -> &LlamaConfig {
+        &self.model.cfg
+    }
+
+    /// The tokenizer.
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// The KV cache (its views, statistics and sequence operations).
+    pub fn cache(&self) -> &PagedKvCache {
+        &self.cache
+    }
+
+    /// The KV cache, to reconfigure it (cold tier, remote tier, policies,
+    /// attention backend).
+    pub fn cache_mut(&mut self) -> &mut PagedKvCache {
+        &mut self.cache
     }
 
     /// Wraps a model and tokenizer with a fresh cache.

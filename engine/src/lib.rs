@@ -62,7 +62,10 @@ pub use attention::{Attended, AttentionBackend, KvTensors, Observe, ReferenceBac
 pub use cache::{PagedKvCache, Sequence};
 pub use constrain::{Constrained, Constraint};
 pub use detokenize::Detokenizer;
-pub use engine::{Attention, Engine, EngineConfig, parse_device, parse_dtype};
+pub use engine::{
+    Attention, Engine, EngineConfig, cuda_devices, parse_device, parse_dtype, set_cpu_threads,
+    synchronize,
+};
 pub use error::{EngineError, Result};
 pub use fused::FusedBackend;
 pub use generate::{Generation, Sampler, SamplingParams};
@@ -80,8 +83,10 @@ pub use mechanisms::{Mechanisms, Registry};
 pub use model::{Llama, LlamaConfig};
 pub use policies::Policies;
 pub use ppl::PplReport;
-/// The libtorch bindings this engine is built on (threads, CUDA queries).
-pub use tch;
+/// The libtorch types in the engine's public API: where weights and KV live,
+/// their dtypes, and the tensors a [`KvStore`] or [`AttentionBackend`]
+/// implementation handles. Front ends need none of them to run requests
+/// ([`Engine::prefill`], [`Engine::decode`] take ids and return logits).
 pub use tch::{Device, Kind, Tensor};
 pub use tier::{ColdBlock, KvQuant};
 pub use tokenizer::{Message, Tokenizer};

@@ -163,7 +163,7 @@ fn generate_batch_follows_generate_one_by_one() {
         .iter()
         .map(|m| {
             engine
-                .tokenizer
+                .tokenizer()
                 .encode(&Tokenizer::chat_prompt(&[Message::new("user", *m)]))
                 .unwrap()
         })
@@ -181,10 +181,10 @@ fn generate_batch_follows_generate_one_by_one() {
     for (p, sp) in prompts.iter().zip(&params) {
         let mut s = Sequence::default();
         let g = engine.generate(&mut s, p, sp, &mut |_, _| true).unwrap();
-        engine.cache.free(&mut s).unwrap();
+        engine.cache().free(&mut s).unwrap();
         // The logits each token was picked from (the same schedule).
         let rows = forced(&engine, &mut s, p, &g.tokens);
-        engine.cache.free(&mut s).unwrap();
+        engine.cache().free(&mut s).unwrap();
         let picked: Vec<u32> = rows.iter().map(|r| top2(r).0 as u32).collect();
         assert_eq!(picked, g.tokens);
         want.push(g.tokens);
@@ -209,7 +209,7 @@ fn generate_batch_follows_generate_one_by_one() {
         assert_eq!(s.len(), p.len() + g.tokens.len() - 1);
     }
     for s in seqs.iter_mut() {
-        engine.cache.free(s).unwrap();
+        engine.cache().free(s).unwrap();
     }
     // The caller stops sequence 1 after its second token; the others go on.
     let mut seqs: Vec<Sequence> = (0..3).map(|_| Sequence::default()).collect();
@@ -223,10 +223,10 @@ fn generate_batch_follows_generate_one_by_one() {
     assert_eq!(got[1].tokens.len(), 2);
     follows(&got[0].tokens, &want[0], &want_rows[0], REAL_TOL).unwrap();
     for s in seqs.iter_mut() {
-        engine.cache.free(s).unwrap();
+        engine.cache().free(s).unwrap();
     }
     // Bad batches: nothing runs, nothing is held.
-    let bytes = engine.cache.bytes_in_use();
+    let bytes = engine.cache().bytes_in_use();
     let mut seqs: Vec<Sequence> = (0..3).map(|_| Sequence::default()).collect();
     let mut empty = prompts.clone();
     empty[2].clear();
@@ -245,5 +245,5 @@ fn generate_batch_follows_generate_one_by_one() {
         assert!(!e.to_string().contains('\n'), "{what}: {e}");
         assert!(seqs.iter().all(|s| s.is_empty()), "{what}");
     }
-    assert_eq!(engine.cache.bytes_in_use(), bytes);
+    assert_eq!(engine.cache().bytes_in_use(), bytes);
 }

@@ -42,7 +42,7 @@ fn manager(cfg: EngineConfig) -> CacheManager {
 /// coordinator's calls (every plan, commit, abort, open, register, turn):
 /// a broken one fails the request.
 fn checked(m: CacheManager) -> CacheManager {
-    m.engine().cache.check_every_call(true);
+    m.engine().cache().check_every_call(true);
     m
 }
 
@@ -156,9 +156,9 @@ fn real_model_reuse_with_a_cold_tier_gives_the_outputs_of_the_same_schedule() {
             .iter()
             .enumerate()
             .map(|(i, m)| {
-                let ids = e.tokenizer.user_turn_ids(true, m).unwrap();
+                let ids = e.tokenizer().user_turn_ids(true, m).unwrap();
                 if i == 0 {
-                    e.tokenizer
+                    e.tokenizer()
                         .chat_ids(&[kvforge_engine::Message::new("user", *m)])
                         .unwrap()
                 } else {
@@ -240,11 +240,11 @@ fn a_quantized_prefix_is_matched_shared_and_counted_once() {
     history.extend(&r.generation.tokens);
     m.with_engine(|e| {
         let extra = ExtraKeys::namespace("t");
-        let cold_before = e.cache.tier_stats()[1].pool;
-        let mut a = e.cache.open(&history, &extra).unwrap();
-        let mut b = e.cache.open(&history, &extra).unwrap();
+        let cold_before = e.cache().tier_stats()[1].pool;
+        let mut a = e.cache().open(&history, &extra).unwrap();
+        let mut b = e.cache().open(&history, &extra).unwrap();
         assert_eq!(a.len(), history.len() - 1, "the whole history is matched");
-        let (ta, tb) = (e.cache.table(&a).unwrap(), e.cache.table(&b).unwrap());
+        let (ta, tb) = (e.cache().table(&a).unwrap(), e.cache().table(&b).unwrap());
         assert_eq!(ta, tb, "the same blocks, hot and cold");
         let cold: Vec<_> = ta
             .entries()
@@ -255,12 +255,12 @@ fn a_quantized_prefix_is_matched_shared_and_counted_once() {
             })
             .collect();
         assert!(!cold.is_empty(), "the quantized prefix is matched as is");
-        e.cache.with_coordinator(|c| {
+        e.cache().with_coordinator(|c| {
             for &id in &cold {
                 assert_eq!(c.pools().ref_count(id).unwrap(), 2, "shared, not copied");
             }
         });
-        let stats = e.cache.stats().tiers[1].pool;
+        let stats = e.cache().stats().tiers[1].pool;
         assert_eq!(stats.in_use, cold.len(), "counted once");
         assert_eq!(stats.in_use_bytes, cold.len() as u64 * stats.block_bytes);
         assert_eq!(stats.capacity, cold_before.capacity, "nothing re-quantized");
@@ -268,14 +268,14 @@ fn a_quantized_prefix_is_matched_shared_and_counted_once() {
         for seq in [&mut a, &mut b] {
             let last = *history.last().unwrap();
             let _ = e
-                .model
-                .forward(&[last], &mut e.cache.view(seq), false)
+                .model()
+                .forward(&[last], &mut e.cache().view(seq), false)
                 .unwrap();
         }
         let (mut a, mut b): (Sequence, Sequence) = (a, b);
-        e.cache.free(&mut a).unwrap();
-        e.cache.free(&mut b).unwrap();
-        assert_eq!(e.cache.bytes_in_use(), 0);
+        e.cache().free(&mut a).unwrap();
+        e.cache().free(&mut b).unwrap();
+        assert_eq!(e.cache().bytes_in_use(), 0);
     });
     // A stateless request over the same history reuses it all.
     let r2 = m
@@ -417,10 +417,10 @@ fn eight_threads_with_every_mechanism_leak_nothing() {
     assert_eq!(metrics["kv_bytes_in_use"], 0, "{metrics}");
     assert!(metrics["reused_tokens"].as_u64().unwrap() > 0, "{metrics}");
     m.with_engine(|e| {
-        assert_eq!(e.cache.with_coordinator(|c| c.sequences()), 0);
-        let cold = e.cache.stats().tiers[1].pool;
+        assert_eq!(e.cache().with_coordinator(|c| c.sequences()), 0);
+        let cold = e.cache().stats().tiers[1].pool;
         assert_eq!(
-            e.cache.cold_stored_bytes(),
+            e.cache().cold_stored_bytes(),
             cold.cached_free as u64 * cold.block_bytes,
             "stored cold blocks are exactly the cached ones"
         );

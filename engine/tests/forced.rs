@@ -161,14 +161,14 @@ pub(super) fn forced(
 ) -> Vec<Vec<f32>> {
     let mut out = rows(
         &engine
-            .model
-            .forward(prompt, &mut engine.cache.view(seq), false)
+            .model()
+            .forward(prompt, &mut engine.cache().view(seq), false)
             .unwrap(),
     );
     for &t in &answer[..answer.len() - 1] {
         let l = engine
-            .model
-            .forward(&[t], &mut engine.cache.view(seq), false)
+            .model()
+            .forward(&[t], &mut engine.cache().view(seq), false)
             .unwrap();
         out.extend(rows(&l));
     }
@@ -187,13 +187,13 @@ pub(super) fn forced_complete(
 ) -> (usize, Vec<Vec<f32>>) {
     let e = m.engine();
     let extra = ExtraKeys::namespace(namespace);
-    let mut seq = e.cache.open(prompt, &extra).unwrap();
+    let mut seq = e.cache().open(prompt, &extra).unwrap();
     let reused = seq.len();
     let logits = forced(e, &mut seq, &prompt[reused..], answer);
     let mut held = prompt.to_vec();
     held.extend(&answer[..answer.len() - 1]);
-    e.cache.register(&seq, &held, &extra).unwrap();
-    e.cache.free(&mut seq).unwrap();
+    e.cache().register(&seq, &held, &extra).unwrap();
+    e.cache().free(&mut seq).unwrap();
     (reused, logits)
 }
 
@@ -202,10 +202,10 @@ pub(super) fn forced_complete(
 pub(super) fn full_rows(engine: &Engine, tokens: &[u32]) -> Vec<Vec<f32>> {
     let mut seq = Sequence::default();
     let l = engine
-        .model
-        .forward(tokens, &mut engine.cache.view(&mut seq), true)
+        .model()
+        .forward(tokens, &mut engine.cache().view(&mut seq), true)
         .unwrap();
-    engine.cache.free(&mut seq).unwrap();
+    engine.cache().free(&mut seq).unwrap();
     rows(&l)
 }
 

@@ -39,7 +39,7 @@ fn tiny_engine(lifecycle: Option<LifecycleConfig>) -> Engine {
 #[test]
 fn constrained_decoding_gives_a_valid_block_even_from_random_weights() {
     let e = tiny_engine(None);
-    let prompt = e.tokenizer.encode("Label the segments:").unwrap();
+    let prompt = e.tokenizer().encode("Label the segments:").unwrap();
     for n in [1usize, 3, 6] {
         let mut seq = Sequence::default();
         let out = e
@@ -50,7 +50,7 @@ fn constrained_decoding_gives_a_valid_block_even_from_random_weights() {
         let p = parse_labels(&out.text, n);
         assert!(p.valid(), "{:?}", out.text);
         assert!(out.overridden > 0, "random weights need the grammar");
-        e.cache.free(&mut seq).unwrap();
+        e.cache().free(&mut seq).unwrap();
     }
     // A grammar nothing satisfies is an error, not a panic or a loop.
     struct Nothing;
@@ -64,7 +64,7 @@ fn constrained_decoding_gives_a_valid_block_even_from_random_weights() {
         .generate_constrained(&mut seq, &prompt, &Nothing, 8)
         .unwrap_err();
     assert!(err.to_string().contains("no token continues"), "{err}");
-    e.cache.free(&mut seq).unwrap();
+    e.cache().free(&mut seq).unwrap();
     let err = e
         .generate_constrained(&mut seq, &prompt, &LabelGrammar::new(1), 10_000)
         .unwrap_err();
@@ -107,8 +107,8 @@ fn a_fork_continues_as_a_fresh_sequence_and_leaves_the_original_alone() {
         &mut |_, _| true,
     )
     .unwrap();
-    let mut f = e.cache.fork(&a).unwrap();
-    let mut f2 = e.cache.fork(&a).unwrap();
+    let mut f = e.cache().fork(&a).unwrap();
+    let mut f2 = e.cache().fork(&a).unwrap();
     let got = e
         .generate(&mut f, &suffix, &greedy, &mut |_, _| true)
         .unwrap();
@@ -119,24 +119,24 @@ fn a_fork_continues_as_a_fresh_sequence_and_leaves_the_original_alone() {
     let mut wrong_p = p.clone();
     wrong_p[6] += 1;
     let _ = e
-        .model
-        .forward(&wrong_p, &mut e.cache.view(&mut wrong_source), false)
+        .model()
+        .forward(&wrong_p, &mut e.cache().view(&mut wrong_source), false)
         .unwrap();
-    let mut wrong_fork = e.cache.fork(&wrong_source).unwrap();
+    let mut wrong_fork = e.cache().fork(&wrong_source).unwrap();
     let wrong = forced(&e, &mut wrong_fork, &suffix, &want.tokens);
     let err = agree(None, &wrong, &want_rows, TOL).expect_err("wrong KV at one position");
     eprintln!("a fork over wrong KV at one position: caught ({err})");
-    e.cache.free(&mut wrong_fork).unwrap();
-    e.cache.free(&mut wrong_source).unwrap();
+    e.cache().free(&mut wrong_fork).unwrap();
+    e.cache().free(&mut wrong_source).unwrap();
     // The original continues as if there had been no fork.
     let after = e
         .generate(&mut a, &suffix, &greedy, &mut |_, _| true)
         .unwrap();
     assert_eq!(after.tokens, got.tokens);
     for s in [&mut a, &mut f, &mut f2, &mut fresh, &mut again] {
-        e.cache.free(s).unwrap();
+        e.cache().free(s).unwrap();
     }
-    assert_eq!(e.cache.with_coordinator(|c| c.pools().stats().in_use), 0);
+    assert_eq!(e.cache().with_coordinator(|c| c.pools().stats().in_use), 0);
 }
 
 const TURNS: [&str; 6] = [
@@ -174,7 +174,7 @@ fn session_labels_reclaim_after_k_rounds_and_give_blocks_back() {
         let id = m.open_session("t");
         let (mut reclaimed, mut dropped) = (0, 0);
         for (i, text) in TURNS.iter().enumerate() {
-            let toks = m.engine().tokenizer.user_turn_ids(i > 0, text).unwrap();
+            let toks = m.engine().tokenizer().user_turn_ids(i > 0, text).unwrap();
             let r = m.turn(id, &toks, &params(), &mut |_, _| true).unwrap();
             let l = r.lifecycle.expect("a lifecycle report every turn");
             assert!(l.segments >= 2, "{source:?} turn {i}: {l:?}");
@@ -197,7 +197,8 @@ fn session_labels_reclaim_after_k_rounds_and_give_blocks_back() {
                 .iter()
                 .filter(|e| e.slot().is_live())
                 .count();
-            let in_use = m.with_engine(|e| e.cache.with_coordinator(|c| c.pools().stats().in_use));
+            let in_use =
+                m.with_engine(|e| e.cache().with_coordinator(|c| c.pools().stats().in_use));
             assert_eq!(in_use, live, "{source:?} turn {i}");
         }
         let metrics = m.metrics();

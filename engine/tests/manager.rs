@@ -186,11 +186,11 @@ fn reuse_matches_recomputing_every_prompt_over_16_turns() {
     let mut seq = kvforge_engine::Sequence::default();
     let (head, tail) = broken.split_at(broken.len() - 1);
     let _ = e
-        .model
-        .forward(head, &mut e.cache.view(&mut seq), false)
+        .model()
+        .forward(head, &mut e.cache().view(&mut seq), false)
         .unwrap();
     let rows = forced(e, &mut seq, tail, &want[last]);
-    e.cache.free(&mut seq).unwrap();
+    e.cache().free(&mut seq).unwrap();
     let err =
         agree(None, &rows, &want_rows[last], TINY_TOL).expect_err("a lost position is caught");
     eprintln!("tiny model, a position off by one: caught ({err})");
@@ -447,7 +447,7 @@ fn many_threads_with_shared_prefixes_and_aborts_leak_nothing() {
     );
     // Every block can be handed out again: nothing leaked, nothing double-freed.
     m.with_engine(|e| {
-        e.cache.with_coordinator(|c| {
+        e.cache().with_coordinator(|c| {
             let pool = c.pools().tier(0).unwrap();
             let cap = pool.stats().capacity;
             let all = pool.allocate(cap).expect("all blocks free");
@@ -527,7 +527,7 @@ fn real_model_reuse_matches_a_full_recompute_within_rounding_over_16_turns() {
     let with = reuse();
     let texts: Vec<Vec<u32>> = (0..CHAT.len())
         .map(|t| {
-            with.with_engine(|e| e.tokenizer.encode(&chat_text(t)))
+            with.with_engine(|e| e.tokenizer().encode(&chat_text(t)))
                 .unwrap()
         })
         .collect();
@@ -605,11 +605,11 @@ fn real_model_reuse_matches_a_full_recompute_within_rounding_over_16_turns() {
         let mut seq = Sequence::default();
         let (head, tail) = broken.split_at(broken.len() - 1);
         let _ = e
-            .model
-            .forward(head, &mut e.cache.view(&mut seq), false)
+            .model()
+            .forward(head, &mut e.cache().view(&mut seq), false)
             .unwrap();
         let got = forced(e, &mut seq, tail, answer);
-        e.cache.free(&mut seq).unwrap();
+        e.cache().free(&mut seq).unwrap();
         let err = agree(None, &got, want, REAL_TOL).expect_err(what);
         eprintln!("{what}: caught ({err})");
     }
@@ -659,7 +659,7 @@ fn streaming_and_window_perplexity_agree_and_do_not_depend_on_chunking() {
             s.ppl
         );
         assert_eq!(
-            engine.cache.bytes_in_use(),
+            engine.cache().bytes_in_use(),
             0,
             "streaming frees its sequence"
         );

@@ -47,7 +47,7 @@ fn manager(store: &Arc<MemoryTier>, weights: i64, seed: u64, cold: bool) -> Cach
     let mut e = engine(weights, cold);
     link(&mut e, store, seed, cold);
     let m = CacheManager::new(e, ReuseConfig::default()).unwrap();
-    m.engine().cache.check_every_call(true);
+    m.engine().cache().check_every_call(true);
     m
 }
 
@@ -58,14 +58,14 @@ fn written(cold: bool) -> (Arc<MemoryTier>, CacheManager, Vec<u32>) {
     let a = manager(&store, 7, 1, cold);
     let (first, reused) = greedy(&a, &prompt());
     assert_eq!(reused, 0);
-    assert!(a.engine().cache.remote_flush(Duration::from_secs(10)));
+    assert!(a.engine().cache().remote_flush(Duration::from_secs(10)));
     (store, a, first)
 }
 
 /// Links `e` to `store` under hash seed `seed`.
 fn link(e: &mut Engine, store: &Arc<MemoryTier>, seed: u64, cold: bool) {
     let model = e.fingerprint().unwrap();
-    e.cache
+    e.cache_mut()
         .set_remote(Some(RemoteSetup {
             store: store.clone(),
             secret: secret(),
@@ -88,7 +88,7 @@ fn greedy(m: &CacheManager, prompt: &[u32]) -> (Vec<u32>, usize) {
 }
 
 fn stats(m: &CacheManager) -> RemoteStats {
-    m.engine().cache.remote_stats().unwrap()
+    m.engine().cache().remote_stats().unwrap()
 }
 
 fn prompt() -> Vec<u32> {
@@ -112,7 +112,7 @@ fn a_second_engine_answers_from_the_first_ones_blocks_as_a_local_hit_would() {
         // What an import lays out: the sink hot (full precision) in cold
         // mode, like a local hit's; every block hot in hot mode.
         let c = manager(&store, 7, 1, cold);
-        let cache = &c.engine().cache;
+        let cache = &c.engine().cache();
         let mut seq = cache.open(&prompt(), &ExtraKeys::default()).unwrap();
         assert_eq!(seq.len(), 36);
         let slots: String = cache
@@ -165,13 +165,13 @@ fn a_failing_store_is_a_recompute_with_the_same_tokens() {
         tokens, first,
         "a fresh engine computing everything, like the first"
     );
-    assert!(b.engine().cache.remote_flush(Duration::from_secs(10)));
+    assert!(b.engine().cache().remote_flush(Duration::from_secs(10)));
     let s = stats(&b);
     // The lookup, and each write-behind batch, timed out (the writes may
     // have landed: unconfirmed, not failed).
     assert_eq!((s.lookups, s.put_unconfirmed, s.put_failed), (1, 10, 0));
     assert!(s.errors_timeout >= 2, "{s:?}");
-    assert_eq!(b.engine().cache.bytes_in_use(), 0);
+    assert_eq!(b.engine().cache().bytes_in_use(), 0);
 }
 
 /// In cold mode the sink's blocks travel hot, the rest cold
@@ -198,8 +198,8 @@ fn an_import_cut_short_in_the_sink_does_not_shift_the_cold_blocks() {
     let model = Llama::random(LlamaConfig::tiny(), 7, Device::Cpu, Kind::Float).unwrap();
     let mut e = Engine::new(model, tokenizer(), &cfg).unwrap();
     link(&mut e, &store, 1, true);
-    e.cache.check_every_call(true);
-    let cache = &e.cache;
+    e.cache().check_every_call(true);
+    let cache = e.cache();
     let layout = |seq: &kvforge_engine::Sequence| -> String {
         cache
             .table(seq)
@@ -243,7 +243,7 @@ fn a_lookup_asked_before_the_open_imports_what_follows_the_local_prefix() {
     let (local, reused) = greedy(&a, &prompt());
     assert_eq!(reused, 36);
     let b = manager(&store, 7, 1, false);
-    let cache = &b.engine().cache;
+    let cache = &b.engine().cache();
     let e = ExtraKeys::default();
     let fetched = cache.remote_lookup(&prompt(), &e).unwrap().fetch();
     assert_eq!(stats(&b).hit_blocks, 9);
@@ -266,7 +266,7 @@ fn a_lookup_asked_before_the_open_imports_what_follows_the_local_prefix() {
 fn a_lookup_answer_that_does_not_follow_on_imports_nothing() {
     let (store, _a, _) = written(false);
     let b = manager(&store, 7, 1, false);
-    let cache = &b.engine().cache;
+    let cache = &b.engine().cache();
     let e = ExtraKeys::default();
     let other: Vec<u32> = prompt().iter().map(|t| t + 1).collect();
     let tenant = ExtraKeys::namespace("tenant");
@@ -289,19 +289,22 @@ fn a_lookup_answer_that_does_not_follow_on_imports_nothing() {
     let fetched = cache.remote_lookup(&prompt(), &e).unwrap().fetch();
     let mut small = engine_bs(2, 7, false);
     link(&mut small, &store, 1, false);
-    let mut seq = small.cache.open_with(&prompt(), &e, Some(fetched)).unwrap();
+    let mut seq = small
+        .cache()
+        .open_with(&prompt(), &e, Some(fetched))
+        .unwrap();
     assert_eq!(seq.len(), 0, "an answer of another link");
-    small.cache.free(&mut seq).unwrap();
+    small.cache().free(&mut seq).unwrap();
     // Asked after 3 local blocks; opened where none is held.
     greedy(&b, &prompt()[..13]);
     let fetched = cache.remote_lookup(&prompt(), &e).unwrap().fetch();
     let c = manager(&store, 7, 1, false);
     let mut seq = c
         .engine()
-        .cache
+        .cache()
         .open_with(&prompt(), &e, Some(fetched))
         .unwrap();
     assert_eq!(seq.len(), 0, "blocks 3.. do not follow on an empty prefix");
-    c.engine().cache.free(&mut seq).unwrap();
-    assert_eq!(c.engine().cache.bytes_in_use(), 0);
+    c.engine().cache().free(&mut seq).unwrap();
+    assert_eq!(c.engine().cache().bytes_in_use(), 0);
 }

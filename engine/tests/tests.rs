@@ -372,10 +372,10 @@ fn reference_top(p: &serde_json::Value) -> Vec<Vec<(i64, f64)>> {
 fn prompt_logits(engine: &Engine, prompt: &[u32]) -> Tensor {
     let mut seq = Sequence::default();
     let logits = engine
-        .model
-        .forward(prompt, &mut engine.cache.view(&mut seq), true)
+        .model()
+        .forward(prompt, &mut engine.cache().view(&mut seq), true)
         .unwrap();
-    engine.cache.free(&mut seq).unwrap();
+    engine.cache().free(&mut seq).unwrap();
     logits
 }
 
@@ -401,7 +401,7 @@ fn real_model_matches_transformers_logits_greedy_and_tokens() {
         let prompt = ids(&p["ids"]);
         // Our tokenizer gives transformers' ids for the chat text.
         let text = p["text"].as_str().unwrap();
-        assert_eq!(engine.tokenizer.encode(text).unwrap(), prompt);
+        assert_eq!(engine.tokenizer().encode(text).unwrap(), prompt);
         let logits = prompt_logits(&engine, &prompt);
         for (pos, top) in reference_top(p).iter().enumerate() {
             for &(id, val) in top {
@@ -442,7 +442,7 @@ fn real_model_matches_transformers_logits_greedy_and_tokens() {
     );
     for t in fx["tokenizer"].as_array().unwrap() {
         let text = t["text"].as_str().unwrap();
-        let got = engine.tokenizer.encode(text).unwrap();
+        let got = engine.tokenizer().encode(text).unwrap();
         assert_eq!(got, ids(&t["ids"]), "tokenizer differs on {text:?}");
     }
 }

@@ -269,7 +269,7 @@ impl Engine {
     /// `special`.
     #[pyo3(signature = (text, special = false))]
     fn encode(&self, text: &str, special: bool) -> PyResult<Vec<u32>> {
-        let t = &self.manager.engine().tokenizer;
+        let t = &self.manager.engine().tokenizer();
         if special {
             t.encode(text)
         } else {
@@ -280,7 +280,7 @@ impl Engine {
 
     /// The text of `ids`.
     fn decode(&self, ids: Vec<u32>) -> PyResult<String> {
-        let t = &self.manager.engine().tokenizer;
+        let t = &self.manager.engine().tokenizer();
         if let Some(bad_id) = ids.iter().find(|&&i| i as usize >= t.vocab) {
             return Err(bad(format!(
                 "kvforge: token id {bad_id} is outside the vocabulary of {}",
@@ -297,13 +297,17 @@ impl Engine {
             .iter()
             .map(|(r, c)| kvforge_engine::Message::new(r, c))
             .collect();
-        self.manager.engine().tokenizer.chat_ids(&m).map_err(raise)
+        self.manager
+            .engine()
+            .tokenizer()
+            .chat_ids(&m)
+            .map_err(raise)
     }
 
     /// A later user turn: `msg` after a reply (closed with `<|im_end|>`
     /// first unless `closed`).
     fn user_turn_ids(&self, closed: bool, msg: &str) -> PyResult<Vec<u32>> {
-        let t = &self.manager.engine().tokenizer;
+        let t = &self.manager.engine().tokenizer();
         t.user_turn_ids(!closed, msg).map_err(raise)
     }
 
@@ -388,7 +392,13 @@ impl Engine {
     fn blocks_in_use(&self, py: Python<'_>) -> PyResult<Vec<usize>> {
         not_in_policy()?;
         let e = self.manager.engine();
-        Ok(py.detach(|| e.cache.tier_stats().iter().map(|t| t.pool.in_use).collect()))
+        Ok(py.detach(|| {
+            e.cache()
+                .tier_stats()
+                .iter()
+                .map(|t| t.pool.in_use)
+                .collect()
+        }))
     }
 }
 

@@ -128,16 +128,16 @@ impl Server {
             return Err("--header-timeout-secs and --body-timeout-secs must be positive".into());
         }
         cfg.reuse
-            .apply(&mut engine.cache)
+            .apply(engine.cache_mut())
             .map_err(|e| e.to_string())?;
         engine
-            .cache
+            .cache_mut()
             .set_remote(cfg.remote.clone())
             .map_err(|e| e.to_string())?;
-        engine.cache.check_every_call(cfg.check_invariants);
-        let stats = engine.cache.stats();
+        engine.cache().check_every_call(cfg.check_invariants);
+        let stats = engine.cache().stats();
         let hot = stats.tiers.first().map(|t| t.pool);
-        let max_kv_tokens = (engine.cache.grows_only_hot())
+        let max_kv_tokens = (engine.cache().grows_only_hot())
             .then(|| {
                 hot.map(|h| {
                     let by_budget = stats.budget_bytes / h.block_bytes.max(1);
@@ -147,12 +147,12 @@ impl Server {
             .flatten();
         let limits = Limits {
             model_id: cfg.model_id.clone(),
-            max_ctx: engine.model.cfg.max_ctx,
-            vocab: engine.model.cfg.vocab,
+            max_ctx: engine.model_config().max_ctx,
+            vocab: engine.model_config().vocab,
             default_max_tokens: cfg.default_max_tokens,
             max_kv_tokens,
         };
-        let tokenizer = engine.tokenizer.clone();
+        let tokenizer = engine.tokenizer().clone();
         // Tenants' namespaces are keyed by the remote tier's secret, so
         // they agree across the instances sharing it; without one, by a
         // secret of this process's own.
@@ -161,7 +161,7 @@ impl Server {
             .as_ref()
             .map_or_else(kvforge_remote::Secret::random, |r| r.secret.clone());
         let auth = http::Auth::new(&cfg.api_keys, secret)?;
-        let remote = engine.cache.remote_stats_source();
+        let remote = engine.cache().remote_stats_source();
         let shared = Arc::new(sched::Shared::default());
         let (tx, rx) = mpsc::channel();
         let sched = sched::Scheduler::new(

@@ -33,7 +33,7 @@ pub fn connect(spec: &RemoteSpec, engine: &Engine) -> Result<RemoteSetup, String
         secret,
         seed: spec.seed,
         model,
-        cold: spec.cold_blocks(engine.cache.cold_tier().is_some()),
+        cold: spec.cold_blocks(engine.cache().cold_tier().is_some()),
         options: RemoteOptions {
             queue_blocks: spec.queue_blocks,
             // Written again (set-if-absent) once the store may have let

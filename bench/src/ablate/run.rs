@@ -91,9 +91,7 @@ pub fn run(opts: &Options) -> Result<Outcome> {
         wall_secs: 0.0,
     };
 
-    if exp.model.threads > 0 {
-        kvforge_engine::tch::set_num_threads(exp.model.threads);
-    }
+    kvforge_engine::set_cpu_threads(exp.model.threads);
     let (model, tok) = load_model(&exp)?;
     let inputs = Inputs::load(&exp, &tok, model.cfg.max_ctx)?;
     // Whatever the file check could not see without the model (a group
@@ -892,7 +890,7 @@ impl<'a> Runner<'a> {
 
     /// Block sizes of its cache (hot, and cold when it has a cold tier).
     fn sizes(&self) -> super::target::Sizes {
-        let cache = &self.engine().cache;
+        let cache = &self.engine().cache();
         let t = cache.tier_stats();
         super::target::Sizes {
             block: cache.block_size(),
@@ -931,7 +929,7 @@ impl<'a> Runner<'a> {
                     // The answer's start is given, as in pass key retrieval.
                     ids.extend(tok.encode_text(RECALL_PRIMER)?);
                 }
-                let cache = &self.engine().cache;
+                let cache = &self.engine().cache();
                 let mut peak = cache.bytes_in_use();
                 let r = self.manager.turn(id, &ids, &params, &mut |_, _| {
                     peak = peak.max(cache.bytes_in_use());
@@ -1045,25 +1043,26 @@ impl<'a> Runner<'a> {
         let (key, (context, question)) = (prompt.key, prompt.split(w.question_seen));
         let engine = self.engine();
         let mut seq = Sequence::default();
-        engine.cache.take_step_peak_bytes();
+        engine.cache().take_step_peak_bytes();
         let out = (|| -> Result<(String, u64, u64)> {
             let mut peak = 0;
             for piece in context.chunks(w.chunk) {
-                let _last = engine
-                    .model
-                    .forward(piece, &mut engine.cache.view(&mut seq), false)?;
-                peak = peak.max(engine.cache.bytes_in_use());
+                let _last =
+                    engine
+                        .model()
+                        .forward(piece, &mut engine.cache().view(&mut seq), false)?;
+                peak = peak.max(engine.cache().bytes_in_use());
             }
             let params = SamplingParams {
                 max_tokens: PASSKEY_ANSWER,
                 ..SamplingParams::default()
             };
             let g = engine.generate(&mut seq, &question, &params, &mut |_, _| true)?;
-            let end = engine.cache.bytes_in_use();
+            let end = engine.cache().bytes_in_use();
             Ok((tok.decode_text(&g.tokens)?, peak.max(end), end))
         })();
-        let step_peak = engine.cache.take_step_peak_bytes();
-        let freed = engine.cache.free(&mut seq);
+        let step_peak = engine.cache().take_step_peak_bytes();
+        let freed = engine.cache().free(&mut seq);
         let (answer, peak, end) = out?;
         freed?;
         Ok(Record {

@@ -167,7 +167,7 @@ fn run() -> Result<()> {
     };
     let engine =
         Engine::load(&a.model, &cfg).with_context(|| format!("loading {}", a.model.display()))?;
-    let all_ids = engine.tokenizer.encode(&article)?;
+    let all_ids = engine.tokenizer().encode(&article)?;
     let mut ids = all_ids.clone();
     if ids.len() < a.context {
         bail!(
@@ -178,7 +178,7 @@ fn run() -> Result<()> {
     }
     ids.truncate(a.context);
     let capacity = a.context + a.steps * a.rounds * backends.len();
-    let model = &engine.model;
+    let model = engine.model();
     let mut specs: Vec<Option<KvQuant>> = vec![None];
     for f in &a.formats {
         specs.push(Some(KvQuant::parse(f)?));
@@ -301,7 +301,7 @@ fn batched(
             ids.len()
         );
     }
-    let model = &engine.model;
+    let model = engine.model();
     let capacity = b * (ctx + 2 * a.steps * a.rounds + a.block_size);
     let mut cache = PagedKvCache::new(&model.cfg, a.block_size, capacity, model.device(), kind)?;
     cache.set_backend(backend(backend_name)?);

@@ -35,7 +35,7 @@ use kvforge_bench::output::Output;
 use kvforge_engine::ppl::greedy_token;
 use kvforge_engine::{
     AttentionBackend, Device, FusedBackend, Kind, KvQuant, Llama, LlamaConfig, PagedKvCache,
-    ReferenceBackend, Sequence, Tensor, tch,
+    ReferenceBackend, Sequence, Tensor,
 };
 use kvforge_kernels::Isa;
 use kvforge_kernels::cuda::testing::{HostStep, StepSpec, max_rel_err};
@@ -94,7 +94,7 @@ fn run() -> Result<()> {
         engine_logits(&mut r, Device::Cpu, true)?;
         throughput(&mut r, Device::Cpu, true)?;
     } else {
-        if !tch::Cuda::is_available() {
+        if kvforge_engine::cuda_devices() == 0 {
             bail!("libtorch sees no CUDA device (LD_LIBRARY_PATH must hold torch/lib)");
         }
         let kern = CudaDecode::new(0).context("opening the GPU")?;
@@ -292,12 +292,12 @@ fn time_it(warm: usize, reps: usize, mut f: impl FnMut() -> Result<()>) -> Resul
     for _ in 0..warm {
         f()?;
     }
-    tch::Cuda::synchronize(0);
+    kvforge_engine::synchronize(Device::Cuda(0));
     let mut v = Vec::with_capacity(reps);
     for _ in 0..reps {
         let t = Instant::now();
         f()?;
-        tch::Cuda::synchronize(0);
+        kvforge_engine::synchronize(Device::Cuda(0));
         v.push(t.elapsed().as_secs_f64());
     }
     Ok(median(v))
@@ -673,7 +673,7 @@ fn throughput(r: &mut Report, dev: Device, dry: bool) -> Result<()> {
                         Box::new(ReferenceBackend)
                     });
                     if dev != Device::Cpu {
-                        tch::Cuda::synchronize(0);
+                        kvforge_engine::synchronize(Device::Cuda(0));
                     }
                     // The reference over a cold tier dequantizes on the
                     // host (about a second per step): fewer steps, the

@@ -101,11 +101,11 @@ impl Kv {
 const KINDS: [&str; 4] = ["k_post", "k_pre", "k_pre_c", "v"];
 
 fn record(e: &Engine, tokens: &[u32]) -> Result<Kv> {
-    let c = &e.model.cfg;
+    let c = e.model_config();
     // A sharing store that shares nothing records what the model stores.
     let mut r = Sharing::new(e, tokens.len(), false, None, false)?;
     for chunk in tokens.chunks(512) {
-        let _ = e.model.forward(chunk, &mut r, false)?;
+        let _ = e.model().forward(chunk, &mut r, false)?;
     }
     let mut kv = Kv {
         k_post: Vec::new(),
@@ -243,7 +243,7 @@ fn texts(e: &Engine, a: &Args) -> Result<Vec<Text>> {
         (Some(a), Some(b)) => (a, b),
         _ => bail!("wiki.utf8 holds fewer than two articles"),
     };
-    let enc = |s: &str| e.tokenizer.encode_text(s);
+    let enc = |s: &str| e.tokenizer().encode_text(s);
     let code = enc(&read("code.utf8")?)?;
     let tech = enc(&read("technical.utf8")?)?;
     // A chat whose every third message quotes the message before last.
@@ -263,11 +263,11 @@ fn texts(e: &Engine, a: &Args) -> Result<Vec<Text>> {
             };
             msgs.push(Message::new(role, content));
         }
-        if e.tokenizer.chat_ids(&msgs)?.len() > 2 * n {
+        if e.tokenizer().chat_ids(&msgs)?.len() > 2 * n {
             break;
         }
     }
-    let chat = e.tokenizer.chat_ids(&msgs)?;
+    let chat = e.tokenizer().chat_ids(&msgs)?;
     Ok(vec![
         Text {
             name: "wiki".into(),
@@ -295,7 +295,7 @@ fn texts(e: &Engine, a: &Args) -> Result<Vec<Text>> {
 fn measure(e: &Engine, a: &Args, t: &Text) -> Result<Vec<Stat>> {
     let kv = record(e, &t.tokens)?;
     let other = t.other.as_ref().map(|o| record(e, o)).transpose()?;
-    let c = &e.model.cfg;
+    let c = e.model_config();
     let hd = c.head_dim;
     let int4 = |axis: Axis, group: usize| -> Result<GroupQuantizer> {
         Ok(GroupQuantizer::new(QuantConfig::new(4, group, axis)?))
@@ -527,7 +527,7 @@ impl Sharing {
         threshold: Option<f64>,
         lsh: bool,
     ) -> Result<Self> {
-        let c = &e.model.cfg;
+        let c = e.model_config();
         let lsh = match threshold.filter(|_| lsh && !keys) {
             Some(t) => Some(LshValues::new(
                 SimHashConfig {
@@ -661,7 +661,7 @@ fn simulate(
     let mut s = Sharing::new(e, tokens.len(), keys, threshold, lsh)?;
     let (mut nll, mut scored) = (0f64, 0usize);
     for (i, chunk) in tokens.chunks(64).enumerate() {
-        let logits = e.model.forward(chunk, &mut s, true)?;
+        let logits = e.model().forward(chunk, &mut s, true)?;
         if let Some(next) = tokens.get((i + 1) * 64..((i + 2) * 64).min(tokens.len())) {
             // Row j predicts token j + 1: the chunk's last row predicts the
             // next chunk's first token; score rows whose target exists.

@@ -327,9 +327,9 @@ fn run() -> Result<()> {
     let probe = engine_for(&a, "full", 0)?;
     let block = (
         probe
-            .cache
+            .cache()
             .with_coordinator(|c| c.config().layout.block_bytes()),
-        probe.cache.block_size(),
+        probe.cache().block_size(),
     );
     drop(probe);
     let mut rows: Vec<Row> = Vec::new();
@@ -395,7 +395,7 @@ fn replay(
         ..ReuseConfig::default()
     };
     let m = CacheManager::new(engine, reuse)?;
-    let tok = m.engine().tokenizer.clone();
+    let tok = m.engine().tokenizer().clone();
     let session = matches!(
         config,
         "full" | "lc-rule" | "lc-free" | "lc-constrained" | "streaming"
@@ -440,7 +440,7 @@ fn replay(
             },
             ..SamplingParams::default()
         };
-        m.engine().cache.take_step_peak_bytes();
+        m.engine().cache().take_step_peak_bytes();
         let report: TurnReport = if session {
             m.turn(sid, &input, &params, &mut |_, _| true)?
         } else {
@@ -483,7 +483,7 @@ fn replay(
             r
         };
         close = !report.generation.stopped_at_eos;
-        let peak = m.engine().cache.take_step_peak_bytes();
+        let peak = m.engine().cache().take_step_peak_bytes();
         let answer = tok.decode_text(&report.generation.tokens)?;
         let l = report.lifecycle.clone().unwrap_or_default();
         let mut row = Row {

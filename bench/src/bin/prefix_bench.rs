@@ -170,18 +170,18 @@ fn replay_chats(
         max_tokens: a.answer_tokens,
         ..Default::default()
     };
-    let eos = m.with_engine(|e| e.tokenizer.eos);
+    let eos = m.with_engine(|e| e.tokenizer().eos);
     let recompute = |prompt: &[u32]| {
         m.with_engine(|e| -> Result<f64> {
             let t0 = Instant::now();
             let mut seq = Sequence::default();
             let logits = e
-                .model
-                .forward(prompt, &mut e.cache.view(&mut seq), false)?;
+                .model()
+                .forward(prompt, &mut e.cache().view(&mut seq), false)?;
             let row: Vec<f32> = Vec::<f32>::try_from(logits.flatten(0, -1))?;
             let _first = Sampler::new(SamplingParams::default())?.sample(&row);
             let secs = t0.elapsed().as_secs_f64();
-            e.cache.free(&mut seq)?;
+            e.cache().free(&mut seq)?;
             Ok(secs)
         })
     };
@@ -196,7 +196,7 @@ fn replay_chats(
             } else {
                 format!("<|im_end|>\n<|im_start|>user\n{msg}<|im_end|>\n<|im_start|>assistant\n")
             };
-            let user = m.with_engine(|e| e.tokenizer.encode(&text))?;
+            let user = m.with_engine(|e| e.tokenizer().encode(&text))?;
             prompt.extend(&user);
             // Interleaved: the recompute runs before or after the request,
             // alternating, so neither always meets a warmer machine.
@@ -212,7 +212,7 @@ fn replay_chats(
                 None => recompute(&prompt)?,
             };
             let kv_cached_bytes = m.with_engine(|e| {
-                e.cache
+                e.cache()
                     .tier_stats()
                     .iter()
                     .map(|t| (t.pool.in_use + t.pool.cached_free) as u64 * t.pool.block_bytes)

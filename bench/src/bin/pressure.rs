@@ -227,7 +227,7 @@ fn replay(
     };
     let engine =
         Engine::load(&a.model, &cfg).with_context(|| format!("loading {}", a.model.display()))?;
-    let budget = engine.cache.config().budget();
+    let budget = engine.cache().config().budget();
     let m = CacheManager::new(
         engine,
         ReuseConfig {
@@ -245,14 +245,14 @@ fn replay(
     let mut peak = 0u64;
     for turn in 0..a.turns {
         for (s, chat) in chats.iter().enumerate() {
-            let tok = &m.engine().tokenizer;
+            let tok = &m.engine().tokenizer();
             let text = chat[turn].as_str();
             let prompt = if turn == 0 {
                 tok.chat_ids(&[Message::new("system", SYSTEM), Message::new("user", text)])?
             } else {
                 tok.user_turn_ids(!closed[s], text)?
             };
-            let cache = &m.engine().cache;
+            let cache = &m.engine().cache();
             let mut high = cache.bytes_in_use();
             let r = m.turn(ids[s], &prompt, &params, &mut |_, _| {
                 high = high.max(cache.bytes_in_use());

@@ -141,7 +141,7 @@ fn run() -> Result<()> {
     };
     let mut engine =
         Engine::load(&a.model, &cfg).with_context(|| format!("loading {}", a.model.display()))?;
-    let all = engine.tokenizer.encode(&article)?;
+    let all = engine.tokenizer().encode(&article)?;
     // Every configuration is checked before the long runs start.
     let mut plan: Vec<(usize, Option<KvQuant>)> = Vec::new();
     for &ctx in &a.contexts {
@@ -168,7 +168,7 @@ fn run() -> Result<()> {
                         sink: a.sink,
                         ..KvQuant::parse(f)?
                     };
-                    engine.cache.set_cold_tier(Some(q))?;
+                    engine.cache_mut().set_cold_tier(Some(q))?;
                     plan.push((ctx, Some(q)));
                 }
             }
@@ -186,7 +186,7 @@ fn run() -> Result<()> {
             "{ctx} tokens, {}",
             quant.map_or_else(|| "unquantized".into(), |q| q.name())
         ));
-        engine.cache.set_cold_tier(quant)?;
+        engine.cache_mut().set_cold_tier(quant)?;
         // The last `decode` positions are decoded, not scored.
         let r = engine.streaming_ppl(&all[..ctx - a.decode], a.prefix, a.chunk, a.decode)?;
         rows.push(Row {

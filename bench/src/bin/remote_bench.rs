@@ -109,7 +109,7 @@ fn instance(a: &Args, cold: bool, url: Option<&str>) -> Result<CacheManager> {
     let mut e = Engine::load(&a.model, &cfg)?;
     if let Some(url) = url {
         let model = e.fingerprint()?;
-        e.cache.set_remote(Some(RemoteSetup {
+        e.cache_mut().set_remote(Some(RemoteSetup {
             store: Arc::new(tier(url)?),
             secret: secret()?,
             seed: SEED,
@@ -148,7 +148,7 @@ fn complete(m: &CacheManager, prompt: &[u32], max_tokens: usize) -> Result<(f64,
 /// `n` tokens of the text, from its `skip`-th character on.
 fn tokens(m: &CacheManager, text: &str, skip: usize, n: usize) -> Result<Vec<u32>> {
     let t: String = text.chars().skip(skip).collect();
-    let ids = m.engine().tokenizer.encode_text(&t)?;
+    let ids = m.engine().tokenizer().encode_text(&t)?;
     if ids.len() < n {
         bail!("the text gives {} tokens, fewer than {n}", ids.len());
     }
@@ -168,7 +168,7 @@ fn ttft(
     let first = instance(a, cold, Some(url))?;
     let prompt = tokens(&first, text, 0, len)?;
     complete(&first, &prompt, 1)?;
-    if !first.engine().cache.remote_flush(Duration::from_secs(60)) {
+    if !first.engine().cache().remote_flush(Duration::from_secs(60)) {
         bail!("the first instance's writes did not finish in 60 s");
     }
     let (mut re, mut rh, mut lh, mut bytes) = (vec![], vec![], vec![], vec![]);
@@ -179,7 +179,7 @@ fn ttft(
         drop(cold_start);
         let second = instance(a, cold, Some(url))?;
         let (t_rh, got, _) = complete(&second, &prompt, 1)?;
-        let st = second.engine().cache.remote_stats().unwrap_or_default();
+        let st = second.engine().cache().remote_stats().unwrap_or_default();
         if reused != 0 || got + 16 < len {
             bail!("round {round}: recompute reused {reused}, remote hit only {got} of {len}");
         }
@@ -274,8 +274,8 @@ fn decode(a: &Args, url: &str, text: &str, csv: &mut Csv) -> Result<(f64, f64)> 
             }
         }
     }
-    on.engine().cache.remote_flush(Duration::from_secs(60));
-    let st = on.engine().cache.remote_stats().unwrap_or_default();
+    on.engine().cache().remote_flush(Duration::from_secs(60));
+    let st = on.engine().cache().remote_stats().unwrap_or_default();
     if st.put_blocks == 0 {
         bail!("the writing instance wrote nothing: {st:?}");
     }

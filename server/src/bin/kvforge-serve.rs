@@ -120,9 +120,7 @@ fn engine(a: &Args) -> Result<Loaded, String> {
     if a.block_size == 0 || a.block_size > 4096 {
         return Err(format!("--block-size {} must be in 1..=4096", a.block_size));
     }
-    if a.threads > 0 {
-        kvforge_engine::tch::set_num_threads(a.threads);
-    }
+    kvforge_engine::set_cpu_threads(a.threads);
     let e = |e: kvforge_engine::EngineError| e.to_string();
     let mut cfg = EngineConfig {
         device: parse_device(&a.device).map_err(e)?,

@@ -33,7 +33,7 @@ impl Scheduler {
                 _ => continue,
             }
             let extra = ExtraKeys::namespace(&r.job.namespace);
-            let Some(l) = self.engine.cache.remote_lookup(&r.context, &extra) else {
+            let Some(l) = self.engine.cache().remote_lookup(&r.context, &extra) else {
                 self.waiting[i].lookup = Lookup::Ready(None);
                 continue;
             };
@@ -78,7 +78,7 @@ impl Scheduler {
                 Lookup::Ready(f) => f,
                 _ => None,
             };
-            match self.engine.cache.open_with(&r.context, &extra, fetched) {
+            match self.engine.cache().open_with(&r.context, &extra, fetched) {
                 Ok(seq) => r.seq = seq,
                 Err(e) => {
                     let _ = r

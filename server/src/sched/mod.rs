@@ -289,7 +289,7 @@ impl Scheduler {
             }
         }
         // Blocks queued for the remote tier get a short, bounded chance.
-        if !self.engine.cache.remote_flush(REMOTE_FLUSH) {
+        if !self.engine.cache().remote_flush(REMOTE_FLUSH) {
             tracing::warn!("stopping with remote writes still queued: they are dropped");
         }
         self.publish();
@@ -379,7 +379,7 @@ impl Scheduler {
 
     /// Publishes the gauges and the cache's counters.
     fn publish(&self) {
-        let stats = self.engine.cache.stats();
+        let stats = self.engine.cache().stats();
         *lock(&self.shared.cache) = Some(stats);
         let mut m = lock(&self.shared.metrics);
         m.running = self.running.len();

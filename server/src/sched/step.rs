@@ -216,12 +216,12 @@ impl Scheduler {
         r.last_token = Some(now);
         r.generated.push(next);
         r.context.push(next);
-        let eos = next == engine.tokenizer.eos && !r.job.params.ignore_eos;
+        let eos = next == engine.tokenizer().eos && !r.job.params.ignore_eos;
         let full = r.generated.len() >= r.job.params.max_tokens
-            || r.context.len() >= engine.model.cfg.max_ctx;
+            || r.context.len() >= engine.model_config().max_ctx;
         let piece = match r
             .reply
-            .piece(&engine.tokenizer, Some(next), &r.job.stop, eos || full)
+            .piece(engine.tokenizer(), Some(next), &r.job.stop, eos || full)
         {
             Ok(p) => p,
             Err(e) => {
@@ -246,7 +246,7 @@ impl Scheduler {
         if r.seq.id().is_none() {
             return;
         }
-        let cache = &self.engine.cache;
+        let cache = self.engine.cache();
         if register {
             let extra = ExtraKeys::namespace(&r.job.namespace);
             let held = &r.context[..r.seq.len()];
@@ -281,7 +281,7 @@ impl Scheduler {
                 End::Finished { stopped } => {
                     // Text held back for a stop string or an unfinished
                     // character goes out now (a reply the budget ended).
-                    let tok = &self.engine.tokenizer;
+                    let tok = &self.engine.tokenizer();
                     if let Ok(p) = r.reply.piece(tok, None, &r.job.stop, true)
                         && !p.text.is_empty()
                     {

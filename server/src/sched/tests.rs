@@ -32,11 +32,11 @@ fn scheduler_with(max_batch: usize, remote: bool) -> Scheduler {
     };
     let model = Llama::random(mc, 3, Device::Cpu, Kind::Float).unwrap();
     let mut engine = Engine::new(model, tok, &EngineConfig::default()).unwrap();
-    ReuseConfig::default().apply(&mut engine.cache).unwrap();
+    ReuseConfig::default().apply(engine.cache_mut()).unwrap();
     if remote {
         let model = engine.fingerprint().unwrap();
         engine
-            .cache
+            .cache_mut()
             .set_remote(Some(kvforge_engine::cache::RemoteSetup {
                 store: Arc::new(kvforge_remote::MemoryTier::new()),
                 secret: kvforge_remote::Secret::new(b"the scheduler tests' secret").unwrap(),
@@ -47,7 +47,7 @@ fn scheduler_with(max_batch: usize, remote: bool) -> Scheduler {
             }))
             .unwrap();
     }
-    engine.cache.check_every_call(true);
+    engine.cache().check_every_call(true);
     let cfg = SchedConfig {
         max_batch,
         ..SchedConfig::default()
@@ -81,7 +81,7 @@ fn submit_for(s: &mut Scheduler, prompt_len: usize, max_tokens: usize) -> Unboun
 }
 
 fn hot_in_use(s: &Scheduler) -> usize {
-    s.engine.cache.tier_stats()[0].pool.in_use
+    s.engine.cache().tier_stats()[0].pool.in_use
 }
 
 #[test]
@@ -107,7 +107,7 @@ fn a_gone_client_frees_its_blocks_in_the_next_step() {
     s.tick();
     assert!(s.running.is_empty());
     assert_eq!(hot_in_use(&s), 0);
-    assert!(s.engine.cache.tier_stats()[0].pool.cached_free > 0);
+    assert!(s.engine.cache().tier_stats()[0].pool.cached_free > 0);
     assert_eq!(super::lock(&s.shared.metrics).aborted, 2);
 }
 

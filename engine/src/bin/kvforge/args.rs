@@ -193,9 +193,7 @@ impl Common {
 
     pub(crate) fn engine(&self) -> Result<Engine, EngineError> {
         self.check()?;
-        if self.threads > 0 {
-            tch::set_num_threads(self.threads);
-        }
+        kvforge_engine::set_cpu_threads(self.threads);
         let mut cfg = EngineConfig {
             device: parse_device(&self.device)?,
             kind: parse_dtype(&self.dtype)?,

@@ -11,9 +11,9 @@ use super::MAX_TEXT_BYTES;
 use super::args::{Common, Reuse};
 
 fn report(engine: &Engine, g: &Generation) {
-    let (hot, cold) = engine.cache.tier_bytes();
+    let (hot, cold) = engine.cache().tier_bytes();
     let blocks = engine
-        .cache
+        .cache()
         .tier_stats()
         .first()
         .map_or(0, |t| t.pool.in_use);
@@ -63,9 +63,9 @@ pub(crate) fn generate(prompts: &[String], raw: bool, common: &Common) -> Result
     let engine = common.engine()?;
     let encode = |p: &String| {
         if raw {
-            engine.tokenizer.encode(p)
+            engine.tokenizer().encode(p)
         } else {
-            common.user_ids(&engine.tokenizer, p)
+            common.user_ids(engine.tokenizer(), p)
         }
     };
     if prompts.len() > 1 {
@@ -78,7 +78,7 @@ pub(crate) fn generate(prompts: &[String], raw: bool, common: &Common) -> Result
     })?;
     emit("");
     report(&engine, &g);
-    engine.cache.free(&mut seq)
+    engine.cache().free(&mut seq)
 }
 
 /// Several prompts decoded as one batch: each reply printed as `[i] text`
@@ -113,7 +113,7 @@ fn generate_batch(
             report(engine, g);
         }
     }
-    let freed = seqs.iter_mut().try_for_each(|s| engine.cache.free(s));
+    let freed = seqs.iter_mut().try_for_each(|s| engine.cache().free(s));
     result?;
     freed
 }
@@ -157,14 +157,14 @@ pub(crate) fn chat(common: &Common, reuse: &Reuse) -> Result<(), EngineError> {
         // pending in the session; close the reply if it was cut off.
         let ids = manager.with_engine(|e| {
             if first {
-                common.user_ids(&e.tokenizer, msg)
+                common.user_ids(e.tokenizer(), msg)
             } else if common.allow_special {
                 let end = if closed { "" } else { "<|im_end|>" };
-                e.tokenizer.encode(&format!(
+                e.tokenizer().encode(&format!(
                     "{end}\n<|im_start|>user\n{msg}<|im_end|>\n<|im_start|>assistant\n"
                 ))
             } else {
-                e.tokenizer.user_turn_ids(!closed, msg)
+                e.tokenizer().user_turn_ids(!closed, msg)
             }
         });
         let mut printed = false;
@@ -225,7 +225,7 @@ fn first_tokens(
     what: &str,
     flag: &str,
 ) -> Result<Vec<u32>, EngineError> {
-    let mut ids = engine.tokenizer.encode(body)?;
+    let mut ids = engine.tokenizer().encode(body)?;
     if ids.len() < n {
         return Err(EngineError::Request(format!(
             "{what} holds {} tokens, fewer than {flag} {n}",
@@ -248,12 +248,12 @@ pub(crate) fn bench(
     let ids = first_tokens(&engine, &body, context, &what, "--context")?;
     // Warm-up, as the transformers side does.
     let mut seq = Sequence::default();
-    let _ = engine.model.forward(
+    let _ = engine.model().forward(
         &ids[..16.min(context)],
-        &mut engine.cache.view(&mut seq),
+        &mut engine.cache().view(&mut seq),
         false,
     )?;
-    engine.cache.free(&mut seq)?;
+    engine.cache().free(&mut seq)?;
     let params = SamplingParams {
         ignore_eos: true,
         ..common.params()
@@ -268,14 +268,14 @@ pub(crate) fn bench(
         g.prompt_tokens as f64 / g.prefill_secs.max(1e-9),
         g.decode_tokens_per_sec(),
         tch::get_num_threads(),
-        engine.cache.bytes_in_use(),
-        engine.cache.tier_bytes().1,
+        engine.cache().bytes_in_use(),
+        engine.cache().tier_bytes().1,
         engine
-            .cache
+            .cache()
             .cold_tier()
             .map_or_else(|| "none".into(), |q| q.name()),
     ));
-    engine.cache.free(&mut seq)
+    engine.cache().free(&mut seq)
 }
 
 pub(crate) fn ppl(
@@ -301,7 +301,7 @@ pub(crate) fn ppl(
     let body = read_text(text)?;
     let mut engine = common.engine()?;
     // Checked before any perplexity runs, not after minutes of it.
-    let ctx = engine.model.cfg.max_ctx;
+    let ctx = engine.model_config().max_ctx;
     if tokens.saturating_add(decode) > ctx {
         return Err(EngineError::Request(format!(
             "--tokens {tokens} plus --decode {decode} exceed the model's context of {ctx} tokens"
@@ -310,7 +310,7 @@ pub(crate) fn ppl(
     let article = kvforge_engine::ppl::longest_article(&body);
     let what = format!("the longest article of {}", text.display());
     let ids = first_tokens(&engine, &article, tokens, &what, "--tokens")?;
-    let tier = engine.cache.cold_tier();
+    let tier = engine.cache().cold_tier();
     let line = |mode: &str, quant: Option<KvQuant>, r: &PplReport| {
         serde_json::json!({
             "mode": mode, "tokens": tokens, "window": window, "prefix": prefix, "chunk": chunk,
@@ -325,7 +325,7 @@ pub(crate) fn ppl(
     };
     // Window perplexity runs each window in one step: the cold tier never
     // engages, so it is reported once, for the unquantized cache.
-    engine.cache.set_cold_tier(None)?;
+    engine.cache_mut().set_cold_tier(None)?;
     if !emit(line("window", None, &engine.window_ppl(&ids, window)?)) {
         return Ok(());
     }
@@ -334,7 +334,7 @@ pub(crate) fn ppl(
         return Ok(());
     }
     if let Some(q) = tier {
-        engine.cache.set_cold_tier(Some(q))?;
+        engine.cache_mut().set_cold_tier(Some(q))?;
         let r = engine.streaming_ppl(&ids, prefix, chunk, decode)?;
         let mut out = line("stream", Some(q), &r);
         out["ppl_change"] = (r.ppl / base.ppl - 1.0).into();
