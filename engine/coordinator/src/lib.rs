@@ -60,6 +60,7 @@ mod config;
 mod coordinator;
 mod error;
 mod plan;
+pub mod rules;
 pub mod testing;
 
 pub use config::{

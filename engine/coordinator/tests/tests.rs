@@ -589,7 +589,7 @@ fn a_per_lane_answer_that_breaks_the_contract_is_refused_and_changes_nothing() {
         per_token: false,
     });
     let e = Coordinator::new(cfg).unwrap_err().to_string();
-    assert!(e.contains("do not combine with a cold tier"), "{e}");
+    assert!(e.contains("does not combine with a cold tier"), "{e}");
 }
 
 /// Token-level KeyDiff (sink 4, window 4, budget 18) after one step of
@@ -767,8 +767,84 @@ fn a_token_level_answer_that_breaks_the_contract_is_refused_and_changes_nothing(
         });
         Coordinator::new(cfg).unwrap_err().to_string()
     };
-    assert!(token(false, all_on(64)).contains("do not combine with a cold tier"));
-    assert!(token(true, config(64)).contains("per head or per token, not both"));
+    assert!(token(false, all_on(64)).contains("does not combine with a cold tier"));
+    assert!(token(true, config(64)).contains("per_head or per_token, not both"));
+}
+
+/// Each combination rule is one function: the configured policy is refused
+/// in the words [`rules`] gives for the policy object, so a mechanisms
+/// file, a CLI flag and a policy from Python all read the same.
+#[test]
+fn every_combination_rule_is_one_function_and_the_config_path_says_its_words() {
+    use kvforge_coordinator::rules;
+    let scored = |per_head, per_token| {
+        let s = kvforge_evict::Scored::new(Score::KeyDiff, Trigger::Tokens(64), 4, 16).unwrap();
+        rules::scored(s, per_head, per_token)
+    };
+    let with = |per_head, per_token, mut cfg: CoordinatorConfig| {
+        cfg.dedup = None;
+        cfg.eviction = Some(EvictionConfig::Scored {
+            score: Score::KeyDiff,
+            trigger: Trigger::Tokens(64),
+            sink: 4,
+            window: 16,
+            per_head,
+            per_token,
+        });
+        Coordinator::new(cfg).unwrap_err().to_string()
+    };
+    // 1: packing hot blocks beside a cold tier, per head and per token.
+    for (h, t) in [(true, false), (false, true)] {
+        let p = scored(h, t).unwrap();
+        let want = rules::eviction_fits(p.as_ref(), 4, true).unwrap_err();
+        assert!(want.contains("does not combine with a cold tier"), "{want}");
+        assert!(with(h, t, all_on(64)).ends_with(&want), "{h} {t}");
+        assert!(rules::eviction_fits(p.as_ref(), 4, false).is_ok());
+    }
+    // 2: token-level eviction over blocks too long to mark.
+    let p = scored(false, true).unwrap();
+    let bs = kvforge_pool::MAX_HOLED_BLOCK;
+    assert!(rules::eviction_fits(p.as_ref(), bs, false).is_ok());
+    let long = rules::eviction_fits(p.as_ref(), bs + 1, false).unwrap_err();
+    assert!(
+        long.contains(&format!("at most {bs} tokens, not {}", bs + 1)),
+        "{long}"
+    );
+    let page = scored(false, false).unwrap();
+    assert!(rules::eviction_fits(page.as_ref(), bs + 1, true).is_ok());
+    // 3: per head and per token at once.
+    let both = scored(true, true).err().unwrap();
+    assert!(with(true, true, config(64)).ends_with(&both), "{both}");
+    // 4: sharing without a cold tier, from the config and the setter.
+    let want = rules::needs_cold_tier("sharing duplicate blocks", false).unwrap_err();
+    let mut dedup = config(64);
+    dedup.dedup = Some(DedupConfig::Exact);
+    assert!(
+        Coordinator::new(dedup)
+            .unwrap_err()
+            .to_string()
+            .ends_with(&want)
+    );
+    let mut c = Coordinator::new(config(64)).unwrap();
+    let d = Some(Box::new(kvforge_lsh::ExactDedup::new()) as Box<dyn kvforge_lsh::Deduplicator>);
+    assert!(
+        c.set_deduplicator(d)
+            .unwrap_err()
+            .to_string()
+            .ends_with(&want)
+    );
+    assert!(rules::needs_cold_tier("sharing duplicate blocks", true).is_ok());
+    // 5: an eviction window inside the cold tier's hot window.
+    let want = rules::window_fits(4, cold().window).unwrap_err();
+    let mut window = all_on(64);
+    window.eviction = Some(EvictionConfig::SinkWindow { sink: 4, window: 4 });
+    assert!(
+        Coordinator::new(window)
+            .unwrap_err()
+            .to_string()
+            .ends_with(&want)
+    );
+    assert!(rules::window_fits(cold().window, cold().window).is_ok());
 }
 
 #[test]
@@ -1010,7 +1086,7 @@ fn bad_configurations_and_calls_are_clear_errors_that_change_nothing() {
     }
     let mut dedup = config(64);
     dedup.dedup = Some(DedupConfig::Exact);
-    assert!(err(dedup).contains("configure a cold tier"));
+    assert!(err(dedup).contains("needs a cold tier"));
     let mut window = all_on(64);
     window.eviction = Some(EvictionConfig::SinkWindow { sink: 4, window: 4 });
     assert!(err(window).contains("at least as long"));

@@ -283,12 +283,6 @@ impl PagedKvCache {
         c.config().cold.is_none() && c.config().eviction.is_none()
     }
 
-    /// Replaces the eviction policy with a researcher's own (`None`: off),
-    /// for every sequence from its next step on.
-    pub fn set_eviction_policy(&self, p: Option<Box<dyn kvforge_coordinator::EvictionPolicy>>) {
-        self.coordinator().set_eviction_policy(p);
-    }
-
     /// Checks every coordinator invariant after each of its calls (tests;
     /// see [`Coordinator::check_every_call`]).
     pub fn check_every_call(&self, on: bool) {

@@ -1,7 +1,7 @@
 //! A researcher's policy objects in the cache: installed in every
 //! coordinator it builds.
 
-use kvforge_coordinator::Coordinator;
+use kvforge_coordinator::{Coordinator, rules};
 
 use crate::error::{EngineError, Result};
 use crate::policies::Policies;
@@ -31,15 +31,10 @@ impl PagedKvCache {
 
 /// Installs `p`'s objects into `c` (freshly built, nothing in it).
 pub(super) fn install(c: &mut Coordinator, p: &Policies) -> Result<()> {
-    let cold = c.config().cold.is_some();
     if let Some(f) = &p.eviction {
         let ev = f().map_err(EngineError::Request)?;
-        if cold && (ev.per_lane() || ev.token_level()) {
-            return Err(EngineError::Request(format!(
-                "eviction {}: it packs hot blocks (per head or per token); it does not combine with a cold tier yet",
-                ev.name()
-            )));
-        }
+        let (bs, cold) = (c.config().layout.block_size(), c.config().cold.is_some());
+        rules::eviction_fits(ev.as_ref(), bs, cold).map_err(EngineError::Request)?;
         c.set_eviction_policy(Some(ev));
     }
     if let Some(f) = &p.tier {

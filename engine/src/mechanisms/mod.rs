@@ -24,6 +24,7 @@
 use std::ops::Range;
 use std::path::Path;
 
+use kvforge_coordinator::rules;
 use serde::Deserialize;
 
 use crate::engine::EngineConfig;
@@ -144,16 +145,15 @@ impl Mechanisms {
                 ));
             }
         }
+        let cold = self.cold.is_some();
         if let Some(t) = &self.tier {
-            if self.cold.is_none() {
-                return Err(
-                    "tier needs a cold tier (cold = { … }): it decides which blocks go cold".into(),
-                );
-            }
+            // It decides which blocks go cold.
+            rules::needs_cold_tier("tier", cold)?;
             registry.tier(t, block)?;
         }
-        if self.share.is_some() && self.cold.is_none() {
-            return Err("share needs a cold tier (it shares quantized blocks)".into());
+        if self.share.is_some() {
+            // It shares quantized blocks.
+            rules::needs_cold_tier("share", cold)?;
         }
         if let Some(kvforge_coordinator::DedupConfig::SimHash(c)) =
             self.share.map(ShareSpec::config)
@@ -168,12 +168,7 @@ impl Mechanisms {
             // Against the cold tier's own plan (a tier policy replaces it).
             let plan = self.cold.as_ref().filter(|_| self.tier.is_none());
             if let (Some(c), Some(w)) = (plan, window) {
-                if (w as usize) < c.window {
-                    return Err(format!(
-                        "an eviction window of {w} tokens inside the cold tier's hot window of {} drops blocks before they could go cold: make it at least as long",
-                        c.window
-                    ));
-                }
+                rules::window_fits(usize::try_from(w).unwrap_or(usize::MAX), c.window)?;
             }
         }
         if let Some(msg) = self.lifecycle.and_then(LifecycleSpec::problem) {

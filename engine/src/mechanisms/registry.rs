@@ -18,6 +18,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock};
 
+use kvforge_coordinator::rules;
 use kvforge_evict::{EvictionPolicy, Score, Scored, SinkWindow, Trigger};
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
@@ -56,6 +57,9 @@ impl<'a> PolicyParams<'a> {
             .map_err(|e| e.to_string())
     }
 }
+
+/// Scored eviction over whole entries (neither per head nor per token).
+const PAGE: (bool, bool) = (false, false);
 
 /// Builds one eviction policy from its parameters (or says why not).
 pub type EvictionBuilder =
@@ -115,27 +119,26 @@ impl Registry {
                     t,
                     q.sink,
                     q.window,
-                    Lanes::Page,
-                    p,
+                    PAGE,
                 )
             })
             .with_eviction("lfu", |p| {
                 let q: LfuParams = p.parse()?;
                 let t = trigger(q.budget_tokens, q.high, q.low)?;
-                scored(Score::Lfu, t, q.sink, q.window, Lanes::Page, p)
+                scored(Score::Lfu, t, q.sink, q.window, PAGE)
             })
             .with_eviction("keydiff", |p| {
                 let q: KeyDiffParams = p.parse()?;
                 let t = trigger(q.budget_tokens, q.high, q.low)?;
-                let lanes = Lanes::of(q.per_head, q.per_token)?;
-                scored(Score::KeyDiff, t, q.sink, q.window, lanes, p)
+                let lanes = (q.per_head, q.per_token);
+                scored(Score::KeyDiff, t, q.sink, q.window, lanes)
             })
             .with_eviction("snapkv", |p| {
                 let q: SnapKvParams = p.parse()?;
                 let t = trigger(q.budget_tokens, q.high, q.low)?;
-                let lanes = Lanes::of(q.per_head, q.per_token)?;
+                let lanes = (q.per_head, q.per_token);
                 let score = Score::SnapKv { window: q.observe };
-                scored(score, t, q.sink, q.window, lanes, p)
+                scored(score, t, q.sink, q.window, lanes)
             })
             .with_eviction("hybrid", |p| {
                 let q: HybridParams = p.parse()?;
@@ -145,7 +148,7 @@ impl Registry {
                     beta: q.beta,
                     gamma: q.gamma,
                 };
-                scored(score, t, q.sink, q.window, Lanes::Page, p)
+                scored(score, t, q.sink, q.window, PAGE)
             })
     }
 
@@ -207,36 +210,14 @@ impl Registry {
                 .map_err(|e| format!("eviction {name}: {e}"))
         };
         let first = built(&spec.params)?;
-        if cold_tier && (first.per_lane() || first.token_level()) {
-            return Err(format!(
-                "eviction {}: it packs hot blocks (per head or per token); it does not combine with a cold tier yet",
-                spec.policy
-            ));
-        }
+        let bs = u32::try_from(block_size).unwrap_or(u32::MAX);
+        rules::eviction_fits(first.as_ref(), bs, cold_tier)?;
         let params = spec.params.clone();
         let name = spec.policy.clone();
         Ok(Arc::new(move || {
             build(&PolicyParams::new(&params, block_size, cold_tier))
                 .map_err(|e| format!("eviction {name}: {e}"))
         }))
-    }
-}
-
-/// Whole entries, each KV head's pages, or single tokens.
-enum Lanes {
-    Page,
-    Head,
-    Token,
-}
-
-impl Lanes {
-    fn of(per_head: bool, per_token: bool) -> Result<Self, String> {
-        match (per_head, per_token) {
-            (true, true) => Err("eviction is per_head or per_token, not both".into()),
-            (true, false) => Ok(Lanes::Head),
-            (false, true) => Ok(Lanes::Token),
-            (false, false) => Ok(Lanes::Page),
-        }
     }
 }
 
@@ -249,27 +230,18 @@ fn trigger(budget: Option<usize>, high: Option<f64>, low: Option<f64>) -> Result
     }
 }
 
+/// Scored eviction over whole entries (`lanes` = (false, false)), each KV
+/// head's pages or single tokens: the combination rules decide what may
+/// run ([`rules::scored`], [`rules::eviction_fits`]).
 fn scored(
     score: Score,
     trigger: Trigger,
     sink: usize,
     window: usize,
-    lanes: Lanes,
-    p: &PolicyParams<'_>,
+    (per_head, per_token): (bool, bool),
 ) -> Result<Box<dyn EvictionPolicy>, String> {
     let s = Scored::new(score, trigger, sink, window).map_err(|e| e.to_string())?;
-    let max = kvforge_pool::MAX_HOLED_BLOCK as usize;
-    Ok(Box::new(match lanes {
-        Lanes::Page => s,
-        Lanes::Head => s.per_head().map_err(|e| e.to_string())?,
-        Lanes::Token if p.block_size > max => {
-            return Err(format!(
-                "per_token marks rows of blocks of at most {max} tokens, not {}",
-                p.block_size
-            ));
-        }
-        Lanes::Token => s.per_token().map_err(|e| e.to_string())?,
-    }))
+    rules::scored(s, per_head, per_token)
 }
 
 fn default_decay() -> f32 {

@@ -17,6 +17,7 @@ use crate::config::{
     CoordinatorConfig, DedupConfig, EvictionConfig, IndexKind, LifecycleConfig, PrefixConfig,
 };
 use crate::error::{CoordError, Result};
+use crate::rules;
 
 use super::Counters;
 use super::{COLD, Coordinator};
@@ -76,12 +77,7 @@ impl Coordinator {
             )));
         }
         if let (Some(c), Some(window)) = (cfg.cold, cfg.eviction.map(|e| e.window())) {
-            if window < c.window {
-                return Err(CoordError::Config(format!(
-                    "an eviction window of {window} tokens inside the hot window of {} drops blocks before they could go cold: make it at least as long",
-                    c.window
-                )));
-            }
+            rules::window_fits(window, c.window).map_err(CoordError::Config)?;
         }
         let (tiers, tier_policy) = tiers_from(&cfg, budget)?;
         Ok(Coordinator {
@@ -113,6 +109,12 @@ impl Coordinator {
     /// Replaces the eviction policy (a researcher's own); `None` turns
     /// eviction off. Failures the old policy left on idle sequences (to
     /// fail their next steps) are dropped with it.
+    ///
+    /// Any policy runs here, whatever the tiers: the coordinator keeps its
+    /// tables right for packed hot blocks beside a cold tier too. An
+    /// engine whose tensors cannot carry a combination out checks
+    /// [`rules::eviction_fits`] first, as the configured policy is
+    /// checked at [`new`](Self::new).
     pub fn set_eviction_policy(&mut self, p: Option<Box<dyn EvictionPolicy>>) {
         self.evict = p;
         // What the old policy could not answer is not the new one's.
@@ -124,17 +126,17 @@ impl Coordinator {
     /// Replaces the tier policy (which hot entries go cold). Refused
     /// without a cold tier to put them in.
     pub fn set_tier_policy(&mut self, p: Box<dyn TierPolicy>) -> Result<()> {
-        if self.tiers.tiers() <= COLD {
-            return Err(CoordError::Config("no cold tier to demote into".into()));
-        }
+        rules::needs_cold_tier("a tier policy", self.tiers.tiers() > COLD)
+            .map_err(CoordError::Config)?;
         self.tier_policy = Some(p);
         Ok(())
     }
 
     /// Replaces the deduplicator. Refused without a cold tier.
     pub fn set_deduplicator(&mut self, d: Option<Box<dyn Deduplicator>>) -> Result<()> {
-        if d.is_some() && self.tiers.tiers() <= COLD {
-            return Err(CoordError::Config("sharing needs a cold tier".into()));
+        if d.is_some() {
+            rules::needs_cold_tier("sharing duplicate blocks", self.tiers.tiers() > COLD)
+                .map_err(CoordError::Config)?;
         }
         self.dedup = d;
         Ok(())
@@ -195,7 +197,7 @@ fn index_from(p: &PrefixConfig, block_size: u32) -> Result<Box<dyn PrefixMatcher
 /// The configured eviction policy, if any.
 fn eviction_from(cfg: &CoordinatorConfig) -> Result<Option<Box<dyn EvictionPolicy>>> {
     let bs = cfg.layout.block_size();
-    Ok(Some(match cfg.eviction {
+    let p: Box<dyn EvictionPolicy> = match cfg.eviction {
         None => return Ok(None),
         Some(EvictionConfig::SinkWindow { sink, window }) => {
             Box::new(SinkWindow::new(sink, window)?)
@@ -209,25 +211,11 @@ fn eviction_from(cfg: &CoordinatorConfig) -> Result<Option<Box<dyn EvictionPolic
             per_token,
         }) => {
             let p = Scored::new(score, trigger, sink, window)?;
-            let bad = |m: &str| Err(CoordError::Config(m.into()));
-            if per_head && per_token {
-                return bad("eviction is per head or per token, not both");
-            }
-            if (per_head || per_token) && cfg.cold.is_some() {
-                return bad(
-                    "per-head and token-level eviction pack hot blocks; they do not combine with a cold tier yet",
-                );
-            }
-            if per_token && bs > kvforge_pool::MAX_HOLED_BLOCK {
-                return bad("token-level eviction marks rows of blocks of at most 64 tokens");
-            }
-            Box::new(match (per_head, per_token) {
-                (true, _) => p.per_head()?,
-                (_, true) => p.per_token()?,
-                _ => p,
-            })
+            rules::scored(p, per_head, per_token).map_err(CoordError::Config)?
         }
-    }))
+    };
+    rules::eviction_fits(p.as_ref(), bs, cfg.cold.is_some()).map_err(CoordError::Config)?;
+    Ok(Some(p))
 }
 
 /// The configured deduplicator, if any (it needs the cold tier).
@@ -235,9 +223,8 @@ fn dedup_from(cfg: &CoordinatorConfig) -> Result<Option<Box<dyn Deduplicator>>> 
     Ok(Some(match cfg.dedup {
         None => return Ok(None),
         Some(_) if cfg.cold.is_none() => {
-            return Err(CoordError::Config(
-                "sharing duplicate blocks works in the cold tier: configure a cold tier too".into(),
-            ));
+            let no = rules::needs_cold_tier("sharing duplicate blocks", false);
+            return no.map(|()| None).map_err(CoordError::Config);
         }
         Some(DedupConfig::Exact) => Box::new(ExactDedup::new()),
         Some(DedupConfig::SimHash(c)) => Box::new(SimHashDedup::new(c)?),
