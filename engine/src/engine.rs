@@ -249,10 +249,7 @@ impl Engine {
         c.dedup = cfg.dedup;
         c.lifecycle = cfg.lifecycle;
         c.budget_bytes = cfg.kv_budget;
-        cache.configure(c, cfg.kv_quant)?;
-        if cfg.policies.any() {
-            cache.set_policies(cfg.policies.clone())?;
-        }
+        cache.configure_with(c, cfg.kv_quant, cfg.policies.clone())?;
         if cfg.attention == Attention::Reference {
             cache.set_backend(Box::new(ReferenceBackend));
         }

@@ -18,6 +18,21 @@ pub type TierFactory = Arc<dyn Fn() -> Result<Box<dyn TierPolicy>, String> + Sen
 pub type LifecycleFactory =
     Arc<dyn Fn() -> Result<(Box<dyn LifecyclePolicy>, LifecycleParams), String> + Send + Sync>;
 
+/// A factory whose first call hands out `first` (the object a check built
+/// and ran, unused since) and whose later calls `build` fresh ones: a
+/// policy checked when its file is read is not built again for the first
+/// coordinator it serves.
+pub(crate) fn first_then<T: Send + 'static>(
+    first: T,
+    build: impl Fn() -> Result<T, String> + Send + Sync + 'static,
+) -> impl Fn() -> Result<T, String> + Send + Sync + 'static {
+    let first = std::sync::Mutex::new(Some(first));
+    move || {
+        let kept = first.lock().unwrap_or_else(|e| e.into_inner()).take();
+        kept.map_or_else(&build, Ok)
+    }
+}
+
 /// The policy objects an engine runs in place of the configured ones.
 #[derive(Clone, Default)]
 pub struct Policies {

@@ -1,10 +1,11 @@
 //! A researcher's policy objects in the cache: installed in every
 //! coordinator it builds.
 
-use kvforge_coordinator::{Coordinator, rules};
+use kvforge_coordinator::{Coordinator, CoordinatorConfig, rules};
 
 use crate::error::{EngineError, Result};
 use crate::policies::Policies;
+use crate::tier::KvQuant;
 
 use super::PagedKvCache;
 
@@ -15,8 +16,20 @@ impl PagedKvCache {
     /// policy cannot run here (a tier policy without a cold tier, a policy
     /// that packs hot blocks beside one).
     pub fn set_policies(&mut self, policies: Policies) -> Result<()> {
+        self.configure_with(self.config(), self.cold_tier(), policies)
+    }
+
+    /// [`configure`](Self::configure) and [`set_policies`](Self::set_policies)
+    /// at once: one coordinator built, with `policies` installed in it.
+    /// Errors change nothing.
+    pub fn configure_with(
+        &mut self,
+        cfg: CoordinatorConfig,
+        quant: Option<KvQuant>,
+        policies: Policies,
+    ) -> Result<()> {
         let old = std::mem::replace(&mut self.policies, policies);
-        let r = self.configure(self.config(), self.cold_tier());
+        let r = self.configure(cfg, quant);
         if r.is_err() {
             self.policies = old;
         }

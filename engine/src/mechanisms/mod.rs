@@ -29,6 +29,7 @@ use serde::Deserialize;
 
 use crate::engine::EngineConfig;
 use crate::manager::ReuseConfig;
+use crate::policies::Policies;
 use crate::tier::KvQuant;
 
 mod registry;
@@ -124,6 +125,13 @@ impl Mechanisms {
     /// windows off the block grid, sharing without a cold tier, a policy
     /// the registry does not know or refuses.
     pub fn check(&self, block: usize, registry: &Registry) -> Result<(), String> {
+        self.validate(block, registry).map(|_| ())
+    }
+
+    /// [`check`](Self::check), returning the policy factories it built
+    /// (each built and run once to check it), for [`apply`](Self::apply)
+    /// to hand the engine: a policy is checked and built in one place.
+    fn validate(&self, block: usize, registry: &Registry) -> Result<Policies, String> {
         if let Some(name) = &self.name {
             if name.is_empty() || name.contains([',', '\n', '|']) {
                 return Err("a name must be non-empty, without commas or |".into());
@@ -146,10 +154,11 @@ impl Mechanisms {
             }
         }
         let cold = self.cold.is_some();
+        let mut built = Policies::default();
         if let Some(t) = &self.tier {
             // It decides which blocks go cold.
             rules::needs_cold_tier("tier", cold)?;
-            registry.tier(t, block)?;
+            built.tier = Some(registry.tier(t, block)?);
         }
         if self.share.is_some() {
             // It shares quantized blocks.
@@ -161,7 +170,7 @@ impl Mechanisms {
             c.validate().map_err(|e| e.to_string())?;
         }
         if let Some(e) = &self.eviction {
-            registry.eviction(e, block, self.cold.is_some())?;
+            built.eviction = Some(registry.eviction(e, block, cold)?);
             // A policy's protected recent window inside the hot window would
             // drop blocks before they could go cold.
             let window = e.params.get("window").and_then(serde_json::Value::as_u64);
@@ -179,7 +188,7 @@ impl Mechanisms {
                 return Err(msg);
             }
         }
-        Ok(())
+        Ok(built)
     }
 
     /// Sets `cfg`'s mechanisms (the block size too, when named), the
@@ -195,7 +204,7 @@ impl Mechanisms {
         if let Some(b) = self.block_size {
             cfg.block_size = b;
         }
-        self.check(cfg.block_size, registry)?;
+        let built = self.validate(cfg.block_size, registry)?;
         if self.remote.is_some() {
             // `kvforge serve` takes it out and connects; elsewhere it would
             // be silently ignored.
@@ -209,16 +218,8 @@ impl Mechanisms {
         }
         cfg.kv_quant = self.cold;
         cfg.eviction = None;
-        cfg.policies.eviction = self
-            .eviction
-            .as_ref()
-            .map(|e| registry.eviction(e, cfg.block_size, self.cold.is_some()))
-            .transpose()?;
-        cfg.policies.tier = self
-            .tier
-            .as_ref()
-            .map(|t| registry.tier(t, cfg.block_size))
-            .transpose()?;
+        cfg.policies.eviction = built.eviction;
+        cfg.policies.tier = built.tier;
         cfg.dedup = self.share.map(ShareSpec::config);
         cfg.lifecycle = self.lifecycle.map(LifecycleSpec::config);
         cfg.kv_budget = self.budget_bytes().unwrap_or(0);

@@ -204,20 +204,15 @@ impl Registry {
                 self.eviction_names().join(", ")
             ));
         };
-        let name = spec.policy.clone();
-        let built = |params: &serde_json::Map<String, serde_json::Value>| {
-            build(&PolicyParams::new(params, block_size, cold_tier))
-                .map_err(|e| format!("eviction {name}: {e}"))
-        };
-        let first = built(&spec.params)?;
-        let bs = u32::try_from(block_size).unwrap_or(u32::MAX);
-        rules::eviction_fits(first.as_ref(), bs, cold_tier)?;
-        let params = spec.params.clone();
-        let name = spec.policy.clone();
-        Ok(Arc::new(move || {
+        let (params, name) = (spec.params.clone(), spec.policy.clone());
+        let built = move || {
             build(&PolicyParams::new(&params, block_size, cold_tier))
                 .map_err(|e| format!("eviction {name}: {e}"))
-        }))
+        };
+        let first = built()?;
+        let bs = u32::try_from(block_size).unwrap_or(u32::MAX);
+        rules::eviction_fits(first.as_ref(), bs, cold_tier)?;
+        Ok(Arc::new(crate::policies::first_then(first, built)))
     }
 }
 

@@ -298,3 +298,43 @@ fn a_tier_policy_is_named_through_the_tier_resolver_and_needs_a_cold_tier() {
         assert!(e.contains(want) && !e.contains('\n'), "{src:?}: {e}");
     }
 }
+
+/// A policy is built once between a checked file and the cache it runs
+/// in: `apply` checks and builds it, and the cache's first coordinator
+/// takes that object; only a later rebuild of the coordinator builds
+/// another (a policy holds per-sequence state).
+#[test]
+fn apply_and_the_first_coordinator_build_a_policy_once() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use crate::{Device, Kind, LlamaConfig, PagedKvCache};
+
+    let builds = Arc::new(AtomicUsize::new(0));
+    let counted = builds.clone();
+    let registry = Registry::builtin().with_eviction("counted", move |_| {
+        counted.fetch_add(1, Ordering::SeqCst);
+        Ok(Box::new(
+            kvforge_evict::SinkWindow::new(0, 64).map_err(|e| e.to_string())?,
+        ))
+    });
+    let m: Mechanisms = toml::from_str("eviction = { policy = \"counted\" }\n").unwrap();
+    let mut cfg = EngineConfig::default();
+    m.apply(&mut cfg, &registry, None).unwrap();
+    assert_eq!(builds.load(Ordering::SeqCst), 1, "apply checks by building");
+    let mc = LlamaConfig::tiny();
+    let mut cache = PagedKvCache::new(&mc, 16, 256, Device::Cpu, Kind::Float).unwrap();
+    let base = cache.base_config();
+    cache.configure_with(base, None, cfg.policies).unwrap();
+    assert_eq!(
+        builds.load(Ordering::SeqCst),
+        1,
+        "the checked object serves"
+    );
+    cache.set_cold_tier(None).unwrap();
+    assert_eq!(
+        builds.load(Ordering::SeqCst),
+        2,
+        "a new coordinator, a fresh policy"
+    );
+}

@@ -47,7 +47,7 @@ impl Registry {
             build(&PolicyParams::new(&params, block_size, true))
                 .map_err(|e| format!("tier {name}: {e}"))
         };
-        built()?;
-        Ok(Arc::new(built))
+        let first = built()?;
+        Ok(Arc::new(crate::policies::first_then(first, built)))
     }
 }
