@@ -76,7 +76,9 @@ pub use kvforge_lifecycle::{Label, LabelSource, Segment};
 pub use kvforge_lsh::{Content, ShareStats, SimHashConfig};
 pub use kvforge_pool::{BlockId, BlockTable, Entry, PoolStats, Slot, TieredPool};
 pub use kvforge_prefix::MatchStats;
-pub use plan::{CopyOp, Demotion, Lack, Pack, Plan, Planned, RowPack, Shortfall, Write};
+pub use plan::{
+    CopyOp, Demotion, Grain, Lack, Pack, Plan, Planned, RowPack, Shortfall, Wants, Write,
+};
 
 /// The README's example, compiled and run as a doctest.
 #[doc = include_str!("../README.md")]

@@ -107,6 +107,43 @@ pub struct Plan {
     pub pack: Option<Pack>,
     /// Rows compacted by token-level eviction, before the step.
     pub rows: Option<RowPack>,
+    /// What the engine reports back for this step, and at what grain.
+    pub wants: Wants,
+}
+
+/// What the policies ask the engine to observe during a step: answered
+/// once, in the [`Plan`], so the engine carries a step out without asking
+/// the coordinator anything between `plan` and `commit`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Wants {
+    /// Attention mass per signal slot
+    /// ([`Coordinator::observe`](crate::Coordinator::observe)).
+    pub attention: bool,
+    /// Key novelty per signal slot (KeyDiff's signal).
+    pub keys: bool,
+    /// The mass from the step's last `window` queries (0: all of them;
+    /// SnapKV's observation window).
+    pub window: usize,
+    /// What one signal slot is: an entry, a lane of it, or a row of it.
+    pub grain: Grain,
+    /// Whether the blocks this step quantizes are offered for sharing
+    /// ([`Coordinator::share`](crate::Coordinator::share)).
+    pub share: bool,
+    /// Whether sharing compares their vectors (else their bytes).
+    pub share_vectors: bool,
+}
+
+/// What the eviction policy ranks, and so what one signal slot counts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Grain {
+    /// Whole entries: one slot per entry of the table.
+    #[default]
+    Entry,
+    /// Each layer's each KV head's page: `layers × kv_heads` slots per
+    /// entry, lane `layer × kv_heads + head`.
+    Lane,
+    /// Single tokens: `block_size` slots per entry, one per row.
+    Row,
 }
 
 impl Plan {

@@ -32,8 +32,8 @@ use std::collections::{BTreeMap, HashMap};
 use kvforge_coordinator::testing::{check_invariants, fail_plan_at};
 use kvforge_coordinator::{
     COLD, ColdConfig, Content, CoordError, Coordinator, CoordinatorConfig, DedupConfig,
-    EvictionConfig, HOT, IndexKind, Label, LifecycleConfig, Phase, Plan, Planned, PrefixConfig,
-    Score, Segment, SeqId, SimHashConfig, Slot, TieredPool, Trigger, TurnTail,
+    EvictionConfig, Grain, HOT, IndexKind, Label, LifecycleConfig, Phase, Plan, Planned,
+    PrefixConfig, Score, Segment, SeqId, SimHashConfig, Slot, TieredPool, Trigger, TurnTail,
 };
 use kvforge_evict::Scored;
 use kvforge_evict::{EvictionPolicy, Pressure, SinkWindow};
@@ -736,7 +736,7 @@ impl World {
 
     /// Offers a cold block the step of `id` quantized to the deduplicator.
     fn offer(&mut self, id: SeqId, cold: BlockId) -> Result<Option<BlockId>, Defect> {
-        let near = self.c.share_wants_vectors();
+        let near = self.c.wants().share_vectors;
         let content_of = |c: &Content2| Content {
             bytes: bytes_of(c),
             vector: if near { vector_of(c) } else { Vec::new() },
@@ -1128,9 +1128,9 @@ impl World {
 
     fn feed(&mut self, id: SeqId, r: &mut Rng) -> Result<(), Defect> {
         let v = self.c.view(id).unwrap();
-        let per = if self.c.per_lane() {
+        let per = if self.c.wants().grain == Grain::Lane {
             LANES
-        } else if self.c.token_level() {
+        } else if self.c.wants().grain == Grain::Row {
             BS as usize
         } else {
             1
@@ -1144,9 +1144,9 @@ impl World {
                 _ => (r.below(1000) as f32) / 1000.0,
             })
             .collect();
-        let res = if self.c.wants_keys() {
+        let res = if self.c.wants().keys {
             self.c.observe_keys(id, &vals)
-        } else if self.c.wants_attention() {
+        } else if self.c.wants().attention {
             self.c.observe(id, &vals)
         } else {
             Ok(())

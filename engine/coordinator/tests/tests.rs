@@ -12,8 +12,8 @@ use std::sync::{Arc, Mutex};
 
 use kvforge_coordinator::{
     COLD, ColdConfig, Content, CoordError, Coordinator, CoordinatorConfig, DedupConfig,
-    EvictionConfig, HOT, IndexKind, Lack, LifecycleConfig, Plan, Planned, PrefixConfig, Score,
-    SeqId, SimHashConfig, Slot, TieredPool, Trigger,
+    EvictionConfig, Grain, HOT, IndexKind, Lack, LifecycleConfig, Plan, Planned, PrefixConfig,
+    Score, SeqId, SimHashConfig, Slot, TieredPool, Trigger,
 };
 use kvforge_pool::{BlockAllocator, BlockId, KvLayout, PoolStats, StorageFormat};
 use kvforge_prefix::{ExtraKeys, MatchStats};
@@ -327,7 +327,7 @@ fn scored_eviction_keeps_the_entry_attention_favours() {
         per_token: false,
     });
     let mut c = checked(cfg);
-    assert!(c.wants_attention());
+    assert!(c.wants().attention);
     let s = c.open_empty();
     // 24 tokens: entries of 4 at 0, 4, …, 20; entry 2 (8..12) draws the
     // attention of each step. The second step already needs 8 tokens out
@@ -362,7 +362,7 @@ fn keydiff_eviction_keeps_the_entry_whose_keys_stand_out() {
         per_token: false,
     });
     let mut c = checked(cfg);
-    assert!(c.wants_keys() && !c.wants_attention());
+    assert!(c.wants().keys && !c.wants().attention);
     let s = c.open_empty();
     for n in [12, 12] {
         c.plan(s, n).fits();
@@ -404,7 +404,7 @@ fn per_head_in(
         per_token: false,
     });
     let mut c = checked(cfg);
-    assert!(c.per_lane() && c.wants_keys());
+    assert!(c.wants().grain == Grain::Lane && c.wants().keys);
     let s = c.open_empty();
     c.plan(s, first).fits();
     lane_novelty(&mut c, s, keeps);
@@ -606,7 +606,7 @@ fn token_case(mut cfg: CoordinatorConfig) -> (Coordinator, SeqId, Vec<BlockId>) 
         per_token: true,
     });
     let mut c = checked(cfg);
-    assert!(c.token_level() && c.wants_keys() && !c.per_lane());
+    assert!(c.wants().grain == Grain::Row && c.wants().keys);
     let s = c.open_empty();
     c.plan(s, 24).fits();
     let low = [(1, 0), (1, 1), (1, 2), (2, 1), (2, 3), (3, 0), (4, 2)];

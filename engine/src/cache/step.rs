@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use kvforge_coordinator::{Coordinator, Planned, SeqId, TieredPool};
+use kvforge_coordinator::{Coordinator, Grain, Planned, SeqId, TieredPool};
 use tch::Tensor;
 
 use crate::attention::{Observe, StepView};
@@ -98,6 +98,8 @@ impl PagedSeq<'_> {
     }
 
     /// The rest of [`execute`](Self::execute): demotions, then the view.
+    /// What to observe comes with the plan ([`Wants`]); the coordinator is
+    /// locked once, for the shares and the view.
     pub(super) fn demote_and_view(
         &self,
         id: SeqId,
@@ -107,6 +109,8 @@ impl PagedSeq<'_> {
         let c = self.cache;
         let bs = c.block_size;
         let device = c.k[0].device();
+        let wants = plan.wants;
+        let mut offered = Vec::new();
         for d in plan.demotions.iter().filter(|d| d.quantize) {
             let tier = c
                 .cold
@@ -115,53 +119,44 @@ impl PagedSeq<'_> {
             let base = TieredPool::slot_of(d.hot) as usize * bs;
             let block = Arc::new(tier.quantize(&c.k, &c.v, base)?);
             tier.put(d.cold, Arc::clone(&block))?;
-            let mut coord = c.coordinator();
-            if coord.share_stats().is_none() {
-                continue;
+            if wants.share {
+                offered.push((d.cold, tier.content(&block, wants.share_vectors)?));
             }
-            let vector = coord.share_wants_vectors();
-            let content = tier.content(&block, vector)?;
-            coord.share(id, d.cold, &content, &mut |other| {
-                let o = tier.get(TieredPool::slot_of(other) as usize)?;
-                tier.content(&o, vector).ok()
-            })?;
         }
         let mut new = Vec::with_capacity(n);
         for w in &plan.writes {
             let base = TieredPool::slot_of(w.block) as i64 * bs as i64 + i64::from(w.offset);
             new.extend(base..base + i64::from(w.tokens));
         }
-        let (view, mass, novelty, lane_heads, window, per_token) = {
-            let coord = c.coordinator();
-            let table = coord.view(id)?;
-            let view = StepView::new(table, n, bs, c.cold.as_ref(), device)?;
-            let (layers, heads) = (c.k.len(), c.shape.heads);
-            let lanes = if coord.per_lane() {
-                layers * heads
-            } else if coord.token_level() {
-                bs
-            } else {
-                1
-            };
-            let signal = |wanted: bool| wanted.then(|| vec![0f32; table.entries().len() * lanes]);
-            (
-                view,
-                signal(coord.wants_attention()),
-                signal(coord.wants_keys()),
-                coord.per_lane().then_some(heads),
-                coord.observation_window(),
-                coord.token_level(),
-            )
+        let (layers, heads) = (c.k.len(), c.shape.heads);
+        let view = {
+            let mut coord = c.coordinator();
+            if let Some(tier) = c.cold.as_ref() {
+                for (cold, content) in &offered {
+                    coord.share(id, *cold, content, &mut |other| {
+                        let o = tier.get(TieredPool::slot_of(other) as usize)?;
+                        tier.content(&o, wants.share_vectors).ok()
+                    })?;
+                }
+            }
+            StepView::new(coord.view(id)?, n, bs, c.cold.as_ref(), device)?
         };
+        let lanes = match wants.grain {
+            Grain::Entry => 1,
+            Grain::Lane => layers * heads,
+            Grain::Row => bs,
+        };
+        let entries = view.entries();
+        let signal = |wanted: bool| wanted.then(|| vec![0f32; entries * lanes]);
         Ok(Step {
             id,
             new_slots: Tensor::f_from_slice(&new)?.f_to_device(device)?,
+            mass: signal(wants.attention),
+            novelty: signal(wants.keys),
+            lane_heads: (wants.grain == Grain::Lane).then_some(heads),
+            window: wants.window,
+            per_token: wants.grain == Grain::Row,
             view,
-            mass,
-            novelty,
-            lane_heads,
-            window,
-            per_token,
             undo: None,
             undo_rows: None,
         })

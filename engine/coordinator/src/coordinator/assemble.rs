@@ -7,8 +7,7 @@ use kvforge_pool::{BlockId, BlockTable, Slot};
 use crate::error::{CoordError, Result};
 use crate::plan::{CopyOp, Demotion, Pack, Plan, RowPack, Write};
 
-use super::pack::holes_from;
-use super::step::Draft;
+use super::draft::{Draft, holes_from};
 use super::{Coordinator, Pending};
 use crate::plan::Phase;
 

@@ -9,8 +9,7 @@ use crate::error::Result;
 use crate::plan::Lack;
 
 use super::Coordinator;
-use super::pack::Rewrite;
-use super::step::Draft;
+use super::draft::{Draft, Rewrite};
 use super::{COLD, HOT};
 
 impl Coordinator {

@@ -7,8 +7,7 @@ use kvforge_prefix::PrefixMatcher;
 use crate::error::{CoordError, Result};
 
 use super::Coordinator;
-use super::pack::Rewrite;
-use super::step::Draft;
+use super::draft::{Draft, Rewrite};
 
 /// The partial block a sequence registered moved to its cold copy: its
 /// index entry moves with it.

@@ -8,7 +8,7 @@ use kvforge_pool::{BlockAllocator, BlockId, BlockTable, Slot, TieredPool};
 
 use crate::error::{CoordError, Result};
 
-use super::step::Draft;
+use super::draft::{Draft, IdleCuts};
 use super::{Coordinator, HOT, SeqId};
 
 /// Marks the policy's `victims` of `table` dropped and adds their blocks
@@ -70,19 +70,6 @@ pub(super) fn punch_victims(
         }
     }
     Ok(victims.len())
-}
-
-/// Entries idle sequences give up to make room for another's step:
-/// chosen by `idle_cuts`, dropped by `apply_idle_cuts`.
-#[derive(Default)]
-pub(super) struct IdleCuts {
-    /// Per sequence: its table with the victims dropped, the blocks it
-    /// lets go of, the number of victims.
-    pub(super) cuts: Vec<(SeqId, BlockTable, Vec<BlockId>, usize)>,
-    /// Bytes, hot and cold blocks that come back for good.
-    pub(super) bytes: u64,
-    pub(super) hot: usize,
-    pub(super) cold: usize,
 }
 
 impl Coordinator {

@@ -35,6 +35,7 @@ mod assemble;
 mod budget;
 mod construct;
 mod demote;
+mod draft;
 mod evict;
 mod import;
 mod invariants;

@@ -5,13 +5,35 @@ use kvforge_lsh::Content;
 use kvforge_pool::{BlockAllocator, BlockId, Retained, Slot};
 
 use crate::error::{CoordError, Result};
+use crate::plan::{Grain, Wants};
 
 use super::{Coordinator, SeqId};
 
 impl Coordinator {
+    /// What a step's [`Plan`](crate::Plan) asks the engine to observe
+    /// ([`Plan::wants`](crate::Plan::wants)), the same for every step until
+    /// a policy is replaced.
+    pub fn wants(&self) -> Wants {
+        let grain = if self.per_lane() {
+            Grain::Lane
+        } else if self.token_level() {
+            Grain::Row
+        } else {
+            Grain::Entry
+        };
+        Wants {
+            attention: self.wants_attention(),
+            keys: self.wants_keys(),
+            window: self.observation_window(),
+            grain,
+            share: self.dedup.is_some(),
+            share_vectors: self.share_wants_vectors(),
+        }
+    }
+
     /// Whether the deduplicator compares dequantized vectors (fill
     /// [`Content::vector`] for [`share`](Self::share)).
-    pub fn share_wants_vectors(&self) -> bool {
+    fn share_wants_vectors(&self) -> bool {
         self.dedup.as_ref().is_some_and(|d| d.wants_vectors())
     }
 
@@ -128,31 +150,31 @@ impl Coordinator {
     }
 
     /// Whether the eviction policy wants key novelty.
-    pub fn wants_keys(&self) -> bool {
+    pub(crate) fn wants_keys(&self) -> bool {
         self.evict.as_ref().is_some_and(|e| e.wants_keys())
     }
 
     /// Whether the eviction policy ranks pages per lane (one layer's one
     /// KV head): it then wants key novelty per entry and lane.
-    pub fn per_lane(&self) -> bool {
+    pub(crate) fn per_lane(&self) -> bool {
         self.evict.as_ref().is_some_and(|e| e.per_lane())
     }
 
     /// Whether the eviction policy names single tokens: it then wants its
     /// signals per row of the table (`entries × block_size`).
-    pub fn token_level(&self) -> bool {
+    pub(crate) fn token_level(&self) -> bool {
         self.evict.as_ref().is_some_and(|e| e.token_level())
     }
 
     /// Whether the eviction policy wants attention mass (per entry and
     /// lane for a [`per_lane`](Self::per_lane) policy).
-    pub fn wants_attention(&self) -> bool {
+    pub(crate) fn wants_attention(&self) -> bool {
         self.evict.as_ref().is_some_and(|e| e.wants_attention())
     }
 
     /// How many of a step's last queries the attention mass should come
     /// from (SnapKV's observation window); 0 for all of them.
-    pub fn observation_window(&self) -> usize {
+    pub(crate) fn observation_window(&self) -> usize {
         self.evict.as_ref().map_or(0, |e| e.observation_window())
     }
 }

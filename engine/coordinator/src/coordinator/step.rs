@@ -2,61 +2,15 @@
 //! everything, then takes what it needs in one place that gives it all back
 //! on failure; [`Coordinator::commit`] and [`Coordinator::abort`] end it.
 
-use kvforge_pool::{BlockId, BlockTable, Slot};
+use kvforge_pool::Slot;
 
 use crate::error::{CoordError, Result};
 use crate::plan::{Plan, Planned, Shortfall};
 
 use super::demote::follow_moves;
-use super::evict::IdleCuts;
-use super::pack::{Packing, Rewrite, RowPacking};
+use super::draft::{Draft, IdleCuts, Rewrite};
 use super::{COLD, Coordinator, HOT, SeqId};
 use crate::plan::Phase;
-
-/// A step being planned: what each phase of [`Coordinator::plan`] decided
-/// and, from [`take`](Coordinator::take) on, what it took.
-pub(super) struct Draft {
-    pub(super) seq: SeqId,
-    /// New tokens.
-    pub(super) n: usize,
-    /// The table after the step.
-    pub(super) next: BlockTable,
-    pub(super) plan: Plan,
-    /// References the commit gives back.
-    pub(super) release: Vec<BlockId>,
-    /// A per-lane policy's answer (packed by `pack`).
-    pub(super) lane_drops: Vec<usize>,
-    /// Rows a token-level policy marked invalid.
-    pub(super) punched: usize,
-    pub(super) packing: Option<Packing>,
-    pub(super) row_packing: Option<RowPacking>,
-    /// Demotions reusing another holder's cold copy: (entry, hot, cold).
-    pub(super) reuse: Vec<(usize, BlockId, BlockId)>,
-    /// Demotions quantized anew: (entry, hot).
-    pub(super) fresh: Vec<(usize, BlockId)>,
-    /// The shared partial tail copied into a block of our own.
-    pub(super) copy_src: Option<(BlockId, u32)>,
-    /// New tokens that go into the open (or copied) last block.
-    pub(super) in_open: usize,
-    pub(super) need_hot: usize,
-    /// What idle sequences give up for the step.
-    pub(super) idle: IdleCuts,
-    /// Every reference taken so far: the one thing a failure gives back.
-    pub(super) taken: Vec<BlockId>,
-    pub(super) cold_new: Vec<BlockId>,
-    pub(super) hot_new: Vec<BlockId>,
-}
-
-impl Draft {
-    /// The entries a head-wise pack or a compaction rewrites (at most one
-    /// of them: a policy is per lane, per token or neither).
-    pub(super) fn rewrite(&self) -> Option<&Rewrite> {
-        self.packing
-            .as_ref()
-            .map(|p| &p.rw)
-            .or(self.row_packing.as_ref().map(|p| &p.rw))
-    }
-}
 
 impl Coordinator {
     /// Plans one step of `n` new tokens for `seq`: drops (eviction),
@@ -129,6 +83,7 @@ impl Coordinator {
             n,
             plan: Plan {
                 start: s.table.positions(),
+                wants: self.wants(),
                 ..Plan::default()
             },
             next: s.table.clone(),
