@@ -1,6 +1,6 @@
 //! Model dimensions × storage format → exact bytes per block.
 
-use crate::{PoolError, Result};
+use crate::error::{PoolError, Result};
 
 /// How the elements of a K or V block are stored.
 ///

@@ -48,12 +48,12 @@
 
 use std::sync::OnceLock;
 
+use crate::error::{PoolError, Result};
+use crate::layout::KvLayout;
 use crate::sync::{
     AtomicU32, AtomicU64, AtomicUsize, FreeQueue, Mutex, Ordering, fence, spin_wait,
 };
-use crate::{
-    Allocation, BlockAllocator, BlockId, KvLayout, PoolError, PoolStats, Result, Retained,
-};
+use crate::{Allocation, BlockAllocator, BlockId, PoolStats, Retained};
 
 const COUNT_MASK: u64 = (1 << 27) - 1;
 const RETIRED: u64 = 1 << 27;
@@ -773,7 +773,7 @@ const _: () = assert!(FLAGS & COUNT_MASK == 0 && FLAGS >> 32 == 0);
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use crate::StorageFormat;
+    use crate::layout::StorageFormat;
 
     fn layout() -> KvLayout {
         KvLayout::new(2, 1, 8, 4, StorageFormat::F16).unwrap()

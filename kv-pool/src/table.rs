@@ -28,7 +28,8 @@
 //!   exist only in full hot entries of at most [`MAX_HOLED_BLOCK`] tokens,
 //!   never cover every row, and keep the entry hot until it is dropped.
 
-use crate::{BlockId, PoolError, Result};
+use crate::BlockId;
+use crate::error::{PoolError, Result};
 
 /// Where an entry's K/V lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

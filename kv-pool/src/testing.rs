@@ -10,7 +10,8 @@
 //! The suite panics (with the failing property) on the first violation, so
 //! call it from a `#[test]`.
 
-use crate::{Allocation, BlockAllocator, BlockId, PoolError, Retained};
+use crate::error::PoolError;
+use crate::{Allocation, BlockAllocator, BlockId, Retained};
 
 /// Runs every conformance check against allocators built by `make`.
 pub fn check_allocator<A: BlockAllocator>(make: impl Fn(usize) -> A) {

@@ -5,7 +5,8 @@ use std::collections::{HashMap, HashSet};
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::ops::Range;
 
-use crate::{Label, LabelSource, LifecycleError, LifecyclePolicy, Result, Segment, SeqKey};
+use crate::labels::Label;
+use crate::{LabelSource, LifecycleError, LifecyclePolicy, Result, Segment, SeqKey};
 
 /// How a [`Lifecycle`] acts on its policy's labels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

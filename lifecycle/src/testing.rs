@@ -3,7 +3,9 @@
 use std::collections::BTreeSet;
 use std::ops::Range;
 
-use crate::{Label, Lifecycle, LifecycleParams, LifecyclePolicy, Segment, TurnEnd};
+use crate::labels::Label;
+use crate::lifecycle::{Lifecycle, LifecycleParams, TurnEnd};
+use crate::{LifecyclePolicy, Segment};
 
 /// Conversations of 1 to 12 turns, segments of varied lengths (some turns
 /// of several segments, some segments gone as if reclaimed), with the

@@ -4,8 +4,10 @@
 
 use std::collections::HashMap;
 
+use crate::error::{PrefixError, Result};
 use crate::hash::KeyHash;
-use crate::{BlockId, BlockRef, PrefixError, PrefixMatcher, Result, validate_insert};
+use crate::{BlockRef, PrefixMatcher, validate_insert};
+use kvforge_pool::BlockId;
 
 /// Block slot index -> (handle, place of the entry that holds it).
 pub(crate) type SlotMap<P> = HashMap<u32, (BlockId, P), KeyHash>;

@@ -9,7 +9,9 @@
 //! `make(block_size)` must return an empty index. The suite panics on the
 //! first violated property, so call it from a `#[test]`.
 
-use crate::{BlockId, BlockRef, ExtraKeys, PrefixError, PrefixMatch, PrefixMatcher};
+use crate::error::PrefixError;
+use crate::{BlockRef, ExtraKeys, PrefixMatch, PrefixMatcher};
+use kvforge_pool::BlockId;
 
 /// Runs every conformance check against indexes built by `make`.
 pub fn check_matcher<M: PrefixMatcher>(make: impl Fn(usize) -> M) {

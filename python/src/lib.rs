@@ -15,6 +15,7 @@
 mod conformance;
 mod engine;
 mod policy;
+mod resolve;
 mod tier;
 
 use kvforge_quant::{
@@ -428,6 +429,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(engine::ablate, m)?)?;
     m.add_function(wrap_pyfunction!(conformance::check_eviction_policy, m)?)?;
     m.add_function(wrap_pyfunction!(conformance::check_tier_policy, m)?)?;
-    policy::install_resolver();
+    resolve::install_resolver();
     Ok(())
 }

@@ -11,14 +11,12 @@
 //! An interrupt (`KeyboardInterrupt`, `SystemExit`) is kept whole and
 //! raised again by the engine call that ran the policy.
 //!
-//! [`install_resolver`] makes `"module:Class"` names reach every registry
-//! of the process (mechanisms tables, the ablation).
+//! `resolve.rs` builds them from `"module:Class"` names in mechanisms
+//! tables.
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
-use std::sync::Arc;
 
-use kvforge_engine::mechanisms::{EvictionBuilder, PolicyParams, Registry, TierBuilder};
 use kvforge_evict::{EvictionPolicy, Pressure, SeqKey};
 use kvforge_pool::{BlockTable, Slot};
 use pyo3::exceptions::{
@@ -26,8 +24,6 @@ use pyo3::exceptions::{
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyByteArray, PyBytes, PyDict, PyInt, PyString};
-
-use crate::tier::PyTier;
 
 /// A Python object as the coordinator's eviction policy.
 pub(crate) struct PyPolicy {
@@ -85,7 +81,7 @@ pub(crate) fn run_policy<T>(
 
 /// A policy's failure in one line; an interrupt (`KeyboardInterrupt`,
 /// `SystemExit`) is also kept whole for the engine call to raise again.
-fn failure(py: Python<'_>, e: PyErr) -> String {
+pub(crate) fn failure(py: Python<'_>, e: PyErr) -> String {
     let words = one_line(&e);
     if !e.is_instance_of::<PyException>(py) {
         INTERRUPT.with(|i| {
@@ -333,59 +329,4 @@ impl EvictionPolicy for PyPolicy {
     fn take_error(&mut self) -> Option<String> {
         self.error.take()
     }
-}
-
-/// Builds `module:Class` with a mechanisms table's parameters as keyword
-/// arguments, and wraps it. An interrupt raised on the way (the class's
-/// `__init__`, the module's import) is kept to come out as itself.
-fn build<T>(
-    module: &str,
-    class: &str,
-    p: &PolicyParams<'_>,
-    wrap: impl FnOnce(&Bound<'_, PyAny>) -> PyResult<T>,
-) -> Result<T, String> {
-    let params: serde_json::Map<String, serde_json::Value> = p.parse()?;
-    let json = serde_json::Value::Object(params).to_string();
-    Python::attach(|py| {
-        let built = (|| {
-            let mut cls = py.import(module)?.into_any();
-            for part in class.split('.') {
-                cls = cls.getattr(part)?;
-            }
-            let kwargs = py.import("json")?.call_method1("loads", (json,))?;
-            wrap(&cls.call((), Some(kwargs.cast::<PyDict>()?))?)
-        })();
-        // The registry names the policy ("tier NAME: …").
-        built.map_err(|e| failure(py, e))
-    })
-}
-
-/// `"module:Class"` split, or `None` for any other name.
-fn python_name(name: &str) -> Option<(String, String)> {
-    let (module, class) = name.split_once(':')?;
-    (!module.is_empty() && !class.is_empty()).then(|| (module.to_string(), class.to_string()))
-}
-
-/// Lets every registry of this process build `"module:Class"` names of
-/// eviction and tier policies from Python (once; later calls change
-/// nothing).
-pub(crate) fn install_resolver() {
-    Registry::install_resolver(Arc::new(|name: &str| {
-        let (module, class) = python_name(name)?;
-        let b: EvictionBuilder = Arc::new(move |p| {
-            build(&module, &class, p, |obj| {
-                Ok(Box::new(PyPolicy::wrap(obj)?) as Box<dyn EvictionPolicy>)
-            })
-        });
-        Some(b)
-    }));
-    Registry::install_tier_resolver(Arc::new(|name: &str| {
-        let (module, class) = python_name(name)?;
-        let b: TierBuilder = Arc::new(move |p| {
-            build(&module, &class, p, |obj| {
-                Ok(Box::new(PyTier::wrap(obj)?) as Box<dyn kvforge_quant::TierPolicy>)
-            })
-        });
-        Some(b)
-    }));
 }

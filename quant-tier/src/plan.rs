@@ -3,7 +3,7 @@
 
 use kvforge_pool::{BlockTable, Slot};
 
-use crate::{QuantError, Result};
+use crate::error::{QuantError, Result};
 
 /// Decides which hot entries of a sequence's block table go to the cold
 /// (quantized) tier before its next step. Policies only decide: the caller

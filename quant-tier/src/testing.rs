@@ -7,7 +7,8 @@
 //! testing::check_quantizer(&Rotated::new(q));
 //! ```
 
-use crate::{BlockShape, QuantError, Quantizer};
+use crate::error::QuantError;
+use crate::{BlockShape, Quantizer};
 
 /// A deterministic pseudo-random slab with a few outlier channels.
 pub fn sample(shape: BlockShape, seed: u64) -> Vec<f32> {
@@ -107,7 +108,7 @@ pub fn check_quantizer<Q: Quantizer + ?Sized>(q: &Q) {
         .expect("dequantize_uninit");
     assert_eq!(z, &y[..], "{}", q.name());
     // f16 input quantizes like its f32 widening.
-    let h: Vec<crate::f16> = x.iter().map(|&v| crate::f16::from_f32(v)).collect();
+    let h: Vec<half::f16> = x.iter().map(|&v| half::f16::from_f32(v)).collect();
     let w: Vec<f32> = h.iter().map(|v| v.to_f32()).collect();
     assert_eq!(
         q.quantize_f16(shape, &h).expect("f16"),
@@ -115,13 +116,13 @@ pub fn check_quantizer<Q: Quantizer + ?Sized>(q: &Q) {
     );
 }
 
-/// The [`TierPolicy`](crate::TierPolicy) contract on tables of every kind
+/// The [`TierPolicy`](crate::plan::TierPolicy) contract on tables of every kind
 /// of entry (hot full, holed, sealed partial, open, cold, dropped) and
 /// length: demoted indexes ascend, exist, name hot full entries without
 /// holes other than the open one; and once they are demoted, asking again
 /// names none of them.
 /// Panics on the first violation.
-pub fn check_tier_policy<P: crate::TierPolicy + ?Sized>(p: &P, block_size: u32) {
+pub fn check_tier_policy<P: crate::plan::TierPolicy + ?Sized>(p: &P, block_size: u32) {
     use kvforge_pool::{BlockId, BlockTable, Slot};
     let bs = block_size;
     for n in 0..40u32 {

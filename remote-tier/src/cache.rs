@@ -4,18 +4,18 @@
 //! ([`fetch`](RemoteCache::fetch)), and a block offered for writing
 //! ([`offer`](RemoteCache::offer)).
 
-use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvforge_prefix::ExtraKeys;
 
-use crate::blob;
 use crate::clock::{Clock, SystemClock};
+use crate::key::{Link, RemoteKey, Scope};
+use crate::known::Known;
 use crate::secret::Secret;
-use crate::stats::{Counters, StatsSource};
+use crate::stats::{Counters, RemoteStats, StatsSource};
 use crate::writer::{Op, WriteBehind, WriterSetup};
-use crate::{Link, RemoteKey, RemoteStats, RemoteTier, Scope};
+use crate::{RemoteTier, blob};
 
 /// Bounds of a [`RemoteCache`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -73,46 +73,6 @@ pub enum Offer {
     Known,
 }
 
-/// Keys stored or queued recently, oldest first (bounded). Removal is
-/// lazy: `order` may hold entries `at` no longer has (or has newer).
-pub(crate) struct Known {
-    at: HashMap<RemoteKey, Instant>,
-    order: VecDeque<(RemoteKey, Instant)>,
-    cap: usize,
-    ttl: Duration,
-}
-
-impl Known {
-    fn fresh(&self, key: RemoteKey, now: Instant) -> bool {
-        self.at
-            .get(&key)
-            .is_some_and(|&t| now.saturating_duration_since(t) < self.ttl)
-    }
-
-    fn insert(&mut self, key: RemoteKey, now: Instant) {
-        self.at.insert(key, now);
-        self.order.push_back((key, now));
-        while self.at.len() > self.cap || self.order.len() > 2 * self.cap.max(1) {
-            let Some((k, t)) = self.order.pop_front() else {
-                break;
-            };
-            if self.at.get(&k) == Some(&t) {
-                self.at.remove(&k);
-            }
-        }
-    }
-
-    pub(crate) fn forget(&mut self, key: RemoteKey) {
-        self.at.remove(&key);
-    }
-
-    /// Forgets every key (the store forgot them).
-    pub(crate) fn clear(&mut self) {
-        self.at.clear();
-        self.order.clear();
-    }
-}
-
 /// A [`RemoteTier`] with its scope: verified reads, write-behind writes,
 /// counters. Every failure is a miss.
 pub struct RemoteCache {
@@ -150,12 +110,7 @@ impl RemoteCache {
         clock: Arc<dyn Clock>,
     ) -> Self {
         let counters = Arc::new(Counters::default());
-        let known = Arc::new(Mutex::new(Known {
-            at: HashMap::new(),
-            order: VecDeque::new(),
-            cap: opts.remember,
-            ttl: opts.remember_for,
-        }));
+        let known = Arc::new(Mutex::new(Known::new(opts.remember, opts.remember_for)));
         // A key of this cache alone (random), in the blocks' key space.
         let nonce = Secret::random();
         let marker = scope.root(&secret, &ExtraKeys::namespace(nonce.tenant("marker")));

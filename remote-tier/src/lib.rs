@@ -36,6 +36,7 @@ pub mod blob;
 mod cache;
 mod clock;
 mod key;
+mod known;
 mod memory;
 mod secret;
 mod stats;

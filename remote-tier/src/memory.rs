@@ -8,7 +8,8 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 
-use crate::{ErrorKind, Put, RemoteError, RemoteKey, RemoteTier};
+use crate::key::RemoteKey;
+use crate::{ErrorKind, Put, RemoteError, RemoteTier};
 
 #[derive(Default)]
 struct Mem {

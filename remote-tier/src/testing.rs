@@ -4,7 +4,8 @@
 //! renewals answering what is held, deletions (after which a key can be
 //! written again).
 
-use crate::{Put, RemoteKey, RemoteTier};
+use crate::key::RemoteKey;
+use crate::{Put, RemoteTier};
 
 fn fail(what: &str) -> Result<(), String> {
     Err(format!("RemoteTier contract: {what}"))

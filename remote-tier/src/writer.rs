@@ -14,9 +14,10 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::cache::Known;
+use crate::key::RemoteKey;
+use crate::known::Known;
 use crate::stats::Counters;
-use crate::{ErrorKind, Put, RemoteError, RemoteKey, RemoteTier};
+use crate::{ErrorKind, Put, RemoteError, RemoteTier};
 
 /// One operation on the store.
 pub(crate) enum Op {

@@ -3,11 +3,15 @@
 //! feature newer than the workspace's `rust-version` is used where the one
 //! toolchain here would accept it silently (a safe `#[target_feature]` fn
 //! needs Rust 1.86). Newer std APIs are caught by clippy's
-//! `incompatible_msrv` lint, which reads the same `rust-version`. The
-//! engine's and the coordinator's modules form a DAG that never imports the
-//! crate root, and their files and functions stay short (an allow-list
-//! names the exceptions and why). Runs under `cargo test` (see the test
-//! below) and as `cargo xtask tidy`.
+//! `incompatible_msrv` lint, which reads the same `rust-version`. In every
+//! library crate of the workspace the modules form a DAG (through
+//! `crate::`), the files of each module directory form one (through
+//! `super::`), and no module imports a re-export of the crate root (name
+//! the module; an item `lib.rs` defines itself may be imported from the
+//! root). The engine's, the coordinator's and the server's files and
+//! functions stay short (an allow-list names the exceptions and why; it is
+//! empty). Runs under `cargo test` (see the test below) and as `cargo
+//! xtask tidy`.
 
 use std::path::{Path, PathBuf};
 
@@ -41,16 +45,191 @@ pub(crate) fn check(root: &Path) -> Result<Vec<String>> {
             }
         }
     }
-    for krate in MODULE_DAGS {
-        problems.extend(module_graph_problems(root, krate)?);
+    for krate in crate_sources(root)? {
+        problems.extend(module_graph_problems(root, &krate)?);
+    }
+    for dir in module_dirs(root)? {
+        problems.extend(sibling_circles(root, &dir)?);
     }
     Ok(problems)
 }
 
-/// Crates whose modules must form a DAG and never import the crate root
-/// (`use crate::{Engine, ..}` from below `lib.rs` is how a circle starts:
-/// name the module instead).
-const MODULE_DAGS: [&str; 3] = ["engine/src", "engine/coordinator/src", "server/src"];
+/// Crates whose files and functions must stay short (the limits below).
+const SHORT_CRATES: [&str; 3] = ["engine/src", "engine/coordinator/src", "server/src"];
+
+/// The `src` directory (relative to `root`) of every library crate of the
+/// workspace: their modules must form a DAG and never import the crate
+/// root (`use crate::{Engine, ..}` from below `lib.rs` is how a circle
+/// starts: name the module instead).
+fn crate_sources(root: &Path) -> Result<Vec<String>> {
+    let mut files = Vec::new();
+    rust_files(root, &mut files)?;
+    let mut out: Vec<String> = files
+        .iter()
+        .filter(|f| f.ends_with("src/lib.rs"))
+        .filter_map(|f| f.parent()?.strip_prefix(root).ok())
+        .map(|d| d.display().to_string().replace('\\', "/"))
+        .collect();
+    out.sort();
+    Ok(out)
+}
+
+/// Every directory that is a module with children (it holds a `mod.rs`,
+/// or sits beside `name.rs`).
+fn module_dirs(root: &Path) -> Result<Vec<PathBuf>> {
+    let mut files = Vec::new();
+    rust_files(root, &mut files)?;
+    let mut dirs: Vec<PathBuf> = files
+        .iter()
+        .filter_map(|f| f.parent())
+        .filter(|d| d.join("mod.rs").exists() || d.with_extension("rs").exists())
+        .map(Path::to_path_buf)
+        .collect();
+    dirs.sort();
+    dirs.dedup();
+    Ok(dirs)
+}
+
+/// The names `lib.rs` defines itself (types, traits, functions, macros,
+/// constants): a module may import those from the crate root. A name the
+/// root only re-exports is imported from its module.
+fn defined_items(lib: &str) -> Vec<String> {
+    let kinds = [
+        "struct ", "enum ", "trait ", "type ", "fn ", "const ", "static ", "union ",
+    ];
+    let mut out = Vec::new();
+    for l in non_test_lines(lib) {
+        let mut t = l.trim_start();
+        if let Some(rest) = t.strip_prefix("pub") {
+            t = rest.strip_prefix("(crate)").unwrap_or(rest).trim_start();
+        }
+        if let Some(rest) = t.strip_prefix("macro_rules! ") {
+            t = rest;
+        } else if let Some(k) = kinds.iter().find(|k| t.starts_with(**k)) {
+            t = &t[k.len()..];
+        } else {
+            continue;
+        }
+        let name: String = t
+            .chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '_')
+            .collect();
+        out.push(name);
+    }
+    out
+}
+
+/// The first segment of each path a line imports through `key`
+/// (`super::`, `crate::`): `super::a::X` and `super::{a, b::Y}` name `a`
+/// (and `b`).
+fn imported_names(code: &str, key: &str) -> Vec<String> {
+    let ident = |s: &str| -> String {
+        s.trim_start()
+            .chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '_')
+            .collect()
+    };
+    let mut out = Vec::new();
+    let mut rest = code;
+    while let Some(i) = rest.find(key) {
+        rest = &rest[i + key.len()..];
+        let Some(inner) = rest.strip_prefix('{') else {
+            out.push(ident(rest));
+            continue;
+        };
+        let mut depth = 0usize;
+        let mut part = String::new();
+        for c in inner.chars() {
+            match c {
+                '{' => depth += 1,
+                '}' if depth == 0 => break,
+                '}' => depth -= 1,
+                ',' if depth == 0 => {
+                    out.push(ident(&part));
+                    part.clear();
+                    continue;
+                }
+                _ => {}
+            }
+            part.push(c);
+        }
+        out.push(ident(&part));
+    }
+    out.retain(|n| !n.is_empty());
+    out
+}
+
+/// Circles among the child modules of `dir` through `super::` imports:
+/// the split into files is by concern only when the files form a DAG.
+fn sibling_circles(root: &Path, dir: &Path) -> Result<Vec<String>> {
+    let mut children = Vec::new();
+    for e in std::fs::read_dir(dir)? {
+        let p = e?.path();
+        let name = p
+            .file_stem()
+            .and_then(|n| n.to_str())
+            .unwrap_or("")
+            .to_string();
+        let child = if p.is_dir() {
+            p.join("mod.rs").exists()
+        } else {
+            p.extension().is_some_and(|x| x == "rs") && name != "mod" && name != "tests"
+        };
+        if child {
+            children.push((name, p));
+        }
+    }
+    let names: Vec<&str> = children.iter().map(|(n, _)| n.as_str()).collect();
+    let mut deps: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    for (name, path) in &children {
+        let file = if path.is_dir() {
+            path.join("mod.rs")
+        } else {
+            path.clone()
+        };
+        let text = std::fs::read_to_string(&file)?;
+        let mut uses: Vec<String> = Vec::new();
+        for l in non_test_lines(&text) {
+            let code = l.split("//").next().unwrap_or("");
+            for n in imported_names(code, "super::") {
+                if n != *name && names.contains(&n.as_str()) && !uses.contains(&n) {
+                    uses.push(n);
+                }
+            }
+        }
+        deps.insert(name.clone(), uses);
+    }
+    let rel = dir.strip_prefix(root).unwrap_or(dir).display().to_string();
+    Ok(circles(&deps)
+        .into_iter()
+        .map(|c| format!("{rel}: files import each other through super:: in a circle: {c}"))
+        .collect())
+}
+
+/// Each circle of `deps` (module -> the modules it imports), as
+/// `a -> b -> a`, once per module on one.
+fn circles(deps: &std::collections::BTreeMap<String, Vec<String>>) -> Vec<String> {
+    let mut out = Vec::new();
+    for m in deps.keys() {
+        let mut stack: Vec<(String, Vec<String>)> = vec![(m.clone(), vec![m.clone()])];
+        let mut seen = std::collections::BTreeSet::new();
+        while let Some((n, path)) = stack.pop() {
+            for d in deps.get(&n).into_iter().flatten() {
+                if d == m {
+                    out.push(format!("{} -> {m}", path.join(" -> ")));
+                    stack.clear();
+                    break;
+                }
+                if seen.insert(d.clone()) {
+                    let mut p = path.clone();
+                    p.push(d.clone());
+                    stack.push((d.clone(), p));
+                }
+            }
+        }
+    }
+    out
+}
 
 /// Source files allowed past [`MAX_LINES`], and functions past
 /// [`MAX_FN_LINES`], each with the reason.
@@ -66,7 +245,7 @@ const MAX_FN_LINES: usize = 100;
 /// (tests excluded: a `tests.rs` file, or below a `#[cfg(test)]` line).
 fn length_problems(rel: &str, text: &str) -> Vec<String> {
     let rel = rel.replace('\\', "/");
-    if !MODULE_DAGS.iter().any(|d| rel.starts_with(d)) || rel.ends_with("tests.rs") {
+    if !SHORT_CRATES.iter().any(|d| rel.starts_with(d)) || rel.ends_with("tests.rs") {
         return Vec::new();
     }
     let code = non_test_lines(text);
@@ -152,6 +331,7 @@ fn module_graph_problems(root: &Path, krate: &str) -> Result<Vec<String>> {
                 .map(str::to_string)
         })
         .collect();
+    let defined = defined_items(&lib);
     let mut deps: std::collections::BTreeMap<String, Vec<String>> = Default::default();
     let mut problems = Vec::new();
     for m in &mods {
@@ -174,46 +354,26 @@ fn module_graph_problems(root: &Path, krate: &str) -> Result<Vec<String>> {
         let mut uses: Vec<String> = Vec::new();
         for l in non_test_lines(&text) {
             let code = l.split("//").next().unwrap_or("");
-            let mut rest = code;
-            while let Some(i) = rest.find("crate::") {
-                rest = &rest[i + "crate::".len()..];
-                let name: String = rest
-                    .chars()
-                    .take_while(|c| c.is_alphanumeric() || *c == '_' || *c == '{')
-                    .collect();
-                if name.starts_with('{') || name.chars().next().is_some_and(char::is_uppercase) {
+            for name in imported_names(code, "crate::") {
+                if mods.contains(&name) {
+                    if name != *m && !uses.contains(&name) {
+                        uses.push(name);
+                    }
+                } else if !defined.contains(&name) {
                     problems.push(format!(
-                        "{}: `crate::{name}` imports the crate root; name the module",
+                        "{}: `crate::{name}` is a re-export of the crate root; import it from its module",
                         rel(&file)
                     ));
-                } else if mods.contains(&name) && name != *m && !uses.contains(&name) {
-                    uses.push(name);
                 }
             }
         }
         deps.insert(m.clone(), uses);
     }
     // A circle: a module reachable from itself.
-    for m in &mods {
-        let mut stack: Vec<(String, Vec<String>)> = vec![(m.clone(), vec![m.clone()])];
-        let mut seen = std::collections::BTreeSet::new();
-        while let Some((n, path)) = stack.pop() {
-            for d in deps.get(&n).into_iter().flatten() {
-                if d == m {
-                    problems.push(format!(
-                        "{krate}: modules import each other in a circle: {} -> {m}",
-                        path.join(" -> ")
-                    ));
-                    stack.clear();
-                    break;
-                }
-                if seen.insert(d.clone()) {
-                    let mut p = path.clone();
-                    p.push(d.clone());
-                    stack.push((d.clone(), p));
-                }
-            }
-        }
+    for c in circles(&deps) {
+        problems.push(format!(
+            "{krate}: modules import each other in a circle: {c}"
+        ));
     }
     problems.sort();
     problems.dedup();
@@ -270,6 +430,45 @@ mod tests {
         let unsafe_fn = format!("//! x\n{attr}\n#[inline]\nunsafe fn f() {{}}\n");
         assert_eq!(super::safe_target_feature_fn(&unsafe_fn), None);
         assert_eq!(super::msrv_minor("rust-version = \"1.85\""), Some(85));
+    }
+
+    /// A crate that breaks each module rule once: a re-export imported
+    /// through the root, a circle of modules, a circle of files through
+    /// `super::`; and what the rules allow (an item the root defines, a
+    /// module named through `crate::`).
+    #[test]
+    fn circles_and_root_re_exports_are_found_and_the_allowed_forms_pass() {
+        let root = std::env::temp_dir().join(format!("kvforge-tidy-{}", std::process::id()));
+        let src = root.join("k/src");
+        let write = |p: &str, text: &str| {
+            let p = src.join(p);
+            std::fs::create_dir_all(p.parent().expect("a parent")).expect("mkdir");
+            std::fs::write(p, text).expect("write");
+        };
+        write(
+            "lib.rs",
+            "//! k\nmod a;\nmod b;\nmod m;\npub use a::X;\npub struct Y;\n",
+        );
+        write(
+            "a.rs",
+            "//! a\nuse crate::Y;\nuse crate::b::Z;\npub struct X;\n",
+        );
+        write("b.rs", "//! b\nuse crate::{a::X, X as W};\npub struct Z;\n");
+        write("m/mod.rs", "//! m\nmod p;\nmod q;\nmod r;\n");
+        write("m/p.rs", "//! p\nuse super::q::Q;\n");
+        write("m/q.rs", "//! q\nuse super::{r::R, p};\npub struct Q;\n");
+        write("m/r.rs", "//! r\nuse super::super::Y;\npub struct R;\n");
+        let mut got = super::module_graph_problems(&root, "k/src").expect("graph");
+        got.extend(super::sibling_circles(&root, &src.join("m")).expect("siblings"));
+        std::fs::remove_dir_all(&root).expect("clean up");
+        let want = [
+            "k/src/b.rs: `crate::X` is a re-export of the crate root; import it from its module",
+            "k/src: modules import each other in a circle: a -> b -> a",
+            "k/src: modules import each other in a circle: b -> a -> b",
+            "k/src/m: files import each other through super:: in a circle: p -> q -> p",
+            "k/src/m: files import each other through super:: in a circle: q -> p -> q",
+        ];
+        assert_eq!(got, want);
     }
 
     #[test]

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use super::config::Experiment;
-use super::report::Record;
+use super::record::Record;
 use super::stats::{self, Interval, PairedChunk};
 use crate::output::Csv;
 

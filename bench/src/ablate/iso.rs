@@ -14,7 +14,7 @@ use anyhow::Result;
 
 use super::config::Experiment;
 use super::intervals::{Quality, change, share as accuracy};
-use super::report::Record;
+use super::record::Record;
 use super::stats;
 use crate::output::{Csv, Output};
 use crate::plot::{self, Panel, Point};

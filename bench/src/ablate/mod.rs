@@ -15,6 +15,7 @@
 pub mod config;
 pub mod intervals;
 pub mod iso;
+pub mod record;
 pub mod report;
 pub mod stats;
 pub mod target;

@@ -17,7 +17,8 @@ use kvforge_engine::{
 };
 
 use super::config::{ChatWorkload, Experiment, Mechanisms, PasskeyWorkload, StreamWorkload};
-use super::report::{self, Record, RunInfo};
+use super::record::Record;
+use super::report::{self, RunInfo};
 use crate::SplitMix;
 use crate::output::{Output, Provenance};
 
