@@ -83,6 +83,10 @@ pub use mechanisms::{Mechanisms, Registry};
 pub use model::{Llama, LlamaConfig};
 pub use policies::Policies;
 pub use ppl::PplReport;
+/// Where `cargo xtask setup` puts the default model, relative to the
+/// checkout: every command's `--model` default, and the tests' model.
+pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+
 /// The libtorch types in the engine's public API: where weights and KV live,
 /// their dtypes, and the tensors a [`KvStore`] or [`AttentionBackend`]
 /// implementation handles. Front ends need none of them to run requests

@@ -31,7 +31,7 @@ fn root() -> PathBuf {
 }
 
 fn model_path() -> PathBuf {
-    let p = root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let p = root().join(kvforge_engine::DEFAULT_MODEL);
     assert!(
         p.exists(),
         "{} missing: run `cargo xtask setup`",

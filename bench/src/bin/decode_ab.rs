@@ -72,7 +72,7 @@ fn parse_args() -> Result<Args> {
         batch_context: 1024,
         weights: None,
         block_size: 32,
-        model: PathBuf::from("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+        model: PathBuf::from(kvforge_engine::DEFAULT_MODEL),
         text: PathBuf::from("data/exllamav2/wiki.utf8"),
         out: PathBuf::from("target/decode-ab"),
     };

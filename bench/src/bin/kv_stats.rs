@@ -52,7 +52,7 @@ fn parse_args() -> Result<Args> {
     let mut a = Args {
         tokens: 2048,
         block: 16,
-        model: PathBuf::from("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+        model: PathBuf::from(kvforge_engine::DEFAULT_MODEL),
         data: PathBuf::from("data"),
         out: PathBuf::from("target/kv-stats"),
     };

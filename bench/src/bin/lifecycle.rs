@@ -79,7 +79,7 @@ fn parse_args() -> Result<Args> {
         delay: 2,
         compress_min: 512,
         configs: CONFIGS.iter().map(|s| s.to_string()).collect(),
-        model: PathBuf::from("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+        model: PathBuf::from(kvforge_engine::DEFAULT_MODEL),
         data: PathBuf::from("data/chitchat/dataset.json"),
         out: PathBuf::from("target/lifecycle"),
     };

@@ -50,7 +50,7 @@ fn parse_args() -> Result<Args> {
         block_sizes: vec![16, 32, 64, 128, 256, 512],
         repeats: 3,
         weights: "f32".into(),
-        model: PathBuf::from("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+        model: PathBuf::from(kvforge_engine::DEFAULT_MODEL),
         data: PathBuf::from("data/chitchat/dataset.json"),
         out: PathBuf::from("target/prefix-bench"),
     };

@@ -72,7 +72,7 @@ fn parse_args() -> Result<Args> {
         sink: 16,
         window: 16,
         cold: Some(4),
-        model: PathBuf::from("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+        model: PathBuf::from(kvforge_engine::DEFAULT_MODEL),
         data: PathBuf::from("data/chitchat/dataset.json"),
         out: PathBuf::from("target/pressure"),
     };

@@ -56,7 +56,7 @@ fn parse_args() -> Result<Args> {
         chunk: 64,
         decode: 16,
         weights: "f32".into(),
-        model: PathBuf::from("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+        model: PathBuf::from(kvforge_engine::DEFAULT_MODEL),
         text: PathBuf::from("data/exllamav2/wiki.utf8"),
         out: PathBuf::from("target/quant-sweep"),
     };

@@ -58,7 +58,7 @@ fn parse_args() -> Result<Args> {
         blocks: 2048,
         requests: 4,
         decode: 64,
-        model: PathBuf::from("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+        model: PathBuf::from(kvforge_engine::DEFAULT_MODEL),
         text: PathBuf::from("data/exllamav2/wiki.utf8"),
         out: PathBuf::from("target/remote-bench"),
     };

@@ -57,7 +57,7 @@ fn parse_args() -> Result<Args> {
         capacity: 2048,
         remote_capacity: 32768,
         block_size: 16,
-        model: PathBuf::from("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+        model: PathBuf::from(kvforge_engine::DEFAULT_MODEL),
         data: PathBuf::from("data/chitchat/dataset.json"),
         out: PathBuf::from("target/route-sim"),
     };

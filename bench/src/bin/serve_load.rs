@@ -47,7 +47,7 @@ fn run() -> Result<()> {
         bail!("unknown mode {mode:?}; {USAGE}");
     }
     let mut c = Common {
-        model: "models/SmolLM2-135M-Instruct.Q4_1.gguf".into(),
+        model: kvforge_engine::DEFAULT_MODEL.into(),
         data: "data/chitchat/dataset.json".into(),
         serve_bin: "target/release/kvforge-serve".into(),
         turns: 4,

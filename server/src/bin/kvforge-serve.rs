@@ -21,8 +21,7 @@ use kvforge_engine::{
 };
 use kvforge_server::{SchedConfig, Server, ServerConfig};
 
-/// The model `cargo xtask setup` installs.
-const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+use kvforge_engine::DEFAULT_MODEL;
 
 #[derive(Parser)]
 #[command(

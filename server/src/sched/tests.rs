@@ -22,7 +22,7 @@ fn scheduler(max_batch: usize) -> Scheduler {
 /// With `remote`, a remote tier on an in-memory store.
 fn scheduler_with(max_batch: usize, remote: bool) -> Scheduler {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let g = GgufFile::open(&root.join("models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    let g = GgufFile::open(&root.join(kvforge_engine::DEFAULT_MODEL))
         .expect("the model: run `cargo xtask setup`");
     let tok = Tokenizer::from_gguf(&g).unwrap();
     let mc = LlamaConfig {

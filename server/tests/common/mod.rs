@@ -20,7 +20,7 @@ pub const TIMEOUT: Duration = Duration::from_secs(60);
 
 pub fn model_path() -> PathBuf {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let p = root.join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let p = root.join(kvforge_engine::DEFAULT_MODEL);
     assert!(
         p.exists(),
         "{} missing: run `cargo xtask setup`",

@@ -24,8 +24,7 @@ use clap::{Parser, Subcommand};
 use args::{Common, Reuse};
 use commands::{bench, chat, generate, ppl};
 
-/// The model `cargo xtask setup` installs.
-const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+use kvforge_engine::DEFAULT_MODEL;
 
 /// Largest `--block-size`: a block is one unit of the KV pool, and larger
 /// blocks only waste memory (a libtorch allocation error otherwise).
