@@ -281,7 +281,7 @@ impl Scheduler {
                 End::Finished { stopped } => {
                     // Text held back for a stop string or an unfinished
                     // character goes out now (a reply the budget ended).
-                    let tok = &self.engine.tokenizer();
+                    let tok = self.engine.tokenizer();
                     if let Ok(p) = r.reply.piece(tok, None, &r.job.stop, true)
                         && !p.text.is_empty()
                     {
