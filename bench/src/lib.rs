@@ -5,8 +5,9 @@
 //! * [`sealing`]: the turn-tail experiment (hit rate gained against memory
 //!   spent: tails skipped, sealed or copied), run by
 //!   `cargo run -p kvforge-bench --release --bin sealing`.
-//! * [`flag_pairs`], [`count`], [`positive`], [`read_text`],
-//!   `longest_article` (feature `engine`): command lines and inputs of the experiment binaries;
+//! * `cli` (feature `engine`): the experiment binaries' command lines on
+//!   clap, one line per error, the flags they share; [`count`], [`positive`],
+//!   [`read_text`], `longest_article`: their inputs;
 //!   [`plot`]: their PNGs.
 //!
 //! Feature `engine` (default) adds the libtorch-backed experiments
@@ -15,6 +16,8 @@
 //! run on a machine with no libtorch.
 
 pub mod ablate;
+#[cfg(feature = "engine")]
+pub mod cli;
 pub mod output;
 pub mod plot;
 pub mod sealing;
@@ -35,22 +38,6 @@ pub fn main_with(name: &str, run: impl FnOnce() -> anyhow::Result<()>) -> std::p
             std::process::ExitCode::FAILURE
         }
     }
-}
-
-/// The command line's `--flag value` pairs, in order; a flag without a
-/// value is an error.
-pub fn flag_pairs() -> anyhow::Result<Vec<(String, String)>> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let mut it = args.into_iter();
-    let mut pairs = Vec::new();
-    while let Some(flag) = it.next() {
-        if !flag.starts_with("--") {
-            bail!("unknown argument {flag:?}: flags are --name value");
-        }
-        let value = it.next().with_context(|| format!("{flag} needs a value"))?;
-        pairs.push((flag, value));
-    }
-    Ok(pairs)
 }
 
 /// `value`, given for `flag`, as a count.

@@ -36,8 +36,8 @@ fn the_dry_run_writes_every_section() {
 #[test]
 fn bad_flags_and_a_missing_gpu_are_one_line_and_a_non_zero_exit() {
     let mut cases = vec![
-        (vec!["--nope", "1"], "unknown flag --nope"),
-        (vec!["--out"], "--out needs a value"),
+        (vec!["--nope", "1"], "unexpected argument '--nope'"),
+        (vec!["--out"], "a value is required for '--out <OUT>'"),
     ];
     if kvforge_engine::cuda_devices() == 0 {
         cases.push((vec![], "libtorch sees no CUDA device"));

@@ -30,7 +30,7 @@ fn lifecycle(args: &[&str]) -> (i32, String) {
 #[test]
 fn bad_flags_are_one_line_and_a_non_zero_exit() {
     for (args, want) in [
-        (&["--nope", "1"][..], "unknown flag --nope"),
+        (&["--nope", "1"][..], "unexpected argument '--nope'"),
         (&["--conversations", "0"], "--conversations"),
         (&["--filler", "99"], "--filler must be at most 40"),
         (&["--protect", "0"], "--protect"),

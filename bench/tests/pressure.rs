@@ -31,13 +31,22 @@ fn pressure(args: &[&str]) -> (i32, String) {
 #[test]
 fn bad_flags_are_one_line_and_a_non_zero_exit() {
     for (args, want) in [
-        (&["--nope", "1"][..], "unknown flag --nope"),
-        (&["--share", "0"], "--share takes a fraction in (0, 1]"),
-        (&["--share", "1.5"], "--share takes a fraction in (0, 1]"),
+        (&["--nope", "1"][..], "unexpected argument '--nope'"),
+        (
+            &["--share", "0"],
+            "for '--share <SHARE>': takes a fraction in (0, 1]",
+        ),
+        (
+            &["--share", "1.5"],
+            "for '--share <SHARE>': takes a fraction in (0, 1]",
+        ),
         (&["--sessions", "0"], "--sessions"),
         (&["--policy", "random"], "--policy takes h2o, lfu or hybrid"),
         (&["--high", "0.5", "--low", "0.9"], "0 < low < high <= 1"),
-        (&["--cold", "int3"], "--cold takes int8, int4, int2 or none"),
+        (
+            &["--cold", "int3"],
+            "invalid value 'int3' for '--cold <COLD>' [possible values: int8, int4, int2, none]",
+        ),
         (&["--turns", "30"], "--turns must be at most 20"),
         (&["--data", "data/no-such.json"], "run `cargo xtask setup`"),
     ] {

@@ -36,6 +36,8 @@ use std::time::Instant;
 use std::fmt::Write as _;
 
 use anyhow::{Context, Result, bail};
+use clap::Parser;
+use kvforge_bench::cli::{self, Common};
 use kvforge_bench::median;
 use kvforge_bench::output::{Csv, Output};
 use kvforge_engine::ppl::greedy_token;
@@ -44,73 +46,62 @@ use kvforge_engine::{
     PagedKvCache, ReferenceBackend, Sequence, Tensor, parse_dtype,
 };
 
+/// Decode speed of each cold format × attention backend × KV dtype at one
+/// context, and a batch of sequences decoded together.
+#[derive(Parser)]
+#[command(name = "decode-ab")]
 struct Args {
+    /// Context length of the timed decode.
+    #[arg(long, default_value_t = 8192 - 256, value_parser = cli::positive)]
     context: usize,
+    /// Decode steps per round.
+    #[arg(long, default_value_t = 8, value_parser = cli::positive)]
     steps: usize,
+    /// Rounds (the median is reported).
+    #[arg(long, default_value_t = 8, value_parser = cli::positive)]
     rounds: usize,
+    /// Cold formats (`none`: only the hot cache).
+    #[arg(long, value_delimiter = ',', default_values_t = ["int8".to_string(), "int4".into(), "int2".into()])]
     formats: Vec<String>,
+    /// Attention backends: reference, fused, fused-scalar (`-tN`: threads).
+    #[arg(long, value_delimiter = ',', default_values_t = ["reference".to_string(), "fused".into()])]
     backends: Vec<String>,
+    /// KV dtypes of the hot cache.
+    #[arg(long, value_delimiter = ',', default_values_t = ["f32".to_string()])]
     kv_dtypes: Vec<String>,
+    /// Sequences decoded together in the batch measurement.
+    #[arg(long, default_value_t = 8, value_parser = cli::positive)]
     batch: usize,
+    /// Context of each sequence of the batch.
+    #[arg(long, default_value_t = 1024, value_parser = cli::positive)]
     batch_context: usize,
+    /// Weight dtype (default: the compute dtype).
+    #[arg(long)]
     weights: Option<String>,
+    #[arg(long, default_value_t = 32, value_parser = cli::positive)]
     block_size: usize,
-    model: PathBuf,
+    /// The text to decode from (its longest article).
+    #[arg(long, default_value = "data/exllamav2/wiki.utf8")]
     text: PathBuf,
-    out: PathBuf,
+    #[command(flatten)]
+    common: Common,
+}
+
+impl Args {
+    fn out(&self) -> PathBuf {
+        self.common.out_or("target/decode-ab")
+    }
 }
 
 fn parse_args() -> Result<Args> {
-    let mut a = Args {
-        context: 8192 - 256,
-        steps: 8,
-        rounds: 8,
-        formats: vec!["int8".into(), "int4".into(), "int2".into()],
-        backends: vec!["reference".into(), "fused".into()],
-        kv_dtypes: vec!["f32".into()],
-        batch: 8,
-        batch_context: 1024,
-        weights: None,
-        block_size: 32,
-        model: PathBuf::from(kvforge_engine::DEFAULT_MODEL),
-        text: PathBuf::from("data/exllamav2/wiki.utf8"),
-        out: PathBuf::from("target/decode-ab"),
-    };
-    for (flag, value) in kvforge_bench::flag_pairs()? {
-        let num = || kvforge_bench::positive(&flag, &value);
-        match flag.as_str() {
-            "--context" => a.context = num()?,
-            "--steps" => a.steps = num()?,
-            "--rounds" => a.rounds = num()?,
-            "--block-size" => a.block_size = num()?,
-            "--formats" => a.formats = list(&value),
-            "--backends" => a.backends = list(&value),
-            "--kv-dtypes" => a.kv_dtypes = list(&value),
-            "--batch" => a.batch = num()?,
-            "--batch-context" => a.batch_context = num()?,
-            "--weights" => a.weights = Some(value),
-            "--model" => a.model = value.into(),
-            "--text" => a.text = value.into(),
-            "--out" => a.out = value.into(),
-            _ => bail!(
-                "unknown flag {flag}; flags: --context --steps --rounds --formats --backends --kv-dtypes --batch --batch-context --weights --block-size --model --text --out"
-            ),
-        }
+    let mut a: Args = cli::parse()?;
+    for l in [&mut a.formats, &mut a.backends, &mut a.kv_dtypes] {
+        l.retain(|s| !s.trim().is_empty() && s.trim() != "none");
     }
     if a.backends.is_empty() || a.kv_dtypes.is_empty() {
         bail!("--backends and --kv-dtypes need at least one entry");
     }
     Ok(a)
-}
-
-/// Comma-separated entries (empty ones dropped; `none` alone is empty).
-fn list(value: &str) -> Vec<String> {
-    value
-        .split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty() && *s != "none")
-        .map(String::from)
-        .collect()
 }
 
 /// A backend by name: `reference`, `fused`, `fused-scalar`, with an
@@ -152,7 +143,7 @@ fn run() -> Result<()> {
     for b in &a.backends {
         backend(b)?;
     }
-    let mut out = Output::create(&a.out)?;
+    let mut out = Output::create(a.out())?;
     let backends = &a.backends;
     let kinds: Vec<(String, Kind)> = a
         .kv_dtypes
@@ -165,8 +156,8 @@ fn run() -> Result<()> {
         weight_kind: a.weights.as_deref().map(parse_dtype).transpose()?,
         ..Default::default()
     };
-    let engine =
-        Engine::load(&a.model, &cfg).with_context(|| format!("loading {}", a.model.display()))?;
+    let engine = Engine::load(&a.common.model, &cfg)
+        .with_context(|| format!("loading {}", a.common.model.display()))?;
     let all_ids = engine.tokenizer().encode(&article)?;
     let mut ids = all_ids.clone();
     if ids.len() < a.context {
@@ -280,7 +271,7 @@ fn run() -> Result<()> {
     out.csv("decode.csv", &csv)?;
     out.report(&md)?;
     println!("{md}");
-    println!("written to {}", a.out.display());
+    println!("written to {}", a.out().display());
     Ok(())
 }
 

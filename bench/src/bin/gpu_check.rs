@@ -30,6 +30,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
+use clap::Parser;
 use kvforge_bench::median;
 use kvforge_bench::output::Output;
 use kvforge_engine::ppl::greedy_token;
@@ -70,22 +71,22 @@ fn main() -> std::process::ExitCode {
     kvforge_bench::main_with("gpu-check", run)
 }
 
+/// The GPU checks of `cargo xtask gpu-check`: the CUDA decode kernel
+/// against the reference, the engine's logits and throughput on the GPU.
+#[derive(Parser)]
+#[command(name = "gpu-check")]
+struct Args {
+    /// Where the report goes.
+    #[arg(long, default_value = ".")]
+    out: PathBuf,
+    /// 1: the harness at toy sizes on the CPU, not the GPU.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=1))]
+    dry_run: u8,
+}
+
 fn run() -> Result<()> {
-    let mut out_dir = PathBuf::from(".");
-    let mut dry = false;
-    for (flag, value) in kvforge_bench::flag_pairs()? {
-        match flag.as_str() {
-            "--out" => out_dir = PathBuf::from(value),
-            "--dry-run" => {
-                dry = match value.as_str() {
-                    "1" => true,
-                    "0" => false,
-                    _ => bail!("--dry-run {value:?}: give 1 (toy sizes on the CPU) or 0"),
-                }
-            }
-            _ => bail!("unknown flag {flag}; flags: --out DIR, --dry-run 1"),
-        }
-    }
+    let a: Args = kvforge_bench::cli::parse()?;
+    let (out_dir, dry) = (a.out, a.dry_run == 1);
     let mut out = Output::create(&out_dir)?;
     let mut r = Report::default();
     r.line("# gpu-check");

@@ -28,8 +28,10 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
+use clap::Parser;
+use kvforge_bench::cli::{self, Common};
+use kvforge_bench::load_chats;
 use kvforge_bench::output::{Csv, Output};
-use kvforge_bench::{count, load_chats};
 use kvforge_engine::ppl::articles;
 use kvforge_engine::{
     ContiguousCache, Device, Engine, EngineConfig, Kind, KvStore, Message, Tensor,
@@ -40,32 +42,32 @@ use kvforge_quant::{Axis, BlockShape, GroupQuantizer, QuantConfig, QuantizedBloc
 
 const THRESHOLDS: [f64; 3] = [0.90, 0.95, 0.99];
 
+/// How often KV vectors repeat: best cosines across positions, layers and
+/// texts, INT4 code duplicates, and token-level sharing simulated.
+#[derive(Parser)]
+#[command(name = "kv-stats")]
 struct Args {
+    /// Tokens per text.
+    #[arg(long, default_value_t = 2048)]
     tokens: usize,
+    /// Tokens per block.
+    #[arg(long, default_value_t = 16)]
     block: usize,
-    model: PathBuf,
+    /// The data folder `cargo xtask setup` fills.
+    #[arg(long, default_value = "data")]
     data: PathBuf,
-    out: PathBuf,
+    #[command(flatten)]
+    common: Common,
+}
+
+impl Args {
+    fn out(&self) -> PathBuf {
+        self.common.out_or("target/kv-stats")
+    }
 }
 
 fn parse_args() -> Result<Args> {
-    let mut a = Args {
-        tokens: 2048,
-        block: 16,
-        model: PathBuf::from(kvforge_engine::DEFAULT_MODEL),
-        data: PathBuf::from("data"),
-        out: PathBuf::from("target/kv-stats"),
-    };
-    for (flag, value) in kvforge_bench::flag_pairs()? {
-        match flag.as_str() {
-            "--tokens" => a.tokens = count(&flag, &value)?,
-            "--block" => a.block = count(&flag, &value)?,
-            "--model" => a.model = value.into(),
-            "--data" => a.data = value.into(),
-            "--out" => a.out = value.into(),
-            _ => bail!("unknown flag {flag} (--tokens, --block, --model, --data, --out)"),
-        }
-    }
+    let a: Args = cli::parse()?;
     if a.block < 2 || a.tokens < 4 * a.block || a.tokens % a.block != 0 {
         bail!(
             "--tokens ({}) must be a multiple of --block ({}) and at least 4 blocks; --block at least 2",
@@ -699,10 +701,14 @@ fn main() -> std::process::ExitCode {
 
 fn run() -> Result<()> {
     let a = parse_args()?;
-    let e = Engine::load(&a.model, &EngineConfig::default())
-        .with_context(|| format!("loading {} (run `cargo xtask setup`)", a.model.display()))?;
+    let e = Engine::load(&a.common.model, &EngineConfig::default()).with_context(|| {
+        format!(
+            "loading {} (run `cargo xtask setup`)",
+            a.common.model.display()
+        )
+    })?;
     let texts = texts(&e, &a)?;
-    let mut out = Output::create(&a.out)?;
+    let mut out = Output::create(a.out())?;
     let t0 = std::time::Instant::now();
     let mut stats = Vec::new();
     for t in &texts {
@@ -845,7 +851,7 @@ fn report(a: &Args, texts: &[Text], stats: &[Stat], secs: f64) -> String {
         "`cargo xtask kv-stats` — model `{}`, {} tokens per text, blocks of {} tokens; {:.0} s. \
          A row gives the share of vectors whose best cosine match (on that axis) reaches 0.90 / 0.95 / 0.99, \
          pooled over the layers named; `int4 =` is the share whose INT4 codes equal an earlier vector's exactly.\n",
-        a.model.display(),
+        a.common.model.display(),
         a.tokens,
         a.block,
         secs

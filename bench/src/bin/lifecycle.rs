@@ -31,7 +31,9 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
+use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
+use kvforge_bench::cli::{self, Common};
 use kvforge_bench::output::{Csv, Output};
 use kvforge_engine::lifecycle::segment_cuts;
 use kvforge_engine::{
@@ -54,58 +56,51 @@ const CONFIGS: [&str; 8] = [
     "truncation",
 ];
 
-const FLAGS: &str = "--conversations --filler --answer-tokens --protect --delay --compress-min \
-                     --configs a,b,.. --model --data --out";
-
+/// Context lifecycle on chats that state facts and ask for them later.
+#[derive(Parser)]
+#[command(name = "lifecycle")]
 struct Args {
+    /// Conversations.
+    #[arg(long, default_value_t = 4, value_parser = cli::positive)]
     conversations: usize,
+    /// Filler turns between a fact and its question (at most 40).
+    #[arg(long, default_value_t = 24, value_parser = cli::positive)]
     filler: usize,
+    /// Tokens per answer.
+    #[arg(long, default_value_t = 24, value_parser = cli::positive)]
     answer_tokens: usize,
+    /// Turns the lifecycle rule protects.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
     protect: u32,
+    /// Turns before a label acts.
+    #[arg(long, default_value_t = 2)]
     delay: u32,
+    /// Tokens below which a segment is not compressed.
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..))]
     compress_min: u64,
+    /// Configurations to run.
+    #[arg(long, value_delimiter = ',', default_values_t = CONFIGS.map(String::from))]
     configs: Vec<String>,
-    model: PathBuf,
+    /// The chitchat dataset.
+    #[arg(long, default_value = "data/chitchat/dataset.json")]
     data: PathBuf,
-    out: PathBuf,
+    #[command(flatten)]
+    common: Common,
+}
+
+impl Args {
+    fn out(&self) -> PathBuf {
+        self.common.out_or("target/lifecycle")
+    }
 }
 
 fn parse_args() -> Result<Args> {
-    let mut a = Args {
-        conversations: 4,
-        filler: 24,
-        answer_tokens: 24,
-        protect: 2,
-        delay: 2,
-        compress_min: 512,
-        configs: CONFIGS.iter().map(|s| s.to_string()).collect(),
-        model: PathBuf::from(kvforge_engine::DEFAULT_MODEL),
-        data: PathBuf::from("data/chitchat/dataset.json"),
-        out: PathBuf::from("target/lifecycle"),
-    };
-    for (flag, value) in kvforge_bench::flag_pairs()? {
-        let num = || kvforge_bench::positive(&flag, &value);
-        match flag.as_str() {
-            "--conversations" => a.conversations = num()?,
-            "--filler" => a.filler = num()?,
-            "--answer-tokens" => a.answer_tokens = num()?,
-            "--protect" => a.protect = small(&flag, num()?)?,
-            "--delay" => a.delay = small(&flag, kvforge_bench::count(&flag, &value)?)?,
-            "--compress-min" => a.compress_min = num()? as u64,
-            "--configs" => {
-                a.configs = value.split(',').map(|s| s.trim().to_string()).collect();
-                if let Some(bad) = a.configs.iter().find(|c| !CONFIGS.contains(&c.as_str())) {
-                    bail!(
-                        "--configs: unknown configuration {bad:?}; choose from {}",
-                        CONFIGS.join(", ")
-                    );
-                }
-            }
-            "--model" => a.model = value.into(),
-            "--data" => a.data = value.into(),
-            "--out" => a.out = value.into(),
-            _ => bail!("unknown flag {flag}; flags: {FLAGS}"),
-        }
+    let a: Args = cli::parse()?;
+    if let Some(bad) = a.configs.iter().find(|c| !CONFIGS.contains(&c.trim())) {
+        bail!(
+            "--configs: unknown configuration {bad:?}; choose from {}",
+            CONFIGS.join(", ")
+        );
     }
     if a.filler > 40 {
         bail!("--filler must be at most 40 (the conversations this workload takes)");
@@ -292,11 +287,6 @@ struct Row {
     old_value: bool,
 }
 
-/// `v`, given for `flag`, as a u32.
-fn small(flag: &str, v: usize) -> Result<u32> {
-    u32::try_from(v).map_err(|_| anyhow::anyhow!("{flag} {v} is above {}", u32::MAX))
-}
-
 fn main() -> std::process::ExitCode {
     kvforge_bench::main_with("lifecycle", run)
 }
@@ -305,7 +295,7 @@ fn run() -> Result<()> {
     let a = parse_args()?;
     let filler_turns = a.filler + 4;
     let chats = kvforge_bench::load_chats(&a.data, filler_turns, a.conversations, 10..=60)?;
-    let mut out = Output::create(&a.out)?;
+    let mut out = Output::create(a.out())?;
     let convs: Vec<Vec<Turn>> = chats
         .iter()
         .enumerate()
@@ -373,7 +363,8 @@ fn engine_for(a: &Args, config: &str, budget_tokens: usize) -> Result<Engine> {
         }),
         ..EngineConfig::default()
     };
-    Engine::load(&a.model, &cfg).with_context(|| format!("loading {}", a.model.display()))
+    Engine::load(&a.common.model, &cfg)
+        .with_context(|| format!("loading {}", a.common.model.display()))
 }
 
 /// Replays one conversation under `config`; `budget` (bytes; `block`:

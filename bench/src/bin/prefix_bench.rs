@@ -21,7 +21,9 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
+use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
+use kvforge_bench::cli::{self, Common};
 use kvforge_bench::output::{Csv, Output};
 use kvforge_bench::sealing::{self, Turn, TurnTail};
 use kvforge_bench::{median, smollm2_layout};
@@ -30,52 +32,43 @@ use kvforge_engine::{
     Tokenizer,
 };
 
+/// Prefix reuse across the turns of chats, per block size.
+#[derive(Parser)]
+#[command(name = "prefix-bench")]
 struct Args {
+    /// Chats.
+    #[arg(long, default_value_t = 2, value_parser = cli::positive)]
     chats: usize,
+    /// Turns per chat (10..=20).
+    #[arg(long, default_value_t = 16, value_parser = cli::positive)]
     turns: usize,
+    /// Tokens per answer.
+    #[arg(long, default_value_t = 32, value_parser = cli::positive)]
     answer_tokens: usize,
+    /// Block sizes to compare.
+    #[arg(long, value_delimiter = ',', default_values_t = [16, 32, 64, 128, 256, 512], value_parser = cli::positive)]
     block_sizes: Vec<usize>,
+    /// Repeats (the median is reported).
+    #[arg(long, default_value_t = 3, value_parser = cli::positive)]
     repeats: usize,
+    /// Weight dtype.
+    #[arg(long, default_value = "f32")]
     weights: String,
-    model: PathBuf,
+    /// The chitchat dataset.
+    #[arg(long, default_value = "data/chitchat/dataset.json")]
     data: PathBuf,
-    out: PathBuf,
+    #[command(flatten)]
+    common: Common,
+}
+
+impl Args {
+    fn out(&self) -> PathBuf {
+        self.common.out_or("target/prefix-bench")
+    }
 }
 
 fn parse_args() -> Result<Args> {
-    let mut a = Args {
-        chats: 2,
-        turns: 16,
-        answer_tokens: 32,
-        block_sizes: vec![16, 32, 64, 128, 256, 512],
-        repeats: 3,
-        weights: "f32".into(),
-        model: PathBuf::from(kvforge_engine::DEFAULT_MODEL),
-        data: PathBuf::from("data/chitchat/dataset.json"),
-        out: PathBuf::from("target/prefix-bench"),
-    };
-    for (flag, value) in kvforge_bench::flag_pairs()? {
-        let num = || kvforge_bench::positive(&flag, &value);
-        match flag.as_str() {
-            "--chats" => a.chats = num()?,
-            "--turns" => a.turns = num()?,
-            "--answer-tokens" => a.answer_tokens = num()?,
-            "--block-sizes" => {
-                a.block_sizes = value
-                    .split(',')
-                    .map(|v| kvforge_bench::positive(&flag, v.trim()))
-                    .collect::<Result<_>>()?
-            }
-            "--repeats" => a.repeats = num()?,
-            "--model" => a.model = value.into(),
-            "--weights" => a.weights = value,
-            "--data" => a.data = value.into(),
-            "--out" => a.out = value.into(),
-            _ => bail!(
-                "unknown flag {flag}; flags: --chats --turns --answer-tokens --block-sizes --repeats --weights --model --data --out"
-            ),
-        }
-    }
+    let a: Args = cli::parse()?;
     if !(10..=20).contains(&a.turns) {
         bail!("--turns must be within 10..=20 (the conversations this workload takes)");
     }
@@ -102,7 +95,7 @@ fn main() -> std::process::ExitCode {
 fn run() -> Result<()> {
     let a = parse_args()?;
     let chats = kvforge_bench::load_chats(&a.data, a.turns, a.chats, 10..=20)?;
-    let mut out = Output::create(&a.out)?;
+    let mut out = Output::create(a.out())?;
     let total = (a.repeats * a.block_sizes.len() * a.chats * a.turns) as u64;
     let bar = ProgressBar::new(total);
     bar.set_style(
@@ -159,8 +152,8 @@ fn replay_chats(
         block_size: bs,
         ..Default::default()
     };
-    let engine =
-        Engine::load(&a.model, &cfg).with_context(|| format!("loading {}", a.model.display()))?;
+    let engine = Engine::load(&a.common.model, &cfg)
+        .with_context(|| format!("loading {}", a.common.model.display()))?;
     let reuse = ReuseConfig {
         seed: Some(0),
         ..Default::default()
@@ -426,7 +419,7 @@ fn write_outputs(
     })?;
     out.report(&md)?;
     println!("{md}");
-    println!("written to {}", a.out.display());
+    println!("written to {}", a.out().display());
     Ok(())
 }
 

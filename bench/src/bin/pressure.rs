@@ -23,7 +23,9 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
+use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
+use kvforge_bench::cli::{self, Common};
 use kvforge_bench::output::{Csv, Output};
 use kvforge_coordinator::Slot;
 use kvforge_engine::{
@@ -34,75 +36,55 @@ use kvforge_engine::{
 const SYSTEM: &str = "You are SmolLM, a friendly assistant in a long conversation. Answer the user \
                       briefly.";
 
+/// Many sessions under a byte budget with watermark eviction.
+#[derive(Parser)]
+#[command(name = "pressure")]
 struct Args {
+    /// Sessions.
+    #[arg(long, default_value_t = 32, value_parser = cli::positive)]
     sessions: usize,
+    /// Turns per session (at most 20).
+    #[arg(long, default_value_t = 10, value_parser = cli::positive)]
     turns: usize,
+    /// Tokens per answer.
+    #[arg(long, default_value_t = 24, value_parser = cli::positive)]
     answer_tokens: usize,
+    /// The budget as a share of what the sessions would hold.
+    #[arg(long, default_value_t = 0.25, value_parser = fraction)]
     share: f64,
+    /// Eviction policy: h2o, lfu or hybrid.
+    #[arg(long, default_value = "h2o")]
     policy: String,
+    /// High watermark (a share of the budget).
+    #[arg(long, default_value_t = 0.9, value_parser = fraction)]
     high: f64,
+    /// Low watermark.
+    #[arg(long, default_value_t = 0.8, value_parser = fraction)]
     low: f64,
+    /// Tokens kept at the start.
+    #[arg(long, default_value_t = 16)]
     sink: usize,
+    /// Recent tokens kept.
+    #[arg(long, default_value_t = 16, value_parser = cli::positive)]
     window: usize,
-    cold: Option<u32>,
-    model: PathBuf,
+    /// The cold tier's format.
+    #[arg(long, value_enum, default_value_t = Cold::Int4)]
+    cold: Cold,
+    /// The chitchat dataset.
+    #[arg(long, default_value = "data/chitchat/dataset.json")]
     data: PathBuf,
-    out: PathBuf,
+    #[command(flatten)]
+    common: Common,
 }
 
-const FLAGS: &str = "--sessions --turns --answer-tokens --share --policy h2o|lfu|hybrid --high --low \
-                     --sink --window --cold int8|int4|int2|none --model --data --out";
-
-fn fraction(flag: &str, value: &str) -> Result<f64> {
-    match value.parse::<f64>() {
-        Ok(x) if x > 0.0 && x <= 1.0 => Ok(x),
-        _ => bail!("{flag} takes a fraction in (0, 1], not {value:?}"),
+impl Args {
+    fn out(&self) -> PathBuf {
+        self.common.out_or("target/pressure")
     }
 }
 
 fn parse_args() -> Result<Args> {
-    let mut a = Args {
-        sessions: 32,
-        turns: 10,
-        answer_tokens: 24,
-        share: 0.25,
-        policy: "h2o".into(),
-        high: 0.9,
-        low: 0.8,
-        sink: 16,
-        window: 16,
-        cold: Some(4),
-        model: PathBuf::from(kvforge_engine::DEFAULT_MODEL),
-        data: PathBuf::from("data/chitchat/dataset.json"),
-        out: PathBuf::from("target/pressure"),
-    };
-    for (flag, value) in kvforge_bench::flag_pairs()? {
-        let num = || kvforge_bench::positive(&flag, &value);
-        match flag.as_str() {
-            "--sessions" => a.sessions = num()?,
-            "--turns" => a.turns = num()?,
-            "--answer-tokens" => a.answer_tokens = num()?,
-            "--share" => a.share = fraction(&flag, &value)?,
-            "--policy" => a.policy = value,
-            "--high" => a.high = fraction(&flag, &value)?,
-            "--low" => a.low = fraction(&flag, &value)?,
-            "--sink" => a.sink = kvforge_bench::count(&flag, &value)?,
-            "--window" => a.window = num()?,
-            "--cold" => {
-                a.cold = match value.as_str() {
-                    "int8" => Some(8),
-                    "int4" => Some(4),
-                    "int2" => Some(2),
-                    "none" => None,
-                    _ => bail!("--cold takes int8, int4, int2 or none, not {value:?}"),
-                }
-            }
-            "--model" => a.model = value.into(),
-            "--data" => a.data = value.into(),
-            "--out" => a.out = value.into(),
-            _ => bail!("unknown flag {flag}; flags: {FLAGS}"),
-        }
-    }
+    let a: Args = cli::parse()?;
     if a.turns > 20 {
         bail!("--turns must be at most 20 (the conversations this workload takes)");
     }
@@ -117,6 +99,35 @@ fn parse_args() -> Result<Args> {
         a.window,
     )?;
     Ok(a)
+}
+
+/// A fraction in (0, 1] (a `value_parser`).
+fn fraction(value: &str) -> Result<f64, String> {
+    match value.parse::<f64>() {
+        Ok(x) if x > 0.0 && x <= 1.0 => Ok(x),
+        _ => Err("takes a fraction in (0, 1]".into()),
+    }
+}
+
+/// The cold tier's format.
+#[derive(Clone, Copy, ValueEnum)]
+enum Cold {
+    Int8,
+    Int4,
+    Int2,
+    None,
+}
+
+impl Args {
+    /// The cold tier's bits, `None` without one.
+    fn cold_bits(&self) -> Option<u32> {
+        match self.cold {
+            Cold::Int8 => Some(8),
+            Cold::Int4 => Some(4),
+            Cold::Int2 => Some(2),
+            Cold::None => None,
+        }
+    }
 }
 
 fn score(policy: &str) -> Result<Score> {
@@ -165,7 +176,7 @@ fn main() -> std::process::ExitCode {
 fn run() -> Result<()> {
     let a = parse_args()?;
     let chats = kvforge_bench::load_chats(&a.data, a.turns, a.sessions, 10..=20)?;
-    let mut out = Output::create(&a.out)?;
+    let mut out = Output::create(a.out())?;
     let bar = ProgressBar::new((2 * a.sessions * a.turns) as u64);
     bar.set_style(
         ProgressStyle::with_template("{bar:40} {pos}/{len} turns {msg}")
@@ -198,7 +209,7 @@ fn replay(
     pass: usize,
     bar: &ProgressBar,
 ) -> Result<Pass> {
-    let kv_quant = a.cold.map(|bits| KvQuant {
+    let kv_quant = a.cold_bits().map(|bits| KvQuant {
         bits,
         group_size: 32,
         window: a.window,
@@ -225,8 +236,8 @@ fn replay(
         kv_budget: budget,
         ..EngineConfig::default()
     };
-    let engine =
-        Engine::load(&a.model, &cfg).with_context(|| format!("loading {}", a.model.display()))?;
+    let engine = Engine::load(&a.common.model, &cfg)
+        .with_context(|| format!("loading {}", a.common.model.display()))?;
     let budget = engine.cache().config().budget();
     let m = CacheManager::new(
         engine,
@@ -378,7 +389,8 @@ fn write_outputs(a: &Args, free: &Pass, tight: &Pass, out: &mut Output) -> Resul
          {}–{} of the budget (sink {}, window {}).\n",
         a.turns,
         a.answer_tokens,
-        a.cold.map_or("no".to_string(), |b| format!("INT{b}")),
+        a.cold_bits()
+            .map_or("no".to_string(), |b| format!("INT{b}")),
         a.policy,
         a.low,
         a.high,

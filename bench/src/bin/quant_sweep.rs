@@ -15,87 +15,96 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
+use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
+use kvforge_bench::cli::{self, Common};
+use kvforge_bench::longest_article;
 use kvforge_bench::output::{Csv, Output};
-use kvforge_bench::{count, longest_article};
 use kvforge_engine::{Axis, Engine, EngineConfig, KvQuant, PplReport};
 
+/// Tiered KV quantization on real text: perplexity, KV bytes and decode
+/// speed for every hot window × cold format × key rotation.
+#[derive(Parser)]
+#[command(name = "quant-sweep")]
 struct Args {
+    /// Context lengths to score at.
+    #[arg(long, value_delimiter = ',', default_values_t = [4096, 8192])]
     contexts: Vec<usize>,
+    /// Hot windows (tokens kept in f16 before the cold tier).
+    #[arg(long, value_delimiter = ',', default_values_t = [0, 128, 512, 1024, 2048, 4096])]
     windows: Vec<usize>,
+    /// Cold formats.
+    #[arg(long, value_delimiter = ',', default_values_t = ["int8".to_string(), "int4".into(), "int2".into()])]
     formats: Vec<String>,
-    rotations: Vec<bool>,
+    /// The Hadamard rotation of keys: off, on or both.
+    #[arg(long, value_enum, default_value_t = Rotate::Both)]
+    rotate: Rotate,
+    #[arg(long, default_value_t = 32)]
     block_size: usize,
+    /// Quantization group (channels per scale).
+    #[arg(long, default_value_t = 32)]
     group: usize,
-    keys: Axis,
+    /// Keys quantized per channel or per token.
+    #[arg(long, value_enum, default_value_t = Keys::Channel)]
+    keys: Keys,
+    /// Tokens kept hot at the start.
+    #[arg(long, default_value_t = 32)]
     sink: usize,
+    /// Tokens prefilled before scoring.
+    #[arg(long, default_value_t = 512)]
     prefix: usize,
+    /// Tokens per scored chunk.
+    #[arg(long, default_value_t = 64)]
     chunk: usize,
+    /// Greedy decode steps timed at the final context.
+    #[arg(long, default_value_t = 16)]
     decode: usize,
+    /// Weight dtype.
+    #[arg(long, default_value = "f32")]
     weights: String,
-    model: PathBuf,
+    /// The text to stream (its longest article).
+    #[arg(long, default_value = "data/exllamav2/wiki.utf8")]
     text: PathBuf,
-    out: PathBuf,
+    #[command(flatten)]
+    common: Common,
 }
 
-fn list(flag: &str, value: &str) -> Result<Vec<usize>> {
-    value.split(',').map(|v| count(flag, v.trim())).collect()
+#[derive(Clone, Copy, ValueEnum)]
+enum Rotate {
+    Off,
+    On,
+    Both,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Keys {
+    Channel,
+    Token,
+}
+
+impl Args {
+    fn rotations(&self) -> Vec<bool> {
+        match self.rotate {
+            Rotate::Off => vec![false],
+            Rotate::On => vec![true],
+            Rotate::Both => vec![false, true],
+        }
+    }
+
+    fn key_axis(&self) -> Axis {
+        match self.keys {
+            Keys::Channel => Axis::PerChannel,
+            Keys::Token => Axis::PerToken,
+        }
+    }
+
+    fn out(&self) -> PathBuf {
+        self.common.out_or("target/quant-sweep")
+    }
 }
 
 fn parse_args() -> Result<Args> {
-    let mut a = Args {
-        contexts: vec![4096, 8192],
-        windows: vec![0, 128, 512, 1024, 2048, 4096],
-        formats: vec!["int8".into(), "int4".into(), "int2".into()],
-        rotations: vec![false, true],
-        block_size: 32,
-        group: 32,
-        keys: Axis::PerChannel,
-        sink: 32,
-        prefix: 512,
-        chunk: 64,
-        decode: 16,
-        weights: "f32".into(),
-        model: PathBuf::from(kvforge_engine::DEFAULT_MODEL),
-        text: PathBuf::from("data/exllamav2/wiki.utf8"),
-        out: PathBuf::from("target/quant-sweep"),
-    };
-    for (flag, value) in kvforge_bench::flag_pairs()? {
-        let num = || count(&flag, &value);
-        match flag.as_str() {
-            "--contexts" => a.contexts = list(&flag, &value)?,
-            "--windows" => a.windows = list(&flag, &value)?,
-            "--formats" => a.formats = value.split(',').map(|s| s.trim().into()).collect(),
-            "--rotate" => {
-                a.rotations = match value.as_str() {
-                    "off" => vec![false],
-                    "on" => vec![true],
-                    "both" => vec![false, true],
-                    _ => bail!("--rotate takes off, on or both, not {value:?}"),
-                }
-            }
-            "--keys" => {
-                a.keys = match value.as_str() {
-                    "channel" => Axis::PerChannel,
-                    "token" => Axis::PerToken,
-                    _ => bail!("--keys takes channel or token, not {value:?}"),
-                }
-            }
-            "--block-size" => a.block_size = num()?,
-            "--group" => a.group = num()?,
-            "--sink" => a.sink = num()?,
-            "--prefix" => a.prefix = num()?,
-            "--chunk" => a.chunk = num()?,
-            "--decode" => a.decode = num()?,
-            "--weights" => a.weights = value,
-            "--model" => a.model = value.into(),
-            "--text" => a.text = value.into(),
-            "--out" => a.out = value.into(),
-            _ => bail!(
-                "unknown flag {flag}; flags: --contexts --windows --formats --rotate --keys --sink --block-size --group --prefix --chunk --decode --weights --model --text --out"
-            ),
-        }
-    }
+    let a: Args = cli::parse()?;
     if let Some(&c) = a.contexts.iter().find(|&&c| c <= a.prefix + a.decode) {
         bail!(
             "context {c} leaves nothing to score after --prefix {} and --decode {}",
@@ -139,8 +148,8 @@ fn run() -> Result<()> {
         block_size: a.block_size,
         ..Default::default()
     };
-    let mut engine =
-        Engine::load(&a.model, &cfg).with_context(|| format!("loading {}", a.model.display()))?;
+    let mut engine = Engine::load(&a.common.model, &cfg)
+        .with_context(|| format!("loading {}", a.common.model.display()))?;
     let all = engine.tokenizer().encode(&article)?;
     // Every configuration is checked before the long runs start.
     let mut plan: Vec<(usize, Option<KvQuant>)> = Vec::new();
@@ -159,12 +168,12 @@ fn run() -> Result<()> {
                 continue;
             }
             for f in &a.formats {
-                for &rotate in &a.rotations {
+                for &rotate in &a.rotations() {
                     let q = KvQuant {
                         window,
                         group_size: a.group,
                         rotate,
-                        key_axis: a.keys,
+                        key_axis: a.key_axis(),
                         sink: a.sink,
                         ..KvQuant::parse(f)?
                     };
@@ -174,7 +183,7 @@ fn run() -> Result<()> {
             }
         }
     }
-    let mut out = Output::create(&a.out)?;
+    let mut out = Output::create(a.out())?;
     let bar = ProgressBar::new(plan.len() as u64);
     bar.set_style(
         ProgressStyle::with_template("{bar:40} {pos}/{len} runs {msg}")
@@ -229,7 +238,7 @@ fn write_outputs(a: &Args, rows: &[Row], out: &mut Output) -> Result<()> {
         a.prefix,
         a.chunk,
         a.group,
-        match a.keys {
+        match a.key_axis() {
             Axis::PerChannel => "per channel over each block's tokens (KIVI)",
             Axis::PerToken => "per token like values",
         },
@@ -291,7 +300,7 @@ fn write_outputs(a: &Args, rows: &[Row], out: &mut Output) -> Result<()> {
     out.csv("sweep.csv", &csv)?;
     out.report(&md)?;
     println!("{md}");
-    println!("written to {}", a.out.display());
+    println!("written to {}", a.out().display());
     Ok(())
 }
 
@@ -304,7 +313,7 @@ fn mib(b: u64) -> f64 {
 fn pareto(a: &Args, rows: &[Row], ctx: usize, base: &Row, out: &mut Output) -> Result<()> {
     let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
     for f in &a.formats {
-        for &rot in &a.rotations {
+        for &rot in &a.rotations() {
             let mut pts: Vec<(f64, f64)> = rows
                 .iter()
                 .filter(|r| r.context == ctx && r.format() == *f && r.rotate() == rot)

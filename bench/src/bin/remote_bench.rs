@@ -31,6 +31,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
+use clap::Parser;
+use kvforge_bench::cli::{self, Common};
 use kvforge_bench::median;
 use kvforge_bench::output::{Csv, Output};
 use kvforge_engine::cache::RemoteSetup;
@@ -40,50 +42,40 @@ use kvforge_engine::{
 use kvforge_remote::{ExtraKeys, RemoteOptions, RemoteTier, Secret, blob};
 use kvforge_remote_redis::{RedisConfig, RedisServer, RedisTier};
 
+/// Time to first token with and without a remote KV tier on Redis.
+#[derive(Parser)]
+#[command(name = "remote-bench")]
 struct Args {
+    /// Prompt lengths in tokens.
+    #[arg(long, value_delimiter = ',', default_values_t = [256, 512, 1024, 2048], value_parser = cli::positive)]
     prompts: Vec<usize>,
+    /// Rounds (the median is reported).
+    #[arg(long, default_value_t = 5, value_parser = cli::positive)]
     rounds: usize,
+    /// KV blocks of each engine's hot tier.
+    #[arg(long, default_value_t = 2048, value_parser = cli::positive)]
     blocks: usize,
+    /// Requests per round.
+    #[arg(long, default_value_t = 4, value_parser = cli::positive)]
     requests: usize,
+    /// Tokens decoded per request.
+    #[arg(long, default_value_t = 64, value_parser = cli::positive)]
     decode: usize,
-    model: PathBuf,
+    /// The text prompts are cut from.
+    #[arg(long, default_value = "data/exllamav2/wiki.utf8")]
     text: PathBuf,
-    out: PathBuf,
+    #[command(flatten)]
+    common: Common,
+}
+
+impl Args {
+    fn out(&self) -> PathBuf {
+        self.common.out_or("target/remote-bench")
+    }
 }
 
 fn parse_args() -> Result<Args> {
-    let mut a = Args {
-        prompts: vec![256, 512, 1024, 2048],
-        rounds: 5,
-        blocks: 2048,
-        requests: 4,
-        decode: 64,
-        model: PathBuf::from(kvforge_engine::DEFAULT_MODEL),
-        text: PathBuf::from("data/exllamav2/wiki.utf8"),
-        out: PathBuf::from("target/remote-bench"),
-    };
-    for (flag, value) in kvforge_bench::flag_pairs()? {
-        let num = || kvforge_bench::positive(&flag, &value);
-        match flag.as_str() {
-            "--prompts" => {
-                a.prompts = value
-                    .split(',')
-                    .map(|v| kvforge_bench::positive(&flag, v.trim()))
-                    .collect::<Result<_>>()?
-            }
-            "--rounds" => a.rounds = num()?,
-            "--blocks" => a.blocks = num()?,
-            "--requests" => a.requests = num()?,
-            "--decode" => a.decode = num()?,
-            "--model" => a.model = value.into(),
-            "--text" => a.text = value.into(),
-            "--out" => a.out = value.into(),
-            _ => bail!(
-                "unknown flag {flag}; flags: --prompts --rounds --blocks --requests --decode --model --text --out"
-            ),
-        }
-    }
-    Ok(a)
+    cli::parse()
 }
 
 fn main() -> std::process::ExitCode {
@@ -106,7 +98,7 @@ fn instance(a: &Args, cold: bool, url: Option<&str>) -> Result<CacheManager> {
         kv_quant: cold.then(|| KvQuant::parse("int4")).transpose()?,
         ..EngineConfig::default()
     };
-    let mut e = Engine::load(&a.model, &cfg)?;
+    let mut e = Engine::load(&a.common.model, &cfg)?;
     if let Some(url) = url {
         let model = e.fingerprint()?;
         e.cache_mut().set_remote(Some(RemoteSetup {
@@ -284,7 +276,7 @@ fn decode(a: &Args, url: &str, text: &str, csv: &mut Csv) -> Result<(f64, f64)> 
 
 fn run() -> Result<()> {
     let a = parse_args()?;
-    let mut out = Output::create(&a.out)?;
+    let mut out = Output::create(a.out())?;
     let text = std::fs::read_to_string(&a.text).with_context(|| a.text.display().to_string())?;
     let redis = RedisServer::start(&[]).map_err(|e| anyhow!(e))?;
     let url = redis.url();

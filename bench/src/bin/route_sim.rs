@@ -29,57 +29,53 @@ use std::collections::{HashMap, VecDeque};
 use std::fmt::Write as _;
 use std::path::PathBuf;
 
-use anyhow::{Result, bail};
+use anyhow::Result;
+use clap::Parser;
+use kvforge_bench::cli::{self, Common};
 use kvforge_bench::output::{Csv, Output};
 use kvforge_engine::gguf::GgufFile;
 use kvforge_engine::{Message, Tokenizer};
 use kvforge_prefix::{BlockHash, ExtraKeys, Xxh3Hasher, block_key, root_key};
 
+/// Routing chats over instances: the prefix hit rate each router reaches.
+#[derive(Parser)]
+#[command(name = "route-sim")]
 struct Args {
+    /// Chats.
+    #[arg(long, default_value_t = 200, value_parser = cli::positive)]
     chats: usize,
+    /// Turns per chat.
+    #[arg(long, default_value_t = 12, value_parser = cli::positive)]
     turns: usize,
+    /// Chats active at once.
+    #[arg(long, default_value_t = 32, value_parser = cli::positive)]
     active: usize,
+    /// Instances.
+    #[arg(long, default_value_t = 4, value_parser = cli::positive)]
     instances: usize,
+    /// Blocks each instance caches.
+    #[arg(long, default_value_t = 2048, value_parser = cli::positive)]
     capacity: usize,
+    /// Blocks the shared remote tier holds.
+    #[arg(long, default_value_t = 32768, value_parser = cli::positive)]
     remote_capacity: usize,
+    #[arg(long, default_value_t = 16, value_parser = cli::positive)]
     block_size: usize,
-    model: PathBuf,
+    /// The chitchat dataset.
+    #[arg(long, default_value = "data/chitchat/dataset.json")]
     data: PathBuf,
-    out: PathBuf,
+    #[command(flatten)]
+    common: Common,
+}
+
+impl Args {
+    fn out(&self) -> PathBuf {
+        self.common.out_or("target/route-sim")
+    }
 }
 
 fn parse_args() -> Result<Args> {
-    let mut a = Args {
-        chats: 200,
-        turns: 12,
-        active: 32,
-        instances: 4,
-        capacity: 2048,
-        remote_capacity: 32768,
-        block_size: 16,
-        model: PathBuf::from(kvforge_engine::DEFAULT_MODEL),
-        data: PathBuf::from("data/chitchat/dataset.json"),
-        out: PathBuf::from("target/route-sim"),
-    };
-    for (flag, value) in kvforge_bench::flag_pairs()? {
-        let num = || kvforge_bench::positive(&flag, &value);
-        match flag.as_str() {
-            "--chats" => a.chats = num()?,
-            "--turns" => a.turns = num()?,
-            "--active" => a.active = num()?,
-            "--instances" => a.instances = num()?,
-            "--capacity" => a.capacity = num()?,
-            "--remote-capacity" => a.remote_capacity = num()?,
-            "--block-size" => a.block_size = num()?,
-            "--model" => a.model = value.into(),
-            "--data" => a.data = value.into(),
-            "--out" => a.out = value.into(),
-            _ => bail!(
-                "unknown flag {flag}; flags: --chats --turns --active --instances --capacity --remote-capacity --block-size --model --data --out"
-            ),
-        }
-    }
-    Ok(a)
+    cli::parse()
 }
 
 fn main() -> std::process::ExitCode {
@@ -251,9 +247,9 @@ fn requests(a: &Args, tok: &Tokenizer) -> Result<Vec<(usize, Vec<BlockHash>, usi
 
 fn run() -> Result<()> {
     let a = parse_args()?;
-    let tok = Tokenizer::from_gguf(&GgufFile::open(&a.model)?)?;
+    let tok = Tokenizer::from_gguf(&GgufFile::open(&a.common.model)?)?;
     let reqs = requests(&a, &tok)?;
-    let mut out = Output::create(&a.out)?;
+    let mut out = Output::create(a.out())?;
     let mut csv = Csv::new(&[
         "router",
         "remote",
