@@ -14,7 +14,8 @@ pub use kvforge_coordinator::TurnTail;
 use kvforge_pool::BlockId;
 use kvforge_prefix::{BlockRef, ExtraKeys, HashChainIndex, PrefixMatcher, RadixIndex};
 
-use crate::{SplitMix, synthetic_tokens};
+use crate::synthetic_tokens;
+use kvforge_ablate::inputs::SplitMix;
 
 /// One turn: the user's message and the model's answer, as token ids.
 #[derive(Clone, Debug)]

@@ -415,7 +415,7 @@ pub(crate) fn ablate(
     root: Option<PathBuf>,
 ) -> PyResult<(PathBuf, usize, usize)> {
     not_in_policy()?;
-    let opts = kvforge_bench::ablate::run::Options {
+    let opts = kvforge_ablate::run::Options {
         config,
         out,
         resume,
@@ -423,7 +423,7 @@ pub(crate) fn ablate(
         root: root.unwrap_or_else(|| PathBuf::from(".")),
     };
     let done = py
-        .detach(|| kvforge_bench::ablate::run::run(&opts))
+        .detach(|| kvforge_ablate::run::run(&opts))
         .map_err(|e| take_interrupt().unwrap_or_else(|| bad(format!("{e:#}"))))?;
     if let Some(interrupt) = take_interrupt() {
         return Err(interrupt);

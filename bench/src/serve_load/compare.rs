@@ -18,7 +18,7 @@ use super::replay::Load;
 use super::run::{Summary, measure, median, series};
 use super::servers::LlamaSpec;
 use super::{Common, progress, warm_up};
-use crate::output::{Csv, Output};
+use kvforge_ablate::output::{Csv, Output};
 
 /// KV bytes per token and per block of kvforge's hot tier, read off a
 /// run's metrics.

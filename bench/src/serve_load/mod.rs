@@ -45,7 +45,7 @@ pub struct Common {
 impl Common {
     /// `n` conversations of at least `turns` messages, cut to `turns`.
     pub fn chats(&self, n: usize) -> Result<Vec<Vec<String>>> {
-        crate::load_chats(&self.data, self.turns, n, self.turns..=usize::MAX)
+        kvforge_ablate::inputs::load_chats(&self.data, self.turns, n, self.turns..=usize::MAX)
     }
 
     /// Where a server's log goes: `target/serve-load/logs/NAME` (not

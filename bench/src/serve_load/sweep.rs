@@ -9,8 +9,8 @@ use super::replay::Load;
 use super::run::{Summary, measure, median, series};
 use super::servers::LlamaSpec;
 use super::{Common, progress};
-use crate::output::{Csv, Output};
-use crate::plot;
+use kvforge_ablate::output::{Csv, Output};
+use kvforge_ablate::plot;
 
 /// `sweep`'s own flags.
 #[derive(Clone, Debug)]

@@ -160,7 +160,7 @@ pub struct PasskeyWorkload {
 
 impl Experiment {
     /// Reads and checks `path` (its eviction policies against
-    /// [`registry`](super::registry)).
+    /// [`registry`](crate::registry)).
     pub fn load(path: &Path) -> Result<Experiment> {
         Self::read(path).map(|(exp, _)| exp)
     }
@@ -180,7 +180,7 @@ impl Experiment {
             Ok(e) => e,
             Err(e) => bail!("{}", located(path, src, e.span(), e.message())),
         };
-        exp.check(src, path, &super::registry())?;
+        exp.check(src, path, &crate::registry())?;
         Ok(exp)
     }
 
@@ -390,7 +390,7 @@ impl Experiment {
         if !(t > 0.0 && t < 1.0) {
             return Err(format!("target_kv = {t} must be within (0, 1)"));
         }
-        super::target::knob(c)?;
+        crate::target::knob(c)?;
         let name = c.name();
         if name == base || !seen.contains(base) {
             return Err(format!(

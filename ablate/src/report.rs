@@ -6,10 +6,11 @@ use std::fmt::Write as _;
 
 use anyhow::Result;
 
-use super::config::{Experiment, Mechanisms};
-use super::record::Record;
+use crate::config::{Experiment, Mechanisms};
+use crate::inputs::median;
 use crate::output::{Csv, Output};
-use crate::{median, plot};
+use crate::plot;
+use crate::record::Record;
 
 /// Where and how the run happened (recorded in the report).
 #[derive(Clone, Debug, Default)]
@@ -59,7 +60,7 @@ pub struct Summary {
 
 /// Describes a configuration's mechanisms in a few words.
 pub fn describe(exp: &Experiment, m: &Mechanisms) -> String {
-    let words = m.describe(exp.block_size(m), &super::registry());
+    let words = m.describe(exp.block_size(m), &crate::registry());
     match m.target_kv {
         Some(t) => format!(
             "sized to {}% of the KV per item (budget and window set per item: knob_tokens in results.csv): {words}",
@@ -198,8 +199,8 @@ pub fn write(out: &mut Output, exp: &Experiment, records: &[Record], info: &RunI
         exp.baseline(),
         model_words(exp)
     );
-    let qualities = super::intervals::qualities(exp, records);
-    md.push_str(&super::iso::write(out, exp, records, &qualities)?);
+    let qualities = crate::intervals::qualities(exp, records);
+    md.push_str(&crate::iso::write(out, exp, records, &qualities)?);
     md.push_str("\n## Every measure\n\n");
     md.push_str(
         "| configuration | mechanisms | chat peak KV MiB | chat mean KV MiB | fact recall | prefix hit | TTFT ms (median) | stream KV MiB | perplexity | decode tok/s | passkey | passkey KV MiB | failed |\n\
@@ -228,13 +229,13 @@ pub fn write(out: &mut Output, exp: &Experiment, records: &[Record], info: &RunI
             s.failed,
         );
     }
-    let (quality, intervals) = super::intervals::section(exp, records);
+    let (quality, intervals) = crate::intervals::section(exp, records);
     md.push_str(&format!(
         "\nKV MiB are bytes held by blocks in use in all tiers (hot {} pool blocks and \
          quantized cold blocks, each shared block once), at their peak. Speed columns \
          (TTFT, decode) are single sequential runs on a shared machine: indicative only; \
          `cargo xtask decode-ab` measures decode speed interleaved.\n",
-        super::HOT_KV
+        crate::HOT_KV
     ));
     md.push_str(&quality);
     workload_sections(&mut md, exp, records);
@@ -304,7 +305,7 @@ fn model_words(exp: &Experiment) -> String {
     format!(
         "{what}, {} weights, f32 compute, {} hot KV, block {}",
         m.weights,
-        super::HOT_KV,
+        crate::HOT_KV,
         m.block_size
     )
 }

@@ -4,7 +4,7 @@
 //! `docs/results` can always be traced back to a run.
 //!
 //! ```no_run
-//! use kvforge_bench::output::{Csv, Output};
+//! use kvforge_ablate::output::{Csv, Output};
 //!
 //! let mut out = Output::create("target/example")?;
 //! let mut csv = Csv::new(&["context", "ppl"]);
@@ -103,17 +103,11 @@ pub fn machine() -> String {
     format!("{cores} cores ({cpu}), {}", gpu())
 }
 
-#[cfg(feature = "engine")]
 fn gpu() -> String {
     match kvforge_engine::cuda_devices() {
         0 => "no GPU".into(),
         n => format!("{n} CUDA device(s)"),
     }
-}
-
-#[cfg(not(feature = "engine"))]
-fn gpu() -> String {
-    "GPU not probed (built without libtorch)".into()
 }
 
 /// `args` as one shell-quoted line, the program by its file name.

@@ -6,10 +6,10 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use super::config::Experiment;
-use super::record::Record;
-use super::stats::{self, Interval, PairedChunk};
+use crate::config::Experiment;
 use crate::output::Csv;
+use crate::record::Record;
+use crate::stats::{self, Interval, PairedChunk};
 
 /// One quality measure of one configuration.
 #[derive(Clone, Debug, PartialEq)]

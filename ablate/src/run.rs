@@ -16,11 +16,11 @@ use kvforge_engine::{
     SamplingParams, Sequence, Tokenizer,
 };
 
-use super::config::{ChatWorkload, Experiment, Mechanisms, PasskeyWorkload, StreamWorkload};
-use super::record::Record;
-use super::report::{self, RunInfo};
-use crate::SplitMix;
+use crate::config::{ChatWorkload, Experiment, Mechanisms, PasskeyWorkload, StreamWorkload};
+use crate::inputs::SplitMix;
 use crate::output::{Output, Provenance};
+use crate::record::Record;
+use crate::report::{self, RunInfo};
 
 /// What to run and where.
 #[derive(Clone, Debug)]
@@ -196,7 +196,7 @@ pub fn run(opts: &Options) -> Result<Outcome> {
                     Some(t) => full_bytes(&records, exp.baseline(), item)
                         .and_then(|full| {
                             let s = sizes[m.name()];
-                            super::target::resolve(m, t, full, s, step_blocks(&exp, item, s.block))
+                            crate::target::resolve(m, t, full, s, step_blocks(&exp, item, s.block))
                         })
                         .map(|(r, knob)| (r, Some((t, knob)))),
                 };
@@ -322,7 +322,7 @@ fn check_engages(exp: &Experiment, max_ctx: usize) -> Result<(), String> {
 }
 
 /// The KV bytes the baseline kept on `item` (once compressed:
-/// [`iso::bytes`](super::iso::bytes)), what a `target_kv` is a share of.
+/// [`iso::bytes`](crate::iso::bytes)), what a `target_kv` is a share of.
 fn full_bytes(records: &[Record], base: &str, item: &Item) -> Result<u64, String> {
     records
         .iter()
@@ -332,7 +332,7 @@ fn full_bytes(records: &[Record], base: &str, item: &Item) -> Result<u64, String
                 && r.item == item.name
                 && r.error.is_none()
         })
-        .map(|r| super::iso::bytes(r).0)
+        .map(|r| crate::iso::bytes(r).0)
         .filter(|b| b.is_finite() && *b > 0.0)
         .map(|b| b as u64)
         .ok_or_else(|| {
@@ -558,7 +558,7 @@ impl Inputs {
         let chat = match &w.chat {
             Some(c) => Some((
                 c.clone(),
-                crate::load_chats(&c.data, c.turns, c.chats, c.turns..=usize::MAX)?,
+                crate::inputs::load_chats(&c.data, c.turns, c.chats, c.turns..=usize::MAX)?,
             )),
             None => None,
         };
@@ -571,7 +571,7 @@ impl Inputs {
                         s.decode
                     );
                 }
-                let text = crate::read_text(&s.data)?;
+                let text = crate::inputs::read_text(&s.data)?;
                 let mut articles = kvforge_engine::ppl::articles(&text).into_iter();
                 let mut streams = Vec::new();
                 for k in 0..s.articles {
@@ -823,7 +823,7 @@ fn haystack(dir: &Path, tok: &Tokenizer, need: usize) -> Result<Vec<u32>> {
     files.sort();
     let mut ids = Vec::new();
     for f in files {
-        let text = crate::read_text(&f)?;
+        let text = crate::inputs::read_text(&f)?;
         ids.extend(tok.encode_text(&format!("{}\n\n", text.trim()))?);
         if ids.len() >= need {
             return Ok(ids);
@@ -842,11 +842,11 @@ struct Runner<'a> {
 }
 
 /// Engine and reuse configuration of `m` (its eviction policy built by
-/// the bench's [`registry`](super::registry)).
+/// the bench's [`registry`](crate::registry)).
 fn configure(exp: &Experiment, m: &Mechanisms) -> Result<(EngineConfig, ReuseConfig)> {
     let mut cfg = EngineConfig {
         weight_kind: None,
-        kv_kind: Some(kvforge_engine::parse_dtype(super::HOT_KV)?),
+        kv_kind: Some(kvforge_engine::parse_dtype(crate::HOT_KV)?),
         block_size: exp.model.block_size,
         ..EngineConfig::default()
     };
@@ -857,7 +857,7 @@ fn configure(exp: &Experiment, m: &Mechanisms) -> Result<(EngineConfig, ReuseCon
         ..m.clone()
     };
     let reuse = m
-        .apply(&mut cfg, &super::registry(), Some(exp.model.seed))
+        .apply(&mut cfg, &crate::registry(), Some(exp.model.seed))
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     Ok((cfg, reuse))
 }
@@ -890,10 +890,10 @@ impl<'a> Runner<'a> {
     }
 
     /// Block sizes of its cache (hot, and cold when it has a cold tier).
-    fn sizes(&self) -> super::target::Sizes {
+    fn sizes(&self) -> crate::target::Sizes {
         let cache = &self.engine().cache();
         let t = cache.tier_stats();
-        super::target::Sizes {
+        crate::target::Sizes {
             block: cache.block_size(),
             hot: t.first().map_or(0, |t| t.pool.block_bytes),
             cold: t.get(1).map(|t| t.pool.block_bytes),

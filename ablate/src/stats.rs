@@ -4,7 +4,7 @@
 //! interval for paired proportions (consistent with McNemar's test); for a
 //! perplexity change, a paired bootstrap over the very same scored chunks.
 
-use crate::SplitMix;
+use crate::inputs::SplitMix;
 
 /// z for a two-sided 95% interval.
 const Z95: f64 = 1.959_963_984_540_054;

@@ -12,12 +12,12 @@ use std::path::Path;
 
 use anyhow::Result;
 
-use super::config::Experiment;
-use super::intervals::{Quality, change, share as accuracy};
-use super::record::Record;
-use super::stats;
+use crate::config::Experiment;
+use crate::intervals::{Quality, change, share as accuracy};
 use crate::output::{Csv, Output};
 use crate::plot::{self, Panel, Point};
+use crate::record::Record;
+use crate::stats;
 
 /// The bytes of a record its share is taken of: what the cache kept once
 /// the item was compressed (after a chat's last turn, a stream's last
@@ -128,7 +128,7 @@ pub fn section(
          answer (the axis kvpress reports on; the plot's x). In brackets the same of the peak while the \
          item ran, which includes the chunk or turn being prefilled before it was compressed. A \
          `target_kv` configuration is sized item by item to keep that share (its eviction budget, or \
-         the hot window when it only quantizes: `bench/src/ablate/target.rs`); the shares beside it \
+         the hot window when it only quantizes: `ablate/src/target.rs`); the shares beside it \
          are what it held. Quality as in the section with intervals below; **bold**: the interval \
          excludes zero.\n\n\
          | configuration | target | stream KV kept (peak) | perplexity change | passkey KV kept (peak) | pass key (n) | pass-key change | chat KV kept (peak) | fact recall (n) |\n\
