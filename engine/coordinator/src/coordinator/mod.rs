@@ -66,14 +66,14 @@ pub struct Opened {
     pub reused: usize,
 }
 
-pub(crate) struct Pending {
+struct Pending {
     /// The table after the step (what attention reads during it).
-    pub(crate) next: BlockTable,
+    next: BlockTable,
     /// References taken by the plan (allocations, retains): given back by
     /// an abort, kept by a commit.
-    pub(crate) taken: Vec<BlockId>,
+    taken: Vec<BlockId>,
     /// References the commit gives back (demoted, dropped, aliased).
-    pub(crate) release: Vec<BlockId>,
+    release: Vec<BlockId>,
     /// Fresh demotions (hot, cold or canonical) for the commit to record.
     demoted: Vec<(BlockId, BlockId, bool)>,
     /// Cold blocks quantized by this step (offered to the deduplicator).
@@ -94,13 +94,13 @@ pub(crate) struct Pending {
     /// Every block the engine writes for the step and the first row it
     /// writes (rows before it stay): new tokens, copies, packs,
     /// compactions, fresh cold copies.
-    pub(crate) written: Vec<(BlockId, u32)>,
+    written: Vec<(BlockId, u32)>,
 }
 
 /// A turn in progress: what [`Coordinator::rollback_turn`] restores.
-pub(crate) struct Turn {
+struct Turn {
     /// The table at the start of the turn, holding references of its own.
-    pub(crate) table: BlockTable,
+    table: BlockTable,
     /// The sequence's registration state at the start of the turn.
     copy_tail: bool,
     partial: Option<BlockId>,
@@ -111,11 +111,11 @@ pub(crate) struct Turn {
     relocations: Vec<(BlockId, BlockId)>,
 }
 
-pub(crate) struct SeqState {
-    pub(crate) table: BlockTable,
-    pub(crate) pending: Option<Pending>,
+struct SeqState {
+    table: BlockTable,
+    pending: Option<Pending>,
     /// The turn in progress, if any.
-    pub(crate) turn: Option<Turn>,
+    turn: Option<Turn>,
     /// The last entry is a partial block that others may read (matched
     /// from the index, forked, or given back by a rollback after others
     /// took it): the next step copies it into a block of the sequence's
@@ -133,7 +133,7 @@ pub(crate) struct SeqState {
     /// The eviction policy could not answer about this sequence while it
     /// was idle (asked for another's step): its own next step fails with
     /// these words, not the other's.
-    pub(crate) policy_error: Option<String>,
+    policy_error: Option<String>,
 }
 
 /// The tensor-free cache coordinator.
@@ -146,25 +146,25 @@ pub(crate) struct SeqState {
 /// pools apply.
 pub struct Coordinator {
     cfg: CoordinatorConfig,
-    pub(crate) budget: u64,
-    pub(crate) tiers: TieredPool,
+    budget: u64,
+    tiers: TieredPool,
     index: Option<Box<dyn PrefixMatcher>>,
     tier_policy: Option<Box<dyn TierPolicy>>,
     evict: Option<Box<dyn EvictionPolicy>>,
     dedup: Option<Box<dyn Deduplicator>>,
     lifecycle: Option<Lifecycle>,
-    pub(crate) seqs: BTreeMap<SeqId, SeqState>,
+    seqs: BTreeMap<SeqId, SeqState>,
     next_seq: SeqId,
     /// Hot block -> the cold block its content was quantized into, so a
     /// second holder of the hot block reuses that copy.
-    pub(crate) demoted: HashMap<BlockId, BlockId>,
+    demoted: HashMap<BlockId, BlockId>,
     /// Blocks marked cached (the index may hand them out: their content
     /// must outlive their last holder and never change), with the most
     /// tokens the index was given for each; and cold blocks whose last
     /// holder let go of them without that: the engine may free their
     /// storage.
-    pub(crate) cached: HashMap<BlockId, u32>,
-    pub(crate) freed_cold: Vec<BlockId>,
+    cached: HashMap<BlockId, u32>,
+    freed_cold: Vec<BlockId>,
     /// Lanes of a block: layers × KV heads (head-wise eviction).
     lanes: usize,
     /// The most bytes in use right after a plan (blocks a step holds

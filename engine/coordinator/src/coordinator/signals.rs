@@ -52,7 +52,7 @@ impl Coordinator {
         self.checked(r)
     }
 
-    pub(super) fn share_call(
+    fn share_call(
         &mut self,
         seq: SeqId,
         cold: BlockId,
@@ -120,7 +120,7 @@ impl Coordinator {
     /// [`observe`](Self::observe), or with `keys`
     /// [`observe_keys`](Self::observe_keys): one value per entry of the
     /// step's table.
-    pub(super) fn feed_policy(&mut self, seq: SeqId, values: &[f32], keys: bool) -> Result<()> {
+    fn feed_policy(&mut self, seq: SeqId, values: &[f32], keys: bool) -> Result<()> {
         let Some(ev) = self.evict.as_mut() else {
             return Ok(());
         };
@@ -150,31 +150,31 @@ impl Coordinator {
     }
 
     /// Whether the eviction policy wants key novelty.
-    pub(crate) fn wants_keys(&self) -> bool {
+    fn wants_keys(&self) -> bool {
         self.evict.as_ref().is_some_and(|e| e.wants_keys())
     }
 
     /// Whether the eviction policy ranks pages per lane (one layer's one
     /// KV head): it then wants key novelty per entry and lane.
-    pub(crate) fn per_lane(&self) -> bool {
+    fn per_lane(&self) -> bool {
         self.evict.as_ref().is_some_and(|e| e.per_lane())
     }
 
     /// Whether the eviction policy names single tokens: it then wants its
     /// signals per row of the table (`entries × block_size`).
-    pub(crate) fn token_level(&self) -> bool {
+    fn token_level(&self) -> bool {
         self.evict.as_ref().is_some_and(|e| e.token_level())
     }
 
     /// Whether the eviction policy wants attention mass (per entry and
     /// lane for a [`per_lane`](Self::per_lane) policy).
-    pub(crate) fn wants_attention(&self) -> bool {
+    fn wants_attention(&self) -> bool {
         self.evict.as_ref().is_some_and(|e| e.wants_attention())
     }
 
     /// How many of a step's last queries the attention mass should come
     /// from (SnapKV's observation window); 0 for all of them.
-    pub(crate) fn observation_window(&self) -> usize {
+    fn observation_window(&self) -> usize {
         self.evict.as_ref().map_or(0, |e| e.observation_window())
     }
 }
