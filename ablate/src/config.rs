@@ -12,6 +12,8 @@ pub use kvforge_engine::mechanisms::{
 use serde::Deserialize;
 use toml::Spanned;
 
+use crate::workloads::Workloads;
+
 /// One experiment: a model, its workloads, the configurations to compare.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -76,86 +78,9 @@ fn f32_name() -> String {
 fn default_block() -> usize {
     32
 }
-fn one() -> usize {
-    1
-}
 
 fn default_seed() -> u64 {
     7
-}
-
-/// The workloads; an absent one is not run.
-#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct Workloads {
-    /// Multi-turn chats with a planted fact.
-    pub chat: Option<ChatWorkload>,
-    /// Streaming perplexity over long articles.
-    pub stream: Option<StreamWorkload>,
-    /// Pass key retrieval in a haystack of essays.
-    pub passkey: Option<PasskeyWorkload>,
-}
-
-/// Multi-turn chats from `chitchat`: each chat is one session; the second
-/// user message plants a fact (a four-digit code) and a last turn asks for
-/// it.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct ChatWorkload {
-    /// `chitchat-dataset`'s `dataset.json`.
-    pub data: PathBuf,
-    /// Conversations.
-    pub chats: usize,
-    /// User turns taken from each (the recall question comes after them).
-    pub turns: usize,
-    /// Greedy tokens per answer at most.
-    pub answer_tokens: usize,
-}
-
-/// Streaming perplexity: prefill `prefix` tokens, feed the rest in chunks
-/// through the cache, score every token after the prefix; then time
-/// `decode` greedy steps.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct StreamWorkload {
-    /// An exllamav2-style `<doc>` file (`wiki.utf8`).
-    pub data: PathBuf,
-    /// Context lengths, one item each per article (articles concatenated,
-    /// longest first, up to the length).
-    pub contexts: Vec<usize>,
-    /// Streams of distinct text: the longest articles are taken in turn,
-    /// each stream concatenating the next ones until it holds the longest
-    /// context; every stream is an item at every context.
-    #[serde(default = "one")]
-    pub articles: usize,
-    /// Tokens prefilled before scoring.
-    pub prefix: usize,
-    /// Tokens per streamed chunk.
-    pub chunk: usize,
-    /// Greedy decode steps timed at the end.
-    pub decode: usize,
-}
-
-/// Pass key retrieval: a five-digit key planted at a depth of a haystack of
-/// essays; the haystack is prefilled in chunks (so eviction acts while it
-/// streams in), then the question is asked.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct PasskeyWorkload {
-    /// A folder of `.txt` essays (`PaulGrahamEssays`).
-    pub data: PathBuf,
-    /// Prompt lengths in tokens.
-    pub lengths: Vec<usize>,
-    /// Depths of the key, fractions of the haystack in `[0, 1]`.
-    pub depths: Vec<f64>,
-    /// Prefill chunk.
-    pub chunk: usize,
-    /// The question is prefilled with the context, so that the eviction
-    /// after the prompt sees it (SnapKV's setting; kvpress without a
-    /// separate question); by default it is asked after the context has
-    /// been compressed.
-    #[serde(default)]
-    pub question_seen: bool,
 }
 
 impl Experiment {
@@ -240,94 +165,52 @@ impl Experiment {
     }
 
     fn check(&self, src: &str, path: &Path, registry: &Registry) -> Result<()> {
-        let top = |msg: String| located(path, src, None, &msg);
+        let top = |msg: String| anyhow::anyhow!("{}", located(path, src, None, &msg));
+        self.check_model().map_err(top)?;
+        if self.configs.is_empty() {
+            return Err(top("no [[config]]: the matrix is empty".into()));
+        }
+        self.workloads.check().map_err(top)?;
+        self.check_configs(src, path, registry)
+    }
+
+    /// The experiment's name and model settings, or what is wrong with
+    /// them.
+    fn check_model(&self) -> Result<(), String> {
         if self.name.is_empty()
             || !self
                 .name
                 .chars()
                 .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
         {
-            bail!(
-                "{}",
-                top(format!(
-                    "name {:?} must be letters, digits, - and _ (it names the output folder)",
-                    self.name
-                ))
-            );
+            return Err(format!(
+                "name {:?} must be letters, digits, - and _ (it names the output folder)",
+                self.name
+            ));
         }
         let m = &self.model;
         if !(1..=4096).contains(&m.block_size) {
-            bail!("{}", top("model.block_size must be within 1..=4096".into()));
+            return Err("model.block_size must be within 1..=4096".into());
         }
         if !["f32", "bf16", "f16"].contains(&m.weights.as_str()) {
-            bail!(
-                "{}",
-                top(format!(
-                    "model.weights {:?}: use f32, bf16 or f16",
-                    m.weights
-                ))
-            );
+            return Err(format!(
+                "model.weights {:?}: use f32, bf16 or f16",
+                m.weights
+            ));
         }
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         if m.threads < 0 || m.threads as usize > cores {
-            bail!(
-                "{}",
-                top(format!(
-                    "model.threads = {} must be between 0 (libtorch's default) and this machine's {cores} cores",
-                    m.threads
-                ))
-            );
+            return Err(format!(
+                "model.threads = {} must be between 0 (libtorch's default) and this machine's {cores} cores",
+                m.threads
+            ));
         }
-        if self.configs.is_empty() {
-            bail!("{}", top("no [[config]]: the matrix is empty".into()));
-        }
-        let w = &self.workloads;
-        if w.chat.is_none() && w.stream.is_none() && w.passkey.is_none() {
-            bail!(
-                "{}",
-                top("no [workloads.chat], [workloads.stream] or [workloads.passkey]: nothing to measure".into())
-            );
-        }
+        Ok(())
+    }
 
-        if let Some(c) = &w.chat
-            && (c.chats == 0 || c.turns < 2 || c.answer_tokens == 0)
-        {
-            bail!(
-                "{}",
-                top("workloads.chat: chats and answer_tokens must be at least 1, turns at least 2 (the fact is planted in the second)".into())
-            );
-        }
-        if let Some(s) = &w.stream
-            && (s.contexts.is_empty()
-                || s.prefix == 0
-                || s.chunk == 0
-                || s.articles == 0
-                || s.contexts.iter().any(|&c| c <= s.prefix))
-        {
-            bail!(
-                "{}",
-                top(
-                    "workloads.stream: needs contexts, each longer than prefix > 0, chunk > 0 and articles > 0"
-                        .into()
-                )
-            );
-        }
-        if let Some(p) = &w.passkey
-            && (p.lengths.is_empty()
-                || p.depths.is_empty()
-                || p.chunk == 0
-                || p.depths
-                    .iter()
-                    .any(|d| !(0.0..=1.0).contains(d) || d.is_sign_negative()))
-        {
-            bail!(
-                "{}",
-                top("workloads.passkey: needs lengths, depths within [0, 1] and chunk > 0".into())
-            );
-        }
-        if let Some(msg) = w.repeated_item() {
-            bail!("{}", top(msg));
-        }
+    /// Every configuration: named, safely and once; its mechanisms and the
+    /// harness's own keys valid.
+    fn check_configs(&self, src: &str, path: &Path, registry: &Registry) -> Result<()> {
         let mut names = std::collections::BTreeSet::new();
         let base = self.baseline();
         for c in &self.configs {
@@ -429,40 +312,10 @@ fn file_name_ok(name: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || "-_.+".contains(c))
 }
 
-impl Workloads {
-    /// A matrix that would measure one item twice, or name two items alike
-    /// (depths that round to the same name): what is wrong, in one line.
-    fn repeated_item(&self) -> Option<String> {
-        let twice = |what: &str, v: &[usize]| {
-            let mut seen = std::collections::BTreeSet::new();
-            v.iter()
-                .find(|x| !seen.insert(**x))
-                .map(|x| format!("{what} lists {x} twice"))
-        };
-        if let Some(s) = &self.stream {
-            if let Some(msg) = twice("workloads.stream.contexts", &s.contexts) {
-                return Some(msg);
-            }
-        }
-        let p = self.passkey.as_ref()?;
-        if let Some(msg) = twice("workloads.passkey.lengths", &p.lengths) {
-            return Some(msg);
-        }
-        let mut names = std::collections::BTreeMap::new();
-        for &d in &p.depths {
-            if let Some(old) = names.insert(format!("{d:.2}"), d) {
-                return Some(format!(
-                    "workloads.passkey.depths {old} and {d} are the same item (depth{d:.2}): give depths at least 0.01 apart"
-                ));
-            }
-        }
-        None
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::workloads::PasskeyWorkload;
 
     const GOOD: &str = r#"
 name = "t"

@@ -151,11 +151,10 @@ pub fn section(
         };
         let mut cells = Vec::new();
         for (i, (w, metric, _)) in WORKLOADS.iter().enumerate() {
-            let s = if exp.runs(name, w) {
-                share(records, name, base, w)
-            } else {
-                None
-            };
+            let s = exp
+                .runs(name, w)
+                .then(|| share(records, name, base, w))
+                .flatten();
             if let Some(s) = s {
                 csv.row([
                     name.to_string(),
@@ -178,30 +177,7 @@ pub fn section(
                 }
                 continue;
             };
-            let point = if *w == "stream" {
-                // The baseline is the zero; a row without a change (no
-                // paired chunks) is no point at all.
-                let none = if name == base { 0.0 } else { f64::NAN };
-                let (c, i) = q.change.map_or((none, None), |(c, i)| (c, Some(i)));
-                Point {
-                    label: name.into(),
-                    x: kept,
-                    y: c * 100.0,
-                    lo: i.map_or(f64::NAN, |i| i.lo * 100.0),
-                    hi: i.map_or(f64::NAN, |i| i.hi * 100.0),
-                    reference: false,
-                }
-            } else {
-                Point {
-                    label: name.into(),
-                    x: kept,
-                    y: q.value,
-                    lo: q.interval.map_or(f64::NAN, |i| i.lo),
-                    hi: q.interval.map_or(f64::NAN, |i| i.hi),
-                    reference: false,
-                }
-            };
-            panels[i].points.push(point);
+            panels[i].points.push(point(name, name == base, w, kept, q));
             match *w {
                 "stream" => cells.push(change(q, "%", 2)),
                 "passkey" => {
@@ -229,6 +205,35 @@ pub fn section(
         );
     }
     (md, csv, panels)
+}
+
+/// Row `name`'s point in workload `w`'s panel: its KV share kept against
+/// its quality (a stream's perplexity change in percent, the baseline at
+/// zero; accuracy otherwise), with the interval.
+fn point(name: &str, is_base: bool, w: &str, kept: f64, q: &Quality) -> Point {
+    if w == "stream" {
+        // The baseline is the zero; a row without a change (no paired
+        // chunks) is no point at all.
+        let none = if is_base { 0.0 } else { f64::NAN };
+        let (c, i) = q.change.map_or((none, None), |(c, i)| (c, Some(i)));
+        Point {
+            label: name.into(),
+            x: kept,
+            y: c * 100.0,
+            lo: i.map_or(f64::NAN, |i| i.lo * 100.0),
+            hi: i.map_or(f64::NAN, |i| i.hi * 100.0),
+            reference: false,
+        }
+    } else {
+        Point {
+            label: name.into(),
+            x: kept,
+            y: q.value,
+            lo: q.interval.map_or(f64::NAN, |i| i.lo),
+            hi: q.interval.map_or(f64::NAN, |i| i.hi),
+            reference: false,
+        }
+    }
 }
 
 /// kvpress's presses from `dir/kvpress.csv`, on the items `items` (this

@@ -2,10 +2,16 @@
 //! in the Python package): every mechanism on and off on a real model,
 //! one report.
 //!
-//! * [`config`]: the experiment file (TOML): model, workloads, matrix.
-//! * [`run`]: each configuration on each workload, item
-//!   by item, resumable.
-//! * [`report`]: `report.md`, `results.csv`, `turns.csv`, PNGs.
+//! * [`config`]: the experiment file (TOML): model, [`workloads`], matrix.
+//! * [`run`]: each configuration on each workload, item by item,
+//!   resumable; `start` is what it does before the first item (inputs
+//!   present, model loaded, what a resume keeps), [`items`] builds the
+//!   workloads' items and their inputs (chats, streams, pass-key prompts),
+//!   `export` writes them out, `runner` measures one item on one
+//!   configuration's engine.
+//! * [`report`]: `report.md`, `results.csv`, `turns.csv`, PNGs; `tables`
+//!   its per-workload tables and CSV files, `numbers` how it aggregates
+//!   and prints values.
 //! * [`intervals`], [`stats`]: quality with 95% intervals (Wilson, paired
 //!   bootstrap against the baseline), `intervals.csv`.
 //! * [`iso`]: quality at equal memory — KV share against the baseline item
@@ -18,14 +24,18 @@
 //!   with a bound, chats, articles, a seeded generator.
 
 pub mod config;
+mod export;
 pub mod inputs;
 pub mod intervals;
 pub mod iso;
+pub mod items;
+mod numbers;
 pub mod output;
 pub mod plot;
 pub mod record;
 pub mod report;
 pub mod stats;
+mod tables;
 pub mod target;
 
 /// The eviction policies experiment files can name: kvforge's own, and
@@ -38,4 +48,7 @@ pub fn registry() -> kvforge_engine::Registry {
 /// default; [`run`] sets it explicitly, the report names it).
 pub const HOT_KV: &str = "f16";
 pub mod run;
+mod runner;
+mod start;
 pub mod strided;
+pub mod workloads;

@@ -1,5 +1,5 @@
 //! [`Record`]: one measured item of one workload under one configuration,
-//! what the runner writes (`records.jsonl`) and the report, the intervals
+//! what the runner writes (`items.jsonl`) and the report, the intervals
 //! and the equal-memory tables read.
 
 use std::collections::BTreeMap;

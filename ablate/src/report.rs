@@ -1,14 +1,14 @@
 //! The report built from the records of measured items: `report.md`,
 //! `results.csv`, `turns.csv` and the PNGs.
 
-use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use anyhow::Result;
 
 use crate::config::{Experiment, Mechanisms};
 use crate::inputs::median;
-use crate::output::{Csv, Output};
+use crate::numbers::{MIB, max, mean, with_change, with_points};
+use crate::output::Output;
 use crate::plot;
 use crate::record::Record;
 
@@ -23,8 +23,6 @@ pub struct RunInfo {
     /// missing; the report also gives the sum of every item's time).
     pub wall_secs: f64,
 }
-
-const MIB: f64 = 1024.0 * 1024.0;
 
 /// Per-configuration aggregates of every workload (NaN where a workload
 /// did not run or all its items failed).
@@ -68,20 +66,6 @@ pub fn describe(exp: &Experiment, m: &Mechanisms) -> String {
         ),
         None => words,
     }
-}
-
-fn mean(v: impl IntoIterator<Item = f64>) -> f64 {
-    let (s, n) = v
-        .into_iter()
-        .filter(|x| x.is_finite())
-        .fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
-    if n == 0 { f64::NAN } else { s / n as f64 }
-}
-
-fn max(v: impl IntoIterator<Item = f64>) -> f64 {
-    v.into_iter()
-        .filter(|x| x.is_finite())
-        .fold(f64::NAN, |m, x| if m.is_nan() || x > m { x } else { m })
 }
 
 /// Aggregates the records of each configuration of `exp`.
@@ -142,36 +126,6 @@ pub fn summarize(exp: &Experiment, records: &[Record]) -> Vec<Summary> {
             }
         })
         .collect()
-}
-
-fn num(x: f64, digits: usize) -> String {
-    if x.is_finite() {
-        format!("{x:.digits$}")
-    } else {
-        "–".into()
-    }
-}
-
-/// `x` and its change against `base` in percent.
-fn with_change(x: f64, base: f64, digits: usize) -> String {
-    if !x.is_finite() {
-        return "–".into();
-    }
-    if !base.is_finite() || base == 0.0 {
-        return num(x, digits);
-    }
-    format!("{} ({:+.1}%)", num(x, digits), (x / base - 1.0) * 100.0)
-}
-
-/// A fraction in percent and its change in points against `base`.
-fn with_points(x: f64, base: f64) -> String {
-    if !x.is_finite() {
-        return "–".into();
-    }
-    if !base.is_finite() {
-        return format!("{:.0}%", x * 100.0);
-    }
-    format!("{:.0}% ({:+.0} pt)", x * 100.0, (x - base) * 100.0)
 }
 
 /// Writes `results.csv`, `turns.csv`, the PNGs and `report.md` to `out`
@@ -238,7 +192,7 @@ pub fn write(out: &mut Output, exp: &Experiment, records: &[Record], info: &RunI
         crate::HOT_KV
     ));
     md.push_str(&quality);
-    workload_sections(&mut md, exp, records);
+    crate::tables::workload_sections(&mut md, exp, records);
     let failures: Vec<&Record> = records.iter().filter(|r| r.error.is_some()).collect();
     if !failures.is_empty() {
         md.push_str(
@@ -260,8 +214,8 @@ pub fn write(out: &mut Output, exp: &Experiment, records: &[Record], info: &RunI
         "\n## The experiment file\n\n```toml\n{}\n```\n",
         info.config_text.trim_end()
     );
-    out.csv("results.csv", &results_csv(records))?;
-    out.csv("turns.csv", &turns_csv(records))?;
+    out.csv("results.csv", &crate::tables::results_csv(records))?;
+    out.csv("turns.csv", &crate::tables::turns_csv(records))?;
     out.csv("intervals.csv", &intervals)?;
     plots(out, exp, records, &summary)?;
     out.report(&md)?;
@@ -308,163 +262,6 @@ fn model_words(exp: &Experiment) -> String {
         crate::HOT_KV,
         m.block_size
     )
-}
-
-fn workload_sections(md: &mut String, exp: &Experiment, records: &[Record]) {
-    let names: Vec<&str> = exp.matrix().iter().map(|m| m.name()).collect();
-    let ok = |c: &str, w: &str| -> Vec<&Record> {
-        records
-            .iter()
-            .filter(|r| r.config == c && r.workload == w && r.error.is_none())
-            .collect()
-    };
-    if let Some(w) = &exp.workloads.chat {
-        let _ = writeln!(
-            md,
-            "\n## Chat\n\n{} chitchat conversation(s) as sessions, {} user turns each plus the recall question, \
-             greedy answers of at most {} tokens; a four-digit code is planted in the second user message. \
-             KV MiB held at the end of each turn of the first chat (whole sequence, all tiers):\n",
-            w.chats, w.turns, w.answer_tokens
-        );
-        let turns = w.turns + 1;
-        let _ = write!(md, "| configuration |");
-        for t in 1..=turns {
-            let _ = write!(md, " {t} |");
-        }
-        let _ = write!(md, " recalled |\n|---|");
-        for _ in 0..=turns {
-            md.push_str("---:|");
-        }
-        md.push('\n');
-        for c in &names {
-            let rs = ok(c, "chat");
-            let Some(r) = rs.first() else { continue };
-            let _ = write!(md, "| {c} |");
-            for t in &r.turns {
-                let _ = write!(
-                    md,
-                    " {} |",
-                    num(t.get("kv_bytes").copied().unwrap_or(f64::NAN) / MIB, 1)
-                );
-            }
-            let recalled = rs.iter().filter(|r| r.get("recalled") > 0.5).count();
-            let _ = writeln!(md, " {recalled}/{} |", rs.len());
-        }
-    }
-    if let Some(w) = &exp.workloads.stream {
-        let _ = writeln!(
-            md,
-            "\n## Streaming perplexity\n\n{} of the longest articles of `{}` (each article in one stream only, \
-             concatenated up to the context: item `aN-ctxC`, or `ctxC` for one stream); prefix {} tokens, chunks of {}, \
-             then {} greedy decode steps timed.\n\n| configuration | item | tokens | perplexity | KV MiB (hot + cold) | decode tok/s |\n|---|---|---:|---:|---:|---:|",
-            match w.articles {
-                1 => "One stream".to_string(),
-                n => format!("{n} streams"),
-            },
-            w.data.display(),
-            w.prefix,
-            w.chunk,
-            w.decode
-        );
-        for c in &names {
-            for r in ok(c, "stream") {
-                let _ = writeln!(
-                    md,
-                    "| {c} | {} | {} | {} | {} ({} + {}) | {} |",
-                    r.item,
-                    r.get("context"),
-                    num(r.get("ppl"), 4),
-                    num(r.get("kv_bytes") / MIB, 1),
-                    num(r.get("hot_bytes") / MIB, 1),
-                    num(r.get("cold_bytes") / MIB, 1),
-                    num(r.get("decode_tok_s"), 2)
-                );
-            }
-        }
-    }
-    if let Some(w) = &exp.workloads.passkey {
-        let _ = writeln!(
-            md,
-            "\n## Pass key retrieval\n\nA five-digit key at each depth of a haystack of `{}` essays, prefilled in chunks of {} tokens, \
-             then the question; exact match of the digits. Retrieved / items per prompt length:\n",
-            w.data.display(),
-            w.chunk
-        );
-        let _ = write!(md, "| configuration |");
-        for l in &w.lengths {
-            let _ = write!(md, " {l} |");
-        }
-        md.push_str(" mean KV MiB |\n|---|");
-        for _ in 0..=w.lengths.len() {
-            md.push_str("---:|");
-        }
-        md.push('\n');
-        for c in &names {
-            let rs = ok(c, "passkey");
-            if rs.is_empty() {
-                continue;
-            }
-            let _ = write!(md, "| {c} |");
-            for &l in &w.lengths {
-                let at: Vec<&&Record> = rs.iter().filter(|r| r.get("length") == l as f64).collect();
-                let hit = at.iter().filter(|r| r.get("correct") > 0.5).count();
-                let _ = write!(md, " {hit}/{} |", at.len());
-            }
-            let _ = writeln!(
-                md,
-                " {} |",
-                num(mean(rs.iter().map(|r| r.get("kv_bytes") / MIB)), 1)
-            );
-        }
-    }
-}
-
-/// A CSV: the `lead` columns, then the union of the rows' keys; each row
-/// is its leading fields and its values, empty where absent.
-fn csv_table(lead: &[&str], rows: &[(Vec<String>, &BTreeMap<String, f64>)]) -> Csv {
-    let keys: std::collections::BTreeSet<&str> = rows
-        .iter()
-        .flat_map(|(_, v)| v.keys().map(String::as_str))
-        .collect();
-    let head: Vec<&str> = lead.iter().copied().chain(keys.iter().copied()).collect();
-    let mut csv = Csv::new(&head);
-    for (fields, values) in rows {
-        let values = keys
-            .iter()
-            .map(|k| values.get(*k).map_or(String::new(), f64::to_string));
-        csv.row(fields.iter().cloned().chain(values));
-    }
-    csv
-}
-
-fn results_csv(records: &[Record]) -> Csv {
-    let rows: Vec<(Vec<String>, &BTreeMap<String, f64>)> = records
-        .iter()
-        .map(|r| {
-            let lead = vec![
-                r.config.clone(),
-                r.workload.clone(),
-                r.item.clone(),
-                r.error.clone().unwrap_or_default(),
-                format!("{:.3}", r.secs),
-            ];
-            (lead, &r.values)
-        })
-        .collect();
-    csv_table(&["config", "workload", "item", "error", "secs"], &rows)
-}
-
-fn turns_csv(records: &[Record]) -> Csv {
-    let rows: Vec<(Vec<String>, &BTreeMap<String, f64>)> = records
-        .iter()
-        .flat_map(|r| {
-            r.turns.iter().enumerate().map(move |(i, t)| {
-                let lead = vec![r.config.clone(), r.item.clone(), (i + 1).to_string()];
-                (lead, t)
-            })
-        })
-        .collect();
-    csv_table(&["config", "item", "turn"], &rows)
 }
 
 fn plots(
@@ -540,32 +337,4 @@ fn plots(
         })?;
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn medians_means_and_changes_skip_what_is_missing() {
-        assert_eq!(median(vec![3.0, 1.0, f64::NAN, 2.0]), 2.0);
-        assert_eq!(median(vec![4.0, 1.0]), 2.5);
-        assert!(median(vec![]).is_nan());
-        assert_eq!(mean([1.0, f64::NAN, 3.0]), 2.0);
-        assert_eq!(max([1.0, f64::NAN, 3.0]), 3.0);
-        assert_eq!(with_change(110.0, 100.0, 1), "110.0 (+10.0%)");
-        assert_eq!(with_points(0.5, 0.75), "50% (-25 pt)");
-        assert_eq!(with_change(f64::NAN, 1.0, 1), "–");
-    }
-
-    #[test]
-    fn a_table_has_the_union_of_the_keys_and_blanks_where_absent() {
-        let a: BTreeMap<String, f64> = [("x".to_string(), 1.5)].into();
-        let b: BTreeMap<String, f64> = [("y".to_string(), 2.0)].into();
-        let rows = vec![(vec!["a,1".to_string()], &a), (vec!["b".to_string()], &b)];
-        let csv = csv_table(&["name"], &rows);
-        #[allow(clippy::unwrap_used)]
-        let text = csv.text().unwrap();
-        assert_eq!(text, "name,x,y\n\"a,1\",1.5,\nb,,2\n");
-    }
 }
