@@ -16,6 +16,17 @@ pub struct Common {
     pub out: Option<PathBuf>,
 }
 
+/// The chitchat conversations a chat experiment replays.
+#[derive(clap::Args, Debug)]
+pub struct Chats {
+    /// The chitchat dataset.
+    #[arg(long = "data", default_value = CHITCHAT)]
+    pub data: PathBuf,
+}
+
+/// Where `cargo xtask setup` puts chitchat's conversations.
+pub const CHITCHAT: &str = "data/chitchat/dataset.json";
+
 impl Common {
     /// The output folder: `--out`, else `default`.
     pub fn out_or(&self, default: &str) -> PathBuf {

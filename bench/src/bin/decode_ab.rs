@@ -42,7 +42,7 @@ use kvforge_bench::median;
 use kvforge_bench::output::{Csv, Output};
 use kvforge_engine::ppl::greedy_token;
 use kvforge_engine::{
-    AttentionBackend, Engine, EngineConfig, FusedBackend, Isa, Kind, KvQuant, KvStore,
+    AttentionBackend, Engine, EngineConfig, FusedBackend, Isa, Kind, KvQuant, KvStore, Llama,
     PagedKvCache, ReferenceBackend, Sequence, Tensor, parse_dtype,
 };
 
@@ -170,12 +170,42 @@ fn run() -> Result<()> {
     ids.truncate(a.context);
     let capacity = a.context + a.steps * a.rounds * backends.len();
     let model = engine.model();
+    let mut arms = prefilled(&a, model, &ids, &kinds, capacity)?;
+    race(&a, model, &mut arms)?;
+    let (mut md, csv) = table(&a, model, &arms);
+    for arm in &mut arms {
+        arm.cache.free(&mut arm.seq)?;
+    }
+    drop(arms);
+    if a.batch > 1 {
+        let name = backends
+            .iter()
+            .find(|b| b.starts_with("fused"))
+            .unwrap_or(&backends[0]);
+        md.push_str(&batched(&a, &engine, &all_ids, name, kinds[0].1)?);
+    }
+    out.csv("decode.csv", &csv)?;
+    out.report(&md)?;
+    println!("{md}");
+    println!("written to {}", a.out().display());
+    Ok(())
+}
+
+/// One arm per KV dtype × cold format, each with its own cache holding
+/// `ids` (prefilled in chunks of 512) and the logits after them.
+fn prefilled(
+    a: &Args,
+    model: &Llama,
+    ids: &[u32],
+    kinds: &[(String, Kind)],
+    capacity: usize,
+) -> Result<Vec<Arm>> {
     let mut specs: Vec<Option<KvQuant>> = vec![None];
     for f in &a.formats {
         specs.push(Some(KvQuant::parse(f)?));
     }
     let mut arms = Vec::new();
-    for (dname, kind) in &kinds {
+    for (dname, kind) in kinds {
         for spec in &specs {
             let mut cache =
                 PagedKvCache::new(&model.cfg, a.block_size, capacity, model.device(), *kind)?;
@@ -192,12 +222,19 @@ fn run() -> Result<()> {
                 cache,
                 seq,
                 last,
-                rates: vec![Vec::new(); backends.len()],
+                rates: vec![Vec::new(); a.backends.len()],
             });
         }
     }
+    Ok(arms)
+}
+
+/// `a.rounds` rounds: every arm decodes `a.steps` tokens under each
+/// backend in turn, so that machine noise hits all alike.
+fn race(a: &Args, model: &Llama, arms: &mut [Arm]) -> Result<()> {
+    let backends = &a.backends;
     for _ in 0..a.rounds {
-        for arm in &mut arms {
+        for arm in arms.iter_mut() {
             for (b, name) in backends.iter().enumerate() {
                 arm.cache.set_backend(backend(name)?);
                 let t = Instant::now();
@@ -209,6 +246,13 @@ fn run() -> Result<()> {
             }
         }
     }
+    Ok(())
+}
+
+/// The report's table and `decode.csv`: each arm's median rate under each
+/// backend, against the first arm and against its first backend.
+fn table(a: &Args, model: &Llama, arms: &[Arm]) -> (String, Csv) {
+    let backends = &a.backends;
     let base = median(arms[0].rates[0].clone());
     let mut md = format!(
         "Decode at {} tokens of context, {} rounds × {} steps per arm, interleaved, medians (block {}, compute {:?}, weights {}, {} kernel).\n\n\
@@ -231,7 +275,7 @@ fn run() -> Result<()> {
         "hot_bytes",
         "cold_bytes",
     ]);
-    for arm in &arms {
+    for arm in arms {
         let (hot, cold) = arm.cache.tier_bytes();
         let own = median(arm.rates[0].clone());
         for (b, bname) in backends.iter().enumerate() {
@@ -257,22 +301,7 @@ fn run() -> Result<()> {
             );
         }
     }
-    for arm in &mut arms {
-        arm.cache.free(&mut arm.seq)?;
-    }
-    drop(arms);
-    if a.batch > 1 {
-        let name = backends
-            .iter()
-            .find(|b| b.starts_with("fused"))
-            .unwrap_or(&backends[0]);
-        md.push_str(&batched(&a, &engine, &all_ids, name, kinds[0].1)?);
-    }
-    out.csv("decode.csv", &csv)?;
-    out.report(&md)?;
-    println!("{md}");
-    println!("written to {}", a.out().display());
-    Ok(())
+    (md, csv)
 }
 
 /// Batch 1 against batch `a.batch`, interleaved, on the same sequences.

@@ -31,7 +31,7 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::Parser;
-use kvforge_bench::cli::{self, Common};
+use kvforge_bench::cli::{self, Chats, Common};
 use kvforge_bench::output::{Csv, Output};
 use kvforge_engine::gguf::GgufFile;
 use kvforge_engine::{Message, Tokenizer};
@@ -61,9 +61,8 @@ struct Args {
     remote_capacity: usize,
     #[arg(long, default_value_t = 16, value_parser = cli::positive)]
     block_size: usize,
-    /// The chitchat dataset.
-    #[arg(long, default_value = "data/chitchat/dataset.json")]
-    data: PathBuf,
+    #[command(flatten)]
+    chats_file: Chats,
     #[command(flatten)]
     common: Common,
 }
@@ -207,7 +206,8 @@ fn simulate(
 /// Every request of the replay in arrival order: `active` conversations
 /// at a time, one message pair each in turn.
 fn requests(a: &Args, tok: &Tokenizer) -> Result<Vec<(usize, Vec<BlockHash>, usize)>> {
-    let chats = kvforge_bench::load_chats(&a.data, a.turns, a.chats, a.turns..=usize::MAX)?;
+    let chats =
+        kvforge_bench::load_chats(&a.chats_file.data, a.turns, a.chats, a.turns..=usize::MAX)?;
     let h = Xxh3Hasher::with_seed(1);
     let root = root_key(&h, &ExtraKeys::default());
     let mut scratch = Vec::new();

@@ -19,107 +19,132 @@
 
 use std::path::PathBuf;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
+use clap::{Parser, ValueEnum};
+use kvforge_bench::cli;
 use kvforge_bench::output::Output;
 use kvforge_bench::serve_load::Common;
 use kvforge_bench::serve_load::servers::LlamaSpec;
-use kvforge_bench::serve_load::sweep::{Soak, Sweep};
-use kvforge_bench::serve_load::{compare, sweep};
+use kvforge_bench::serve_load::soak::Soak;
+use kvforge_bench::serve_load::sweep::Sweep;
+use kvforge_bench::serve_load::{compare, soak, sweep};
 
-const USAGE: &str = "usage: serve_load sweep|soak|budget|single [--levels 1,2,4,8,16,32] [--reps N] \
-                     [--turns N] [--max-tokens N] [--ignore-eos true|false] [--min-convs N] [--ctx-per-slot N] [--llama-server PATH] \
-                     [--minutes M] [--concurrency N] [--leave SHARE] [--context N] [--config FILE] [--serve-args \"FLAGS\"] \
-                     [--model FILE] [--data FILE] [--serve-bin FILE] [--kvforge-bin FILE] [--threads N] [--out DIR]";
+/// What to run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Mode {
+    /// Conversations at each concurrency level, llama-server beside.
+    Sweep,
+    /// Waves of conversations for `--minutes`, some clients leaving.
+    Soak,
+    /// Conversations over a KV budget that holds half of their KV.
+    Budget,
+    /// One stream through the server against `kvforge bench`.
+    Single,
+}
 
-fn main() {
-    if let Err(e) = run() {
-        eprintln!("serve-load: {e:#}");
-        std::process::exit(1);
-    }
+/// kvforge-serve under real, bounded load on loopback; each mode starts
+/// and stops its servers.
+#[derive(Parser)]
+#[command(name = "serve-load")]
+struct Args {
+    mode: Mode,
+    /// Concurrency levels (sweep).
+    #[arg(long, value_delimiter = ',', value_parser = cli::positive, default_value = "1,2,4,8,16,32")]
+    levels: Vec<usize>,
+    /// Runs per server and level (sweep), or per arm (single).
+    #[arg(long, default_value_t = 3, value_parser = cli::positive)]
+    reps: usize,
+    /// Turns per conversation.
+    #[arg(long, default_value_t = 4, value_parser = cli::positive)]
+    turns: usize,
+    /// Tokens per reply at most (default 64; single: 128).
+    #[arg(long, value_parser = cli::positive)]
+    max_tokens: Option<usize>,
+    /// Ignore end-of-sequence tokens (replies run to --max-tokens).
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
+    ignore_eos: bool,
+    /// Conversations per level at least (sweep).
+    #[arg(long, default_value_t = 8, value_parser = cli::positive)]
+    min_convs: usize,
+    /// kvforge's hot KV tokens, and llama-server's context, per slot (sweep).
+    #[arg(long, default_value_t = 1024, value_parser = cli::positive)]
+    ctx_per_slot: usize,
+    /// llama.cpp's server binary (scripts/llama_server.sh builds it).
+    #[arg(long)]
+    llama_server: Option<PathBuf>,
+    /// Minutes to run (soak), in (0, 240].
+    #[arg(long, default_value_t = 10.0, value_parser = minutes)]
+    minutes: f64,
+    /// Clients at once (soak: 16, budget: 8).
+    #[arg(long, value_parser = cli::positive)]
+    concurrency: Option<usize>,
+    /// Share of clients that leave mid-stream (soak).
+    #[arg(long, default_value_t = 0.1)]
+    leave: f64,
+    /// Prompt tokens (single).
+    #[arg(long, default_value_t = 1024, value_parser = cli::positive)]
+    context: usize,
+    /// A mechanisms file for kvforge-serve.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// More flags for kvforge-serve, space-separated.
+    #[arg(long, default_value = "")]
+    serve_args: String,
+    /// The model.
+    #[arg(long, default_value = kvforge_engine::DEFAULT_MODEL)]
+    model: PathBuf,
+    /// chitchat's dataset.json.
+    #[arg(long, default_value = cli::CHITCHAT)]
+    data: PathBuf,
+    /// The kvforge-serve binary.
+    #[arg(long, default_value = "target/release/kvforge-serve")]
+    serve_bin: PathBuf,
+    /// The kvforge binary (single).
+    #[arg(long, default_value = "target/release/kvforge")]
+    kvforge_bin: PathBuf,
+    /// llama-server's threads.
+    #[arg(long, default_value_t = 2, value_parser = cli::positive)]
+    threads: usize,
+    /// Where the outputs go (default target/serve-load/MODE).
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+/// `--minutes`: a number in (0, 240].
+fn minutes(value: &str) -> Result<f64, String> {
+    value
+        .parse()
+        .ok()
+        .filter(|m: &f64| *m > 0.0 && *m <= 240.0)
+        .ok_or_else(|| "takes a number in (0, 240]".to_string())
+}
+
+fn main() -> std::process::ExitCode {
+    kvforge_bench::main_with("serve-load", run)
 }
 
 fn run() -> Result<()> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let Some(mode) = args.first().cloned() else {
-        bail!("{USAGE}");
-    };
-    if !["sweep", "soak", "budget", "single"].contains(&mode.as_str()) {
-        bail!("unknown mode {mode:?}; {USAGE}");
-    }
+    let a: Args = cli::parse()?;
+    let mode = a
+        .mode
+        .to_possible_value()
+        .map_or_else(String::new, |v| v.get_name().to_string());
     let mut c = Common {
-        model: kvforge_engine::DEFAULT_MODEL.into(),
-        data: "data/chitchat/dataset.json".into(),
-        serve_bin: "target/release/kvforge-serve".into(),
-        turns: 4,
-        max_tokens: 64,
-        ignore_eos: false,
-        config: None,
-        extra: Vec::new(),
+        model: a.model,
+        data: a.data,
+        serve_bin: a.serve_bin,
+        turns: a.turns,
+        max_tokens: a.max_tokens.unwrap_or(64),
+        ignore_eos: a.ignore_eos,
+        config: a.config,
+        extra: a.serve_args.split_whitespace().map(String::from).collect(),
     };
-    let mut sw = Sweep {
-        levels: vec![1, 2, 4, 8, 16, 32],
-        reps: 3,
-        min_convs: 8,
-        ctx_per_slot: 1024,
+    let sw = Sweep {
+        levels: a.levels,
+        reps: a.reps,
+        min_convs: a.min_convs,
+        ctx_per_slot: a.ctx_per_slot,
     };
-    let mut sk = Soak {
-        minutes: 10.0,
-        concurrency: 16,
-        leave: 0.1,
-    };
-    let (mut llama, mut threads, mut context) = (None::<PathBuf>, 2usize, 1024usize);
-    let mut kvforge_bin = PathBuf::from("target/release/kvforge");
-    let mut concurrency = None;
-    let mut out = PathBuf::from(format!("target/serve-load/{mode}"));
-    let mut it = args[1..].iter();
-    while let Some(flag) = it.next() {
-        let value = it.next().with_context(|| format!("{flag} needs a value"))?;
-        let num = || kvforge_bench::positive(flag, value);
-        match flag.as_str() {
-            "--levels" => {
-                sw.levels = value
-                    .split(',')
-                    .map(|v| kvforge_bench::positive(flag, v))
-                    .collect::<Result<_>>()?
-            }
-            "--reps" => sw.reps = num()?,
-            "--turns" => c.turns = num()?,
-            "--ignore-eos" => {
-                c.ignore_eos = value
-                    .parse()
-                    .with_context(|| format!("--ignore-eos takes true or false, not {value:?}"))?
-            }
-            "--max-tokens" => c.max_tokens = num()?,
-            "--min-convs" => sw.min_convs = num()?,
-            "--ctx-per-slot" => sw.ctx_per_slot = num()?,
-            "--llama-server" => llama = Some(value.into()),
-            "--minutes" => {
-                sk.minutes = value
-                    .parse()
-                    .ok()
-                    .filter(|m: &f64| *m > 0.0 && *m <= 240.0)
-                    .with_context(|| {
-                        format!("--minutes takes a number in (0, 240], not {value:?}")
-                    })?
-            }
-            "--concurrency" => concurrency = Some(num()?),
-            "--leave" => {
-                sk.leave = value
-                    .parse()
-                    .with_context(|| format!("--leave: {value:?} is not a share"))?
-            }
-            "--context" => context = num()?,
-            "--config" => c.config = Some(value.into()),
-            "--serve-args" => c.extra = value.split_whitespace().map(String::from).collect(),
-            "--model" => c.model = value.into(),
-            "--data" => c.data = value.into(),
-            "--serve-bin" => c.serve_bin = value.into(),
-            "--kvforge-bin" => kvforge_bin = value.into(),
-            "--threads" => threads = num()?,
-            "--out" => out = value.into(),
-            _ => bail!("unknown flag {flag}; {USAGE}"),
-        }
-    }
     for (what, p) in [
         ("--model", &c.model),
         ("--data", &c.data),
@@ -132,7 +157,7 @@ fn run() -> Result<()> {
             );
         }
     }
-    let llama = match llama {
+    let llama = match a.llama_server {
         Some(bin) if !bin.is_file() => bail!(
             "--llama-server {}: no such file (scripts/llama_server.sh builds it)",
             bin.display()
@@ -140,26 +165,29 @@ fn run() -> Result<()> {
         Some(bin) => Some(LlamaSpec {
             bin,
             model: c.model.clone(),
-            threads,
+            threads: a.threads,
         }),
         None => None,
     };
+    let out = a
+        .out
+        .unwrap_or_else(|| PathBuf::from(format!("target/serve-load/{mode}")));
     let mut o = Output::create(&out)?;
-    match mode.as_str() {
-        "sweep" => sweep::sweep(&c, &sw, llama.as_ref(), &mut o)?,
-        "soak" => {
-            sk.concurrency = concurrency.unwrap_or(16);
-            sweep::soak(&c, &sk, &mut o)?
-        }
-        "budget" => compare::budget(&c, concurrency.unwrap_or(8), llama.as_ref(), &mut o)?,
-        _ => {
-            let text = PathBuf::from("data/exllamav2/wiki.utf8");
-            c.max_tokens = if args.iter().any(|a| a == "--max-tokens") {
-                c.max_tokens
-            } else {
-                128
+    match a.mode {
+        Mode::Sweep => sweep::sweep(&c, &sw, llama.as_ref(), &mut o)?,
+        Mode::Soak => {
+            let sk = Soak {
+                minutes: a.minutes,
+                concurrency: a.concurrency.unwrap_or(16),
+                leave: a.leave,
             };
-            compare::single(&c, &kvforge_bin, &text, context, sw.reps, &mut o)?
+            soak::soak(&c, &sk, &mut o)?
+        }
+        Mode::Budget => compare::budget(&c, a.concurrency.unwrap_or(8), llama.as_ref(), &mut o)?,
+        Mode::Single => {
+            let text = PathBuf::from("data/exllamav2/wiki.utf8");
+            c.max_tokens = a.max_tokens.unwrap_or(128);
+            compare::single(&c, &a.kvforge_bin, &text, a.context, sw.reps, &mut o)?
         }
     }
     eprintln!("serve-load: wrote {}", o.dir().display());

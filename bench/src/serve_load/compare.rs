@@ -39,22 +39,84 @@ fn preemptions(metrics: &str) -> f64 {
         .map_or(0.0, |r| r.1)
 }
 
-/// Runs the half-budget comparison; writes `budget.csv` and `report.md`.
-pub fn budget(
-    c: &Common,
+/// The comparison's table: `budget.csv`, and the report's rows.
+struct Table {
+    csv: Csv,
+    lines: String,
+    budget_mib: u64,
     concurrency: usize,
-    llama: Option<&LlamaSpec>,
-    out: &mut Output,
-) -> Result<()> {
-    let convs = c.chats(concurrency)?;
-    let load = Load {
-        max_tokens: c.max_tokens,
-        ignore_eos: c.ignore_eos,
-        disconnect_after: None,
-    };
-    // Pass 1: no budget. A block's bytes are read off the metrics while one
-    // long request holds blocks; the conversations' full KV is what their
-    // last turns hold (prompt and reply), counted in whole blocks.
+}
+
+impl Table {
+    fn new(budget_mib: u64, concurrency: usize) -> Table {
+        let csv = Csv::new(&[
+            "server",
+            "budget_mib",
+            "completed",
+            "conversations",
+            "errors",
+            "tok_s",
+            "ttft_p50_ms",
+            "peak_hot_mib",
+            "peak_cold_mib",
+            "preemptions",
+            "first_error",
+        ]);
+        Table {
+            csv,
+            lines: String::new(),
+            budget_mib,
+            concurrency,
+        }
+    }
+
+    /// One server's run.
+    fn record(&mut self, name: &str, s: &Summary, preempted: Option<f64>) {
+        let mib = |b: f64| b / f64::from(1u32 << 20);
+        let first = s.errors.first().cloned().unwrap_or_default();
+        let cold = s.cold_peak();
+        let pre = preempted.map_or_else(|| "–".to_string(), |p| format!("{p:.0}"));
+        self.csv.row([
+            name.to_string(),
+            self.budget_mib.to_string(),
+            s.completed.to_string(),
+            self.concurrency.to_string(),
+            s.errors.len().to_string(),
+            format!("{:.2}", s.tok_s()),
+            format!("{:.0}", s.ttft_ms(0.5)),
+            format!("{:.1}", mib(s.peak("hot"))),
+            format!("{:.1}", mib(cold)),
+            pre.clone(),
+            first.clone(),
+        ]);
+        let concurrency = self.concurrency;
+        let _ = writeln!(
+            self.lines,
+            "| {name} | {}/{concurrency} | {} | {:.1} | {:.0} | {:.1} + {:.1} | {pre} | {} |",
+            s.completed,
+            s.errors.len(),
+            s.tok_s(),
+            s.ttft_ms(0.5),
+            mib(s.peak("hot")),
+            mib(cold),
+            first
+                .chars()
+                .take(120)
+                .collect::<String>()
+                .replace('|', "/")
+        );
+    }
+}
+
+/// Pass 1, no budget: the conversations' run, the bytes of a hot block
+/// (read off the metrics while one long request holds blocks) and the
+/// preemptions.
+fn unconstrained(
+    c: &Common,
+    convs: &[Vec<String>],
+    concurrency: usize,
+    load: &Load,
+) -> Result<(Summary, f64, f64)> {
     let full = c.kvforge(&[
         "--max-batch".into(),
         concurrency.to_string(),
@@ -74,12 +136,76 @@ pub fn budget(
     probe.next();
     let per_block = block_bytes(&server.metrics())?;
     probe.close();
-    let s_full = measure(&server, &convs, concurrency, &load, &|_| false);
+    let s_full = measure(&server, convs, concurrency, load, &|_| false);
     let full_preempted = preemptions(&server.metrics());
     server.stop();
     if !s_full.errors.is_empty() {
         bail!("the unconstrained run failed: {:?}", s_full.errors.first());
     }
+    Ok((s_full, per_block, full_preempted))
+}
+
+/// kvforge over `budget_mib`, with the INT4 cold tier or hot only: the
+/// run and its preemptions.
+fn over_budget(
+    c: &Common,
+    out: &Output,
+    (name, cold): (&str, bool),
+    budget_mib: u64,
+    convs: &[Vec<String>],
+    concurrency: usize,
+    load: &Load,
+) -> Result<(Summary, f64)> {
+    let cfg = out.dir().join(if cold { "int4.toml" } else { "hot.toml" });
+    let mut toml = format!(
+        "prefix = {{ index = \"hash-chain\", tail = \"copy\" }}\nbudget_mib = {budget_mib}\n"
+    );
+    if cold {
+        toml.push_str("cold = { format = \"int4\", window = 64, sink = 16 }\n");
+    }
+    std::fs::write(&cfg, toml).with_context(|| format!("writing {}", cfg.display()))?;
+    let spec = Common {
+        config: Some(cfg),
+        ..c.clone()
+    }
+    .kvforge(&[
+        "--max-batch".into(),
+        concurrency.to_string(),
+        "--kv-tokens".into(),
+        "65536".into(),
+    ]);
+    let server = spec.start(&c.log(&format!(
+        "{}.log",
+        if cold { "kvforge-int4" } else { "kvforge-hot" }
+    )))?;
+    warm_up(&server);
+    let s = measure(&server, convs, concurrency, load, &|_| false);
+    let preempted = preemptions(&server.metrics());
+    server.stop();
+    progress(&format!(
+        "{name}: {}/{concurrency} conversations complete, {} errors",
+        s.completed,
+        s.errors.len()
+    ));
+    Ok((s, preempted))
+}
+
+/// Runs the half-budget comparison; writes `budget.csv` and `report.md`.
+pub fn budget(
+    c: &Common,
+    concurrency: usize,
+    llama: Option<&LlamaSpec>,
+    out: &mut Output,
+) -> Result<()> {
+    let convs = c.chats(concurrency)?;
+    let load = Load {
+        max_tokens: c.max_tokens,
+        ignore_eos: c.ignore_eos,
+        disconnect_after: None,
+    };
+    // The conversations' full KV is what their last turns hold (prompt and
+    // reply), counted in whole blocks.
+    let (s_full, per_block, full_preempted) = unconstrained(c, &convs, concurrency, &load)?;
     // Each conversation's KV at its end: its last prompt and reply.
     let block = 16.0;
     let final_tokens = &s_full.final_tokens;
@@ -95,96 +221,14 @@ pub fn budget(
         full_bytes / (1u64 << 20) as f64,
         concurrency
     ));
-    let mut csv = Csv::new(&[
-        "server",
-        "budget_mib",
-        "completed",
-        "conversations",
-        "errors",
-        "tok_s",
-        "ttft_p50_ms",
-        "peak_hot_mib",
-        "peak_cold_mib",
-        "preemptions",
-        "first_error",
-    ]);
-    let mut lines = String::new();
-    let mib = |b: f64| b / f64::from(1u32 << 20);
-    let mut record = |name: &str, s: &Summary, preempted: Option<f64>, csv: &mut Csv| {
-        let first = s.errors.first().cloned().unwrap_or_default();
-        let cold = s.cold_peak();
-        let pre = preempted.map_or_else(|| "–".to_string(), |p| format!("{p:.0}"));
-        csv.row([
-            name.to_string(),
-            budget_mib.to_string(),
-            s.completed.to_string(),
-            concurrency.to_string(),
-            s.errors.len().to_string(),
-            format!("{:.2}", s.tok_s()),
-            format!("{:.0}", s.ttft_ms(0.5)),
-            format!("{:.1}", mib(s.peak("hot"))),
-            format!("{:.1}", mib(cold)),
-            pre.clone(),
-            first.clone(),
-        ]);
-        let _ = writeln!(
-            lines,
-            "| {name} | {}/{concurrency} | {} | {:.1} | {:.0} | {:.1} + {:.1} | {pre} | {} |",
-            s.completed,
-            s.errors.len(),
-            s.tok_s(),
-            s.ttft_ms(0.5),
-            mib(s.peak("hot")),
-            mib(cold),
-            first
-                .chars()
-                .take(120)
-                .collect::<String>()
-                .replace('|', "/")
-        );
-    };
-    record(
-        "kvforge, full budget",
-        &s_full,
-        Some(full_preempted),
-        &mut csv,
-    );
-    for (name, cold) in [
+    let mut table = Table::new(budget_mib, concurrency);
+    table.record("kvforge, full budget", &s_full, Some(full_preempted));
+    for arm in [
         ("kvforge, INT4 cold tier", true),
         ("kvforge, hot only", false),
     ] {
-        let cfg = out.dir().join(if cold { "int4.toml" } else { "hot.toml" });
-        let mut toml = format!(
-            "prefix = {{ index = \"hash-chain\", tail = \"copy\" }}\nbudget_mib = {budget_mib}\n"
-        );
-        if cold {
-            toml.push_str("cold = { format = \"int4\", window = 64, sink = 16 }\n");
-        }
-        std::fs::write(&cfg, toml).with_context(|| format!("writing {}", cfg.display()))?;
-        let spec = Common {
-            config: Some(cfg),
-            ..c.clone()
-        }
-        .kvforge(&[
-            "--max-batch".into(),
-            concurrency.to_string(),
-            "--kv-tokens".into(),
-            "65536".into(),
-        ]);
-        let server = spec.start(&c.log(&format!(
-            "{}.log",
-            if cold { "kvforge-int4" } else { "kvforge-hot" }
-        )))?;
-        warm_up(&server);
-        let s = measure(&server, &convs, concurrency, &load, &|_| false);
-        let preempted = preemptions(&server.metrics());
-        server.stop();
-        progress(&format!(
-            "{name}: {}/{concurrency} conversations complete, {} errors",
-            s.completed,
-            s.errors.len()
-        ));
-        record(name, &s, Some(preempted), &mut csv);
+        let (s, preempted) = over_budget(c, out, arm, budget_mib, &convs, concurrency, &load)?;
+        table.record(arm.0, &s, Some(preempted));
     }
     if let Some(l) = llama {
         let ctx = (budget_bytes / per_token).floor() as usize;
@@ -196,24 +240,24 @@ pub fn budget(
             "llama-server -c {ctx}: {}/{concurrency} complete",
             s.completed
         ));
-        record(
+        table.record(
             &format!("llama-server, -c {ctx} (-np {concurrency})"),
             &s,
             None,
-            &mut csv,
         );
     }
-    out.csv("budget.csv", &csv)?;
+    out.csv("budget.csv", &table.csv)?;
     let md = format!(
         "# Conversations over half their KV\n\n{concurrency} chitchat conversations at once, {} turns each, replies of at \
          most {} tokens, every turn resending the history. Their KV at the end (kvforge's f16 hot blocks of {per_block:.0} \
          bytes, {} tokens in all) is {:.1} MiB; the budget is half of it, {budget_mib} MiB. llama-server gets the \
          same memory as its context: budget / {per_token:.0} bytes per token, split over {concurrency} slots.\n\n\
-         | server | conversations completed | errors | tok/s | TTFT p50 ms | peak KV MiB (hot + cold) | preemptions | first error |\n|---|---:|---:|---:|---:|---:|---:|---|\n{lines}",
+         | server | conversations completed | errors | tok/s | TTFT p50 ms | peak KV MiB (hot + cold) | preemptions | first error |\n|---|---:|---:|---:|---:|---:|---:|---|\n{}",
         c.turns,
         c.max_tokens,
         final_tokens.iter().sum::<usize>(),
-        full_bytes / (1u64 << 20) as f64
+        full_bytes / (1u64 << 20) as f64,
+        table.lines
     );
     out.report(&md)?;
     Ok(())

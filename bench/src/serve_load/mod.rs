@@ -4,8 +4,8 @@
 //!
 //! * [`servers`]: the servers as child processes on loopback ports;
 //! * [`replay`]: clients that resend the whole history every turn;
-//! * [`run`]: one measured run; [`sweep`]: the concurrency sweep and the
-//!   soak; [`compare`]: the half-budget run and one stream against
+//! * [`run`]: one measured run; [`sweep`]: the concurrency sweep; [`soak`]:
+//!   clients leaving mid-stream; [`compare`]: the half-budget run and one stream against
 //!   `kvforge bench`.
 
 use std::path::PathBuf;
@@ -16,6 +16,7 @@ pub mod compare;
 pub mod replay;
 pub mod run;
 pub mod servers;
+pub mod soak;
 pub mod sweep;
 
 use replay::Load;

@@ -19,14 +19,15 @@
 
 #![allow(clippy::print_stdout)] // a report printer
 
-use std::fmt::Write as _;
+mod report;
+
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
-use kvforge_bench::cli::{self, Common};
-use kvforge_bench::output::{Csv, Output};
+use kvforge_bench::cli::{self, Chats, Common};
+use kvforge_bench::output::Output;
 use kvforge_coordinator::Slot;
 use kvforge_engine::{
     Axis, CacheManager, Engine, EngineConfig, EvictionConfig, KvQuant, Message, ReuseConfig,
@@ -70,9 +71,8 @@ struct Args {
     /// The cold tier's format.
     #[arg(long, value_enum, default_value_t = Cold::Int4)]
     cold: Cold,
-    /// The chitchat dataset.
-    #[arg(long, default_value = "data/chitchat/dataset.json")]
-    data: PathBuf,
+    #[command(flatten)]
+    chats_file: Chats,
     #[command(flatten)]
     common: Common,
 }
@@ -175,7 +175,7 @@ fn main() -> std::process::ExitCode {
 
 fn run() -> Result<()> {
     let a = parse_args()?;
-    let chats = kvforge_bench::load_chats(&a.data, a.turns, a.sessions, 10..=20)?;
+    let chats = kvforge_bench::load_chats(&a.chats_file.data, a.turns, a.sessions, 10..=20)?;
     let mut out = Output::create(a.out())?;
     let bar = ProgressBar::new((2 * a.sessions * a.turns) as u64);
     bar.set_style(
@@ -195,20 +195,14 @@ fn run() -> Result<()> {
     bar.set_message(format!("pass 2: budget {} MiB", budget >> 20));
     let tight = replay(&a, &chats, budget, 2, &bar)?;
     bar.finish_and_clear();
-    let report = write_outputs(&a, &free, &tight, &mut out)?;
+    let report = report::write_outputs(&a, &free, &tight, &mut out)?;
     println!("pressure: {}", report.display());
     Ok(())
 }
 
-/// Runs every session turn by turn in round robin; `budget` 0 leaves the
-/// budget at the (large) hot capacity.
-fn replay(
-    a: &Args,
-    chats: &[Vec<String>],
-    budget: u64,
-    pass: usize,
-    bar: &ProgressBar,
-) -> Result<Pass> {
+/// The sessions' cache manager (no prefix reuse): the mechanisms of `a`
+/// under `budget` bytes (0: the hot capacity); and the budget it holds.
+fn manager(a: &Args, budget: u64) -> Result<(CacheManager, u64)> {
     let kv_quant = a.cold_bits().map(|bits| KvQuant {
         bits,
         group_size: 32,
@@ -246,6 +240,19 @@ fn replay(
             ..ReuseConfig::default()
         },
     )?;
+    Ok((m, budget))
+}
+
+/// Runs every session turn by turn in round robin; `budget` 0 leaves the
+/// budget at the (large) hot capacity.
+fn replay(
+    a: &Args,
+    chats: &[Vec<String>],
+    budget: u64,
+    pass: usize,
+    bar: &ProgressBar,
+) -> Result<Pass> {
+    let (m, budget) = manager(a, budget)?;
     let params = SamplingParams {
         max_tokens: a.answer_tokens,
         ..SamplingParams::default()
@@ -313,173 +320,4 @@ fn replay(
         evicted,
         budget,
     })
-}
-
-/// Session `s`'s answers in `p`, turn by turn.
-fn answers(p: &Pass, s: usize) -> Vec<&[u32]> {
-    p.rows
-        .iter()
-        .filter(|r| r.session == s)
-        .map(|r| r.answer.as_slice())
-        .collect()
-}
-
-fn mib(b: u64) -> String {
-    format!("{:.1}", b as f64 / f64::from(1u32 << 20))
-}
-
-fn write_outputs(a: &Args, free: &Pass, tight: &Pass, out: &mut Output) -> Result<PathBuf> {
-    let mut csv = Csv::new(&[
-        "pass",
-        "session",
-        "turn",
-        "error",
-        "answer_tokens",
-        "kv_bytes",
-        "hot_bytes",
-        "cold_bytes",
-        "evicted_entries",
-        "evicted_idle_entries",
-        "demoted_blocks",
-        "lost",
-    ]);
-    for r in free.rows.iter().chain(&tight.rows) {
-        csv.row([
-            r.pass.to_string(),
-            r.session.to_string(),
-            r.turn.to_string(),
-            r.error.clone(),
-            r.answer.len().to_string(),
-            r.kv_bytes.to_string(),
-            r.hot_bytes.to_string(),
-            r.cold_bytes.to_string(),
-            r.evicted.to_string(),
-            r.evicted_idle.to_string(),
-            r.demoted.to_string(),
-            u8::from(r.lost).to_string(),
-        ]);
-    }
-    out.csv("turns.csv", &csv)?;
-
-    let n = a.sessions;
-    let same: Vec<bool> = (0..n)
-        .map(|s| answers(free, s) == answers(tight, s))
-        .collect();
-    let untouched: Vec<usize> = (0..n).filter(|&s| !tight.evicted[s]).collect();
-    let untouched_same = untouched.iter().filter(|&&s| same[s]).count();
-    let touched_same = (0..n).filter(|&s| tight.evicted[s] && same[s]).count();
-    let failed: Vec<&Row> = tight.rows.iter().filter(|r| !r.error.is_empty()).collect();
-    // Turns after which the session still had every entry: nothing it read
-    // changed, so its answer must be pass 1's.
-    let intact: Vec<(&Row, &Row)> = tight
-        .rows
-        .iter()
-        .zip(&free.rows)
-        .filter(|(t, _)| !t.lost && t.error.is_empty())
-        .collect();
-    let intact_same = intact.iter().filter(|(t, f)| t.answer == f.answer).count();
-    let last = tight.rows.last();
-    let peak_tight = tight.peak;
-    let mut md = String::new();
-    let _ = writeln!(md, "# Multi-session pressure\n");
-    let _ = writeln!(
-        md,
-        "{n} chitchat sessions × {} turns in round robin (answers of at most {} tokens, greedy), \
-         SmolLM2-135M, f16 hot KV, blocks of 16, {} cold tier, `{}` eviction under a watermark \
-         {}–{} of the budget (sink {}, window {}).\n",
-        a.turns,
-        a.answer_tokens,
-        a.cold_bits()
-            .map_or("no".to_string(), |b| format!("INT{b}")),
-        a.policy,
-        a.low,
-        a.high,
-        a.sink,
-        a.window
-    );
-    let _ = writeln!(
-        md,
-        "| | pass 1 (no pressure) | pass 2 (budget {:.0}% of pass 1's peak) |",
-        a.share * 100.0
-    );
-    let _ = writeln!(md, "|---|---:|---:|");
-    let _ = writeln!(
-        md,
-        "| budget MiB | {} (capacity) | {} |",
-        mib(free.budget),
-        mib(tight.budget)
-    );
-    let _ = writeln!(
-        md,
-        "| peak KV MiB | {} | {} |",
-        mib(free.peak),
-        mib(peak_tight)
-    );
-    let done = |p: &Pass| p.rows.iter().filter(|r| r.error.is_empty()).count();
-    let _ = writeln!(
-        md,
-        "| turns completed | {}/{} | {}/{} |",
-        done(free),
-        free.rows.len(),
-        done(tight),
-        tight.rows.len()
-    );
-    let end = |p: &Pass| {
-        p.rows.last().map_or((0, 0, 0, 0), |r| {
-            (r.hot_bytes, r.cold_bytes, r.evicted, r.demoted)
-        })
-    };
-    let (fh, fc, fe, fd) = end(free);
-    let (th, tc, te, td) = last.map_or((0, 0, 0, 0), |r| {
-        (r.hot_bytes, r.cold_bytes, r.evicted, r.demoted)
-    });
-    let _ = writeln!(
-        md,
-        "| hot / cold MiB at the end | {} / {} | {} / {} |",
-        mib(fh),
-        mib(fc),
-        mib(th),
-        mib(tc)
-    );
-    let _ = writeln!(md, "| entries evicted | {fe} | {te} |");
-    let idle = |p: &Pass| p.rows.last().map_or(0, |r| r.evicted_idle);
-    let _ = writeln!(
-        md,
-        "| of which from idle sessions, for another's step | {} | {} |",
-        idle(free),
-        idle(tight)
-    );
-    let _ = writeln!(md, "| blocks demoted to the cold tier | {fd} | {td} |");
-    let _ = writeln!(
-        md,
-        "| sessions that lost an entry | {} | {} |",
-        free.evicted.iter().filter(|&&e| e).count(),
-        tight.evicted.iter().filter(|&&e| e).count()
-    );
-    let _ = writeln!(md);
-    let _ = writeln!(
-        md,
-        "Turns after which their session still held every entry answer exactly as in pass 1: \
-         **{intact_same}/{}**. Sessions that never lost an entry in pass 2 answer exactly as in \
-         pass 1: {untouched_same}/{}; sessions that did: {touched_same}/{} still answer the same \
-         in every turn.\n",
-        intact.len(),
-        untouched.len(),
-        n - untouched.len()
-    );
-    if !failed.is_empty() {
-        let _ = writeln!(
-            md,
-            "Turns refused in pass 2 (rolled back; the session went on):\n"
-        );
-        for r in failed.iter().take(10) {
-            let _ = writeln!(md, "- session {} turn {}: {}", r.session, r.turn, r.error);
-        }
-        if failed.len() > 10 {
-            let _ = writeln!(md, "- … {} more", failed.len() - 10);
-        }
-        let _ = writeln!(md);
-    }
-    let _ = writeln!(md, "Per turn: `turns.csv`.");
-    out.report(&md)
 }
