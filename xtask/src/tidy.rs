@@ -62,6 +62,10 @@ const SHORT_CRATES: &[&str] = &[
     "server/src",
     "ablate/src",
     "bench/src",
+    "lifecycle/src",
+    "lsh-share/src",
+    "remote-redis/src",
+    "remote-tier/src",
 ];
 
 /// The `src` directory (relative to `root`) of every library crate of the
