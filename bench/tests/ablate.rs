@@ -6,6 +6,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -14,12 +16,7 @@ use kvforge_bench::ablate::config::Experiment;
 #[cfg(feature = "engine")]
 use kvforge_bench::ablate::run::{Options, Outcome, run};
 
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("the bench crate sits in the workspace")
-        .to_path_buf()
-}
+use common::root;
 
 fn scratch(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("kvforge-ablate-{}-{name}", std::process::id()));

@@ -5,15 +5,11 @@
 #![cfg(feature = "engine")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::{Path, PathBuf};
+mod common;
+
 use std::process::Command;
 
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("the bench crate sits in the workspace")
-        .to_path_buf()
-}
+use common::root;
 
 fn lifecycle(args: &[&str]) -> (i32, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_lifecycle"))

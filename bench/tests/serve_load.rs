@@ -4,15 +4,11 @@
 #![cfg(feature = "engine")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::{Path, PathBuf};
+mod common;
+
 use std::process::Command;
 
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("the bench crate sits in the workspace")
-        .to_path_buf()
-}
+use common::root;
 
 /// Runs the binary from the project root; exit code, stdout and stderr.
 fn serve_load(args: &[&str]) -> (i32, String, String) {
