@@ -64,10 +64,10 @@ fn row(csv: &mut Csv, server: &str, c: usize, rep: usize, s: &Summary) {
 }
 
 /// Each server's runs at each concurrency level.
-type Runs<'a> = Vec<(&'a str, usize, Vec<Summary>)>;
+type Runs = Vec<(&'static str, usize, Vec<Summary>)>;
 
 /// The median of `f` over the runs of `name` at `level`.
-fn med(runs: &Runs<'_>, name: &str, level: usize, f: &dyn Fn(&Summary) -> f64) -> f64 {
+fn med(runs: &Runs, name: &str, level: usize, f: &dyn Fn(&Summary) -> f64) -> f64 {
     runs.iter()
         .find(|r| r.0 == name && r.1 == level)
         .map_or(f64::NAN, |r| median(&r.2.iter().map(f).collect::<Vec<_>>()))
@@ -93,24 +93,24 @@ pub fn sweep(c: &Common, sw: &Sweep, llama: Option<&LlamaSpec>, out: &mut Output
 
 /// Every level, every rep, the servers' order alternating rep by rep, a
 /// fresh server per run; each run a row of `csv`.
-fn levels<'a>(
+fn levels(
     c: &Common,
     sw: &Sweep,
     llama: Option<&LlamaSpec>,
     convs: &[Vec<String>],
     csv: &mut Csv,
-) -> Result<Runs<'a>> {
+) -> Result<Runs> {
     let load = Load {
         max_tokens: c.max_tokens,
         ignore_eos: c.ignore_eos,
         disconnect_after: None,
     };
     // (server, level) -> the reps' summaries
-    let mut runs: Runs<'a> = Vec::new();
+    let mut runs: Runs = Vec::new();
     for &level in &sw.levels {
         let convs = &convs[..level.max(sw.min_convs)];
         for rep in 0..sw.reps {
-            let mut order: Vec<&str> = vec!["kvforge"];
+            let mut order: Vec<&'static str> = vec!["kvforge"];
             if llama.is_some() {
                 order.push("llama-server");
             }
@@ -151,7 +151,7 @@ fn levels<'a>(
 }
 
 /// A PNG per metric: each server's median against concurrency.
-fn plots(sw: &Sweep, names: &[&str], runs: &Runs<'_>, most: usize, out: &mut Output) -> Result<()> {
+fn plots(sw: &Sweep, names: &[&str], runs: &Runs, most: usize, out: &mut Output) -> Result<()> {
     let metrics: [Metric; 4] = [
         ("tokens_per_s.png", "aggregate tokens/s", &|s: &Summary| {
             s.tok_s()
@@ -203,7 +203,7 @@ fn plots(sw: &Sweep, names: &[&str], runs: &Runs<'_>, most: usize, out: &mut Out
 
 /// `report.md`'s table: medians per level and server, and kvforge over
 /// llama-server when both ran.
-fn table(c: &Common, sw: &Sweep, names: &[&str], runs: &Runs<'_>, both: bool) -> String {
+fn table(c: &Common, sw: &Sweep, names: &[&str], runs: &Runs, both: bool) -> String {
     let med = |name: &str, level: usize, f: &dyn Fn(&Summary) -> f64| med(runs, name, level, f);
     let mut md = format!(
         "# kvforge serve under load\n\nEach client replays a chitchat conversation turn by turn, resending the whole \
