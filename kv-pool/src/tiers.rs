@@ -9,10 +9,10 @@
 //! confuse two of them. A cold block is shared, reference counted, cached
 //! and counted in bytes exactly like a hot one.
 
-use crate::{
-    Allocation, BlockAllocator, BlockId, BlockPool, KvLayout, PoolConfig, PoolError, PoolStats,
-    Result, Retained,
-};
+use crate::error::{PoolError, Result};
+use crate::layout::KvLayout;
+use crate::pool::{BlockPool, PoolConfig};
+use crate::{Allocation, BlockAllocator, BlockId, PoolStats, Retained};
 
 /// Bits of a global slot index that name the tier.
 pub const TIER_BITS: u32 = 4;

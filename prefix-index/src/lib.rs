@@ -48,6 +48,7 @@
 #![deny(missing_docs)]
 
 mod chain;
+mod check;
 mod error;
 mod hash;
 mod radix;
@@ -56,6 +57,7 @@ pub mod testing;
 mod walk;
 
 pub use chain::HashChainIndex;
+pub use check::MAX_BLOCK_SIZE;
 pub use error::{PrefixError, Result};
 pub use hash::{BlockHash, BlockHasher, Xxh3Hasher, block_key, root_key};
 pub use kvforge_pool::BlockId;
@@ -341,61 +343,6 @@ where
         }
     }
     Ok(m)
-}
-
-/// Largest block size an index accepts, in tokens.
-pub const MAX_BLOCK_SIZE: usize = 1 << 20;
-
-/// Checks a block size (shared by both indexes).
-pub(crate) fn check_block_size(block_size: usize) -> Result<()> {
-    if block_size == 0 {
-        return Err(PrefixError::ZeroBlockSize);
-    }
-    if block_size > MAX_BLOCK_SIZE {
-        return Err(PrefixError::BlockSizeTooLarge {
-            block_size,
-            max: MAX_BLOCK_SIZE,
-        });
-    }
-    Ok(())
-}
-
-/// Checks an insertion's arguments before anything changes (shared by both
-/// indexes).
-pub(crate) fn validate_insert(
-    tokens: &[u32],
-    blocks: &[BlockRef],
-    block_size: usize,
-) -> Result<()> {
-    let mut covered = 0usize;
-    for b in blocks {
-        if b.len == 0 || b.len as usize > block_size {
-            return Err(PrefixError::BlockLength {
-                block: b.block,
-                len: b.len,
-                block_size,
-            });
-        }
-        covered += b.len as usize;
-    }
-    let mut slots: Vec<(u32, usize)> = blocks
-        .iter()
-        .enumerate()
-        .map(|(i, b)| (b.block.index(), i))
-        .collect();
-    slots.sort_unstable();
-    if let Some(w) = slots.windows(2).find(|w| w[0].0 == w[1].0) {
-        return Err(PrefixError::DuplicateBlock {
-            block: blocks[w[1].1].block,
-        });
-    }
-    if covered > tokens.len() {
-        return Err(PrefixError::BlocksExceedTokens {
-            covered,
-            tokens: tokens.len(),
-        });
-    }
-    Ok(())
 }
 
 /// Emits the per-block hit/miss event (debug level, target `kvforge_prefix`).

@@ -4,9 +4,10 @@
 
 use std::collections::HashMap;
 
+use crate::check::validate_insert;
 use crate::error::{PrefixError, Result};
 use crate::hash::KeyHash;
-use crate::{BlockRef, PrefixMatcher, validate_insert};
+use crate::{BlockRef, PrefixMatcher};
 use kvforge_pool::BlockId;
 
 /// Block slot index -> (handle, place of the entry that holds it).

@@ -15,49 +15,16 @@ use std::sync::Arc;
 
 use kvforge_engine::mechanisms::Mechanisms;
 use kvforge_engine::{
-    CacheManager, EngineConfig, EngineError, Generation, Llama, LlamaConfig, Registry, ReuseConfig,
-    SamplingParams, Tokenizer, TurnReport, gguf, parse_device, parse_dtype,
+    CacheManager, EngineConfig, EngineError, Llama, LlamaConfig, Registry, ReuseConfig, Tokenizer,
+    gguf, parse_device, parse_dtype,
 };
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::policy::{PyPolicy, not_in_policy, take_interrupt};
+use crate::errors::{bad, done, raise};
+use crate::policy::{PyPolicy, not_in_policy};
+use crate::reply::{Sampling, replied};
 use crate::tier::PyTier;
-
-/// An engine error as the Python exception of its kind (or the
-/// interrupt a policy raised during the call, raised again).
-fn raise(e: EngineError) -> PyErr {
-    if let Some(interrupt) = take_interrupt() {
-        return interrupt;
-    }
-    match e {
-        EngineError::Model(_)
-        | EngineError::Unsupported(_)
-        | EngineError::Tokenizer(_)
-        | EngineError::Request(_)
-        | EngineError::Sampling(_)
-        | EngineError::Device(_)
-        | EngineError::Quant(_) => PyValueError::new_err(e.to_string()),
-        _ => PyRuntimeError::new_err(e.to_string()),
-    }
-}
-
-/// An engine call's result; an interrupt a policy raised during it wins
-/// even when the call got through (the policy's failure was reported
-/// elsewhere), so that Ctrl-C is never lost.
-fn done<T>(r: Result<T, EngineError>) -> PyResult<T> {
-    match take_interrupt() {
-        Some(interrupt) => Err(interrupt),
-        None => r.map_err(raise),
-    }
-}
-
-/// A bad input's `ValueError` — or the interrupt a policy's constructor
-/// raised while the input was checked, as itself.
-fn bad(msg: impl Into<String>) -> PyErr {
-    take_interrupt().unwrap_or_else(|| PyValueError::new_err(msg.into()))
-}
 
 /// The dimensions of a random-weight model: `(d_model, layers, heads,
 /// kv_heads, ffn, max_ctx)`.
@@ -67,30 +34,6 @@ type RandomDims = (usize, usize, usize, usize, usize, usize);
 #[pyclass(module = "kvforge._native", frozen)]
 pub(crate) struct Engine {
     manager: CacheManager,
-}
-
-/// How to sample.
-#[derive(FromPyObject)]
-struct Sampling {
-    max_tokens: usize,
-    temperature: f32,
-    top_k: usize,
-    top_p: f32,
-    seed: u64,
-    ignore_eos: bool,
-}
-
-impl From<Sampling> for SamplingParams {
-    fn from(s: Sampling) -> Self {
-        SamplingParams {
-            temperature: s.temperature,
-            top_k: s.top_k,
-            top_p: s.top_p,
-            seed: s.seed,
-            max_tokens: s.max_tokens,
-            ignore_eos: s.ignore_eos,
-        }
-    }
 }
 
 /// The mechanisms of `json` (a table as JSON) or `path` (a TOML file).
@@ -154,51 +97,6 @@ fn load(
     };
     let model = Llama::random(mc, seed, cfg.device, cfg.kind)?;
     kvforge_engine::Engine::new(model, tokenizer, cfg)
-}
-
-fn report<'py>(py: Python<'py>, r: &TurnReport) -> PyResult<Bound<'py, PyDict>> {
-    let d = generation(py, &r.generation)?;
-    d.set_item("prompt_tokens", r.prompt_tokens)?;
-    d.set_item("reused_tokens", r.reused_tokens)?;
-    d.set_item("prefilled_tokens", r.prefilled_tokens)?;
-    d.set_item("ttft_s", r.ttft_secs)?;
-    d.set_item("kv_bytes_in_use", r.kv_bytes_in_use)?;
-    Ok(d)
-}
-
-fn generation<'py>(py: Python<'py>, g: &Generation) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("tokens", &g.tokens)?;
-    d.set_item("new_tokens", g.tokens.len())?;
-    d.set_item("prefill_s", g.prefill_secs)?;
-    d.set_item("decode_s", g.decode_secs)?;
-    d.set_item("decode_tokens_per_s", g.decode_tokens_per_sec())?;
-    d.set_item("stopped_at_eos", g.stopped_at_eos)?;
-    Ok(d)
-}
-
-/// Runs one reply (`run`: a request or a session turn) with the GIL
-/// released, collecting its text: the text and its report.
-fn replied<'py>(
-    py: Python<'py>,
-    sampling: Sampling,
-    run: impl FnOnce(
-        &SamplingParams,
-        &mut dyn FnMut(u32, &str) -> bool,
-    ) -> kvforge_engine::Result<TurnReport>
-    + Send,
-) -> PyResult<(String, Bound<'py, PyDict>)> {
-    not_in_policy()?;
-    let params = SamplingParams::from(sampling);
-    let (text, r) = done(py.detach(|| {
-        let mut text = String::new();
-        let r = run(&params, &mut |_, piece| {
-            text.push_str(piece);
-            true
-        });
-        r.map(|r| (text, r))
-    }))?;
-    Ok((text, report(py, &r)?))
 }
 
 #[pymethods]
@@ -400,33 +298,4 @@ impl Engine {
                 .collect()
         }))
     }
-}
-
-/// `kvforge.ablate`: `cargo xtask ablate`'s runner on `config`, in this
-/// process; the output folder and how many items failed.
-#[pyfunction]
-#[pyo3(signature = (config, out = None, resume = false, progress = false, root = None))]
-pub(crate) fn ablate(
-    py: Python<'_>,
-    config: PathBuf,
-    out: Option<PathBuf>,
-    resume: bool,
-    progress: bool,
-    root: Option<PathBuf>,
-) -> PyResult<(PathBuf, usize, usize)> {
-    not_in_policy()?;
-    let opts = kvforge_ablate::run::Options {
-        config,
-        out,
-        resume,
-        progress,
-        root: root.unwrap_or_else(|| PathBuf::from(".")),
-    };
-    let done = py
-        .detach(|| kvforge_ablate::run::run(&opts))
-        .map_err(|e| take_interrupt().unwrap_or_else(|| bad(format!("{e:#}"))))?;
-    if let Some(interrupt) = take_interrupt() {
-        return Err(interrupt);
-    }
-    Ok((done.out, done.measured, done.failed))
 }

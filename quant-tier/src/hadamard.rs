@@ -3,9 +3,8 @@
 
 use std::mem::MaybeUninit;
 
-use crate::{
-    BlockShape, QuantConfig, QuantError, QuantizedBlock, Quantizer, Result, as_uninit, check_len,
-};
+use crate::error::{QuantError, Result};
+use crate::{BlockShape, QuantConfig, QuantizedBlock, Quantizer, as_uninit, check_len};
 
 /// In-place normalized fast Walsh–Hadamard transform of a power-of-two
 /// length vector. Orthogonal and its own inverse: applying it twice returns

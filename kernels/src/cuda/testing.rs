@@ -8,7 +8,8 @@ use half::{bf16, f16};
 use kvforge_quant::{BlockShape, GroupQuantizer, QuantConfig, QuantizedBlock, Quantizer};
 
 use super::{ColdPoolHost, HotKind};
-use crate::{ColdFormat, Dims, Isa, Page, PagedDecode, Result, Span};
+use crate::isa::Isa;
+use crate::{ColdFormat, Dims, Page, PagedDecode, Result, Span};
 
 /// What to draw.
 #[derive(Clone, Copy, Debug)]

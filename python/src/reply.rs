@@ -1,0 +1,78 @@
+//! One reply from Python: the sampling a call asks for, the generation run
+//! with the GIL released, and its report as a `dict`.
+
+use kvforge_engine::{Generation, SamplingParams, TurnReport};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::errors::done;
+use crate::policy::not_in_policy;
+
+/// How to sample.
+#[derive(FromPyObject)]
+pub(crate) struct Sampling {
+    max_tokens: usize,
+    temperature: f32,
+    top_k: usize,
+    top_p: f32,
+    seed: u64,
+    ignore_eos: bool,
+}
+
+impl From<Sampling> for SamplingParams {
+    fn from(s: Sampling) -> Self {
+        SamplingParams {
+            temperature: s.temperature,
+            top_k: s.top_k,
+            top_p: s.top_p,
+            seed: s.seed,
+            max_tokens: s.max_tokens,
+            ignore_eos: s.ignore_eos,
+        }
+    }
+}
+
+fn report<'py>(py: Python<'py>, r: &TurnReport) -> PyResult<Bound<'py, PyDict>> {
+    let d = generation(py, &r.generation)?;
+    d.set_item("prompt_tokens", r.prompt_tokens)?;
+    d.set_item("reused_tokens", r.reused_tokens)?;
+    d.set_item("prefilled_tokens", r.prefilled_tokens)?;
+    d.set_item("ttft_s", r.ttft_secs)?;
+    d.set_item("kv_bytes_in_use", r.kv_bytes_in_use)?;
+    Ok(d)
+}
+
+fn generation<'py>(py: Python<'py>, g: &Generation) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("tokens", &g.tokens)?;
+    d.set_item("new_tokens", g.tokens.len())?;
+    d.set_item("prefill_s", g.prefill_secs)?;
+    d.set_item("decode_s", g.decode_secs)?;
+    d.set_item("decode_tokens_per_s", g.decode_tokens_per_sec())?;
+    d.set_item("stopped_at_eos", g.stopped_at_eos)?;
+    Ok(d)
+}
+
+/// Runs one reply (`run`: a request or a session turn) with the GIL
+/// released, collecting its text: the text and its report.
+pub(crate) fn replied<'py>(
+    py: Python<'py>,
+    sampling: Sampling,
+    run: impl FnOnce(
+        &SamplingParams,
+        &mut dyn FnMut(u32, &str) -> bool,
+    ) -> kvforge_engine::Result<TurnReport>
+    + Send,
+) -> PyResult<(String, Bound<'py, PyDict>)> {
+    not_in_policy()?;
+    let params = SamplingParams::from(sampling);
+    let (text, r) = done(py.detach(|| {
+        let mut text = String::new();
+        let r = run(&params, &mut |_, piece| {
+            text.push_str(piece);
+            true
+        });
+        r.map(|r| (text, r))
+    }))?;
+    Ok((text, report(py, &r)?))
+}
