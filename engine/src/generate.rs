@@ -2,6 +2,7 @@
 
 use std::time::Instant;
 
+use crate::batch::{Batch, Failure, Stepped};
 use crate::cache::Sequence;
 use crate::detokenize::Detokenizer;
 use crate::engine::Engine;
@@ -159,6 +160,86 @@ impl Generation {
     }
 }
 
+/// [`Engine::generate_batch`]'s sequences as a [`Batch`].
+struct Generating<'a> {
+    engine: &'a Engine,
+    seqs: &'a mut [Sequence],
+    /// Positions each sequence held before its prompt.
+    base: Vec<usize>,
+    /// Each one's prompt and the tokens it sampled.
+    tokens: Vec<Vec<u32>>,
+    samplers: Vec<Sampler>,
+    texts: Vec<Detokenizer>,
+    params: &'a [SamplingParams],
+    outs: Vec<Generation>,
+    ended: Vec<bool>,
+    /// The first failure: the batch stops with it.
+    error: Option<Failure>,
+    on_token: &'a mut dyn FnMut(usize, u32, &str) -> bool,
+    /// When the first prompt's prefill began.
+    started: Instant,
+    /// When decoding began (the last prompt prefilled).
+    decoding: Option<Instant>,
+}
+
+impl Batch for Generating<'_> {
+    fn requests(&self) -> usize {
+        self.seqs.len()
+    }
+
+    fn ended(&self, i: usize) -> bool {
+        self.ended[i] || self.error.is_some()
+    }
+
+    fn pending(&self, i: usize) -> &[u32] {
+        let held = self.seqs[i].len() - self.base[i];
+        self.tokens[i].get(held..).unwrap_or_default()
+    }
+
+    fn sequences(&mut self, which: &[usize]) -> Vec<&mut Sequence> {
+        self.seqs
+            .iter_mut()
+            .enumerate()
+            .filter(|(j, _)| which.binary_search(j).is_ok())
+            .map(|(_, s)| s)
+            .collect()
+    }
+
+    fn sample(&mut self, i: usize, logits: &[f32]) {
+        let now = Instant::now();
+        if self.outs[i].tokens.is_empty() {
+            // Its prompt is in: the time since the previous prompt's end.
+            let since = self.decoding.unwrap_or(self.started);
+            self.outs[i].prefill_secs = (now - since).as_secs_f64();
+            self.decoding = Some(now);
+        }
+        let next = self.samplers[i].sample(logits);
+        let ctx = self.engine.model.cfg.max_ctx;
+        let e = self.engine;
+        match e.emit(
+            i,
+            next,
+            &mut self.outs[i],
+            &mut self.texts[i],
+            &self.params[i],
+            &mut *self.on_token,
+        ) {
+            Ok(true) if self.seqs[i].len() + 1 < ctx => self.tokens[i].push(next),
+            Ok(_) => {
+                self.ended[i] = true;
+                let since = self.decoding.unwrap_or(self.started);
+                self.outs[i].decode_secs = since.elapsed().as_secs_f64();
+            }
+            Err(err) => self.fail(i, Failure::Engine(err)),
+        }
+    }
+
+    fn fail(&mut self, i: usize, why: Failure) {
+        self.ended[i] = true;
+        self.error.get_or_insert(why);
+    }
+}
+
 impl Engine {
     /// Checks that `prompt` fits after what `seq` holds.
     fn check_prompt(&self, seq: &Sequence, prompt: &[u32]) -> Result<()> {
@@ -178,7 +259,10 @@ impl Engine {
 
     /// Prefills `prompt` after what `seq` already holds, then decodes until
     /// eos, `max_tokens`, or `on_token` returns false. `on_token` gets each
-    /// new id and the text it completes (may be empty mid-character).
+    /// new id and the text it completes (may be empty mid-character). A
+    /// batch of one ([`generate_batch`](Self::generate_batch)): each step
+    /// runs the sequence's next token as a prompt of one (the unbatched
+    /// forward pass).
     pub fn generate(
         &self,
         seq: &mut Sequence,
@@ -186,37 +270,20 @@ impl Engine {
         params: &SamplingParams,
         on_token: &mut dyn FnMut(u32, &str) -> bool,
     ) -> Result<Generation> {
-        let mut sampler = Sampler::new(params.clone())?;
-        self.check_prompt(seq, prompt)?;
-        let ctx = self.model.cfg.max_ctx;
-        let mut out = Generation {
-            prompt_tokens: prompt.len(),
-            ..Generation::default()
-        };
-        let t0 = Instant::now();
-        let mut logits = self.prefill(seq, prompt)?;
-        out.prefill_secs = t0.elapsed().as_secs_f64();
-        let t1 = Instant::now();
-        let mut text = Detokenizer::default();
-        loop {
-            let next = sampler.sample(&logits);
-            let go_on = self.emit(0, next, &mut out, &mut text, params, &mut |_, id, piece| {
-                on_token(id, piece)
-            })?;
-            if !go_on || seq.len() + 1 >= ctx {
-                break;
-            }
-            // One sequence alone steps as a prompt of one token (the
-            // unbatched forward pass).
-            logits = self.prefill(seq, &[next])?;
-        }
-        out.decode_secs = t1.elapsed().as_secs_f64();
-        Ok(out)
+        let seqs = std::slice::from_mut(seq);
+        let prompts = [prompt.to_vec()];
+        let params = std::slice::from_ref(params);
+        let mut outs = self.generate_batch(seqs, &prompts, params, &mut |_, id, piece| {
+            on_token(id, piece)
+        })?;
+        outs.pop()
+            .ok_or_else(|| EngineError::Request("no generation".into()))
     }
 
     /// [`generate`](Self::generate) for several sequences at once: prompt
     /// `i` is prefilled on `seqs[i]` (one after another), then every
-    /// decode step runs the sequences still going as one batch
+    /// decode step runs the sequences still going as one batch (one left
+    /// alone steps as [`generate`](Self::generate) does)
     /// ([`Llama::forward_batch`](crate::model::Llama::forward_batch): the weights
     /// are read once per step for all of them). Sequence `i` samples with
     /// `params[i]` and stops on its own (eos, `max_tokens`, the context,
@@ -240,66 +307,51 @@ impl Engine {
                 params.len()
             )));
         }
-        let mut samplers = params
+        let samplers = params
             .iter()
             .map(|p| Sampler::new(p.clone()))
             .collect::<Result<Vec<_>>>()?;
         for (s, p) in seqs.iter().zip(prompts) {
             self.check_prompt(s, p)?;
         }
-        let ctx = self.model.cfg.max_ctx;
-        let mut outs: Vec<Generation> = prompts
+        let outs: Vec<Generation> = prompts
             .iter()
             .map(|p| Generation {
                 prompt_tokens: p.len(),
                 ..Generation::default()
             })
             .collect();
-        let mut texts: Vec<Detokenizer> = (0..n).map(|_| Detokenizer::default()).collect();
-        let mut rows = Vec::with_capacity(n);
-        for (i, (s, p)) in seqs.iter_mut().zip(prompts).enumerate() {
-            let t = Instant::now();
-            rows.push(self.prefill(s, p)?);
-            outs[i].prefill_secs = t.elapsed().as_secs_f64();
-        }
-        let t1 = Instant::now();
-        // The sequences still going, and the token each feeds next.
-        let mut active: Vec<(usize, u32)> = Vec::with_capacity(n);
-        for (i, row) in rows.iter().enumerate() {
-            let next = samplers[i].sample(row);
-            if self.emit(i, next, &mut outs[i], &mut texts[i], &params[i], on_token)?
-                && seqs[i].len() + 1 < ctx
-            {
-                active.push((i, next));
-            } else {
-                outs[i].decode_secs = t1.elapsed().as_secs_f64();
+        let mut batch = Generating {
+            engine: self,
+            base: seqs.iter().map(Sequence::len).collect(),
+            seqs,
+            tokens: prompts.to_vec(),
+            samplers,
+            texts: (0..n).map(|_| Detokenizer::default()).collect(),
+            params,
+            outs,
+            ended: vec![false; n],
+            error: None,
+            on_token,
+            started: Instant::now(),
+            decoding: None,
+        };
+        // No step budget: each prompt is prefilled whole, one after
+        // another, then every step decodes all the sequences still going.
+        while batch.ended.iter().any(|e| !e) {
+            match self.step(&mut batch, usize::MAX) {
+                Stepped::Full(e) => return Err(e),
+                Stepped::Idle | Stepped::Ran => {}
             }
-        }
-        while !active.is_empty() {
-            let tokens: Vec<u32> = active.iter().map(|&(_, t)| t).collect();
-            // `active` is in sequence order, so the sequences line up
-            // with `tokens`.
-            let mut going: Vec<&mut Sequence> = seqs
-                .iter_mut()
-                .enumerate()
-                .filter(|(j, _)| active.iter().any(|&(i, _)| i == *j))
-                .map(|(_, s)| s)
-                .collect();
-            let rows = self.decode(&mut going, &tokens)?;
-            let mut still = Vec::with_capacity(active.len());
-            for (&(i, _), row) in active.iter().zip(&rows) {
-                let next = samplers[i].sample(row);
-                if self.emit(i, next, &mut outs[i], &mut texts[i], &params[i], on_token)?
-                    && seqs[i].len() + 1 < ctx
-                {
-                    still.push((i, next));
-                } else {
-                    outs[i].decode_secs = t1.elapsed().as_secs_f64();
+            if let Some(e) = batch.error.take() {
+                match e {
+                    Failure::Engine(e) => return Err(e),
+                    Failure::Panic(p) => std::panic::resume_unwind(p),
+                    other => return Err(EngineError::Request(other.to_string())),
                 }
             }
-            active = still;
         }
-        Ok(outs)
+        Ok(batch.outs)
     }
 
     /// Records token `next` of sequence `i` and tells the caller; whether

@@ -36,6 +36,7 @@
 #![deny(missing_docs)]
 
 pub mod attention;
+pub mod batch;
 pub mod cache;
 pub mod constrain;
 mod detokenize;

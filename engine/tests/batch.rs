@@ -1,9 +1,13 @@
 //! Batched decode: one forward step for many sequences (each with its own
 //! block table and length) gives what running them one by one gives, and a
-//! bad batch commits nothing.
+//! bad batch commits nothing; the engine's batch step schedules prompt
+//! chunks and decodes and keeps one request's failure its own.
 
+use kvforge_engine::batch::{Batch, Failure, Stepped};
 use kvforge_engine::ppl::greedy_token;
-use kvforge_engine::{Axis, Device, Kind, KvQuant, KvStore, PagedKvCache, Sequence, Tensor};
+use kvforge_engine::{
+    Axis, Device, Engine, EngineConfig, Kind, KvQuant, KvStore, PagedKvCache, Sequence, Tensor,
+};
 
 use super::tiny;
 
@@ -246,4 +250,134 @@ fn generate_batch_follows_generate_one_by_one() {
         assert!(seqs.iter().all(|s| s.is_empty()), "{what}");
     }
     assert_eq!(engine.cache().bytes_in_use(), bytes);
+}
+
+/// Requests for [`Engine::step`]: each samples greedily `new` tokens, and
+/// the test sees what every step ran.
+struct Reqs {
+    seqs: Vec<Sequence>,
+    tokens: Vec<Vec<u32>>,
+    sampled: Vec<Vec<u32>>,
+    failed: Vec<Option<String>>,
+    new: usize,
+}
+
+impl Reqs {
+    fn new(prompts: &[Vec<u32>], new: usize) -> Reqs {
+        let n = prompts.len();
+        Reqs {
+            seqs: (0..n).map(|_| Sequence::default()).collect(),
+            tokens: prompts.to_vec(),
+            sampled: vec![Vec::new(); n],
+            failed: vec![None; n],
+            new,
+        }
+    }
+
+    fn held(&self) -> Vec<usize> {
+        self.seqs.iter().map(Sequence::len).collect()
+    }
+}
+
+impl Batch for Reqs {
+    fn requests(&self) -> usize {
+        self.seqs.len()
+    }
+    fn ended(&self, i: usize) -> bool {
+        self.failed[i].is_some() || self.sampled[i].len() == self.new
+    }
+    fn pending(&self, i: usize) -> &[u32] {
+        &self.tokens[i][self.seqs[i].len()..]
+    }
+    fn sequences(&mut self, which: &[usize]) -> Vec<&mut Sequence> {
+        let mut all: Vec<Option<&mut Sequence>> = self.seqs.iter_mut().map(Some).collect();
+        which.iter().filter_map(|&i| all[i].take()).collect()
+    }
+    fn sample(&mut self, i: usize, logits: &[f32]) {
+        let best = (0..logits.len()).max_by(|&a, &b| logits[a].total_cmp(&logits[b]));
+        let t = best.unwrap_or(0) as u32;
+        self.sampled[i].push(t);
+        if self.sampled[i].len() < self.new {
+            self.tokens[i].push(t);
+        }
+    }
+    fn fail(&mut self, i: usize, why: Failure) {
+        self.failed[i] = Some(why.to_string());
+    }
+}
+
+fn engine(kv_tokens: usize) -> Engine {
+    let cfg = EngineConfig {
+        block_size: 4,
+        kv_tokens,
+        kv_kind: Some(Kind::Float),
+        ..EngineConfig::default()
+    };
+    Engine::new(tiny(), super::manager::tokenizer(), &cfg).unwrap()
+}
+
+/// The batch step's schedule: prompt chunks within the token budget, in
+/// request order; a request whose prompt is in decodes with the others
+/// in one batch (its last prompt token too; that the batch computes what
+/// each alone computes, within rounding, is the tests above); one
+/// request's bad token fails it alone, and so does one with nothing
+/// pending that has not ended; a step that does not fit the cache says so
+/// and writes nothing.
+#[test]
+fn the_batch_step_chunks_prompts_decodes_together_and_isolates_failures() {
+    let e = engine(1024);
+    let prompts = vec![(1..=10).collect::<Vec<u32>>(), vec![7, 8, 9]];
+    let mut b = Reqs::new(&prompts, 3);
+    let mut held = Vec::new();
+    while !(0..2).all(|i| b.ended(i)) {
+        assert!(matches!(e.step(&mut b, 4), Stepped::Ran));
+        held.push(b.held());
+    }
+    // 4 of the 10; 4 more; the last 2 (the first sample), then 2 of the
+    // 3; both decode (the second its last prompt token: its first
+    // sample); both decode, the first's third sample ends it; the second
+    // decodes alone.
+    let want: Vec<Vec<usize>> = [[4, 0], [8, 0], [10, 2], [11, 3], [12, 4], [12, 5]]
+        .iter()
+        .map(|h| h.to_vec())
+        .collect();
+    assert_eq!(held, want);
+    assert!(matches!(e.step(&mut b, 4), Stepped::Idle));
+    for s in &mut b.seqs {
+        e.cache().free(s).unwrap();
+    }
+    // A token outside the vocabulary fails its request only.
+    let vocab = e.model_config().vocab as u32;
+    let mut b = Reqs::new(&[vec![5, 6, vocab], vec![5, 6, 7]], 2);
+    while !(0..2).all(|i| b.ended(i)) {
+        e.step(&mut b, 64);
+    }
+    assert!(
+        b.failed[0].as_deref().unwrap_or("").contains("vocab"),
+        "{:?}",
+        b.failed
+    );
+    assert_eq!((b.failed[1].as_ref(), b.sampled[1].len()), (None, 2));
+    for s in &mut b.seqs {
+        e.cache().free(s).unwrap();
+    }
+    // Nothing pending and not ended: it would never run, so it fails.
+    let mut b = Reqs::new(&[vec![], vec![5, 6]], 1);
+    assert!(matches!(e.step(&mut b, 64), Stepped::Ran));
+    assert!(
+        b.failed[0]
+            .as_deref()
+            .unwrap_or("")
+            .contains("nothing left")
+    );
+    assert_eq!(b.sampled[1].len(), 1);
+    for s in &mut b.seqs {
+        e.cache().free(s).unwrap();
+    }
+    // Too long for the cache: the step says so, and the sequence holds
+    // nothing.
+    let small = engine(16);
+    let mut b = Reqs::new(&[(1..=40).collect()], 1);
+    assert!(matches!(small.step(&mut b, 64), Stepped::Full(_)));
+    assert_eq!(b.held(), [0]);
 }
