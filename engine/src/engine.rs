@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use kvforge_coordinator::{DedupConfig, EvictionConfig, LifecycleConfig};
+use kvforge_coordinator::{DedupConfig, LifecycleConfig};
 use tch::{Device, Kind};
 
 use crate::attention::ReferenceBackend;
@@ -117,8 +117,6 @@ pub struct EngineConfig {
     pub kv_tokens: usize,
     /// A quantized cold tier for tokens older than its window.
     pub kv_quant: Option<KvQuant>,
-    /// Eviction (StreamingLLM's sink plus recent window).
-    pub eviction: Option<EvictionConfig>,
     /// Sharing of identical cold blocks (needs `kv_quant`).
     pub dedup: Option<DedupConfig>,
     /// Dropping old turns at turn ends.
@@ -127,9 +125,10 @@ pub struct EngineConfig {
     pub kv_budget: u64,
     /// How attention reads the cache.
     pub attention: Attention,
-    /// A researcher's policy objects, run in place of the configured ones
-    /// (filled by [`Mechanisms::apply`](crate::mechanisms::Mechanisms::apply)
-    /// for a named eviction policy, or directly).
+    /// The policy objects: eviction and which hot blocks go cold (filled
+    /// by [`Mechanisms::apply`](crate::mechanisms::Mechanisms::apply) and
+    /// [`evict_with`](Self::evict_with) from the registry's names, or
+    /// directly with a researcher's own).
     pub policies: Policies,
 }
 
@@ -167,7 +166,6 @@ impl Default for EngineConfig {
             block_size: 16,
             kv_tokens: 0,
             kv_quant: None,
-            eviction: None,
             dedup: None,
             lifecycle: None,
             kv_budget: 0,
@@ -245,7 +243,6 @@ impl Engine {
         let kv_kind = cfg.kv_kind.unwrap_or(model.kind());
         let mut cache = PagedKvCache::new(&model.cfg, cfg.block_size, kv, model.device(), kv_kind)?;
         let mut c = cache.base_config();
-        c.eviction = cfg.eviction;
         c.dedup = cfg.dedup;
         c.lifecycle = cfg.lifecycle;
         c.budget_bytes = cfg.kv_budget;

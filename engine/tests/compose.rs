@@ -4,12 +4,13 @@
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
+use kvforge_engine::mechanisms::Registry;
 use kvforge_engine::{
-    Axis, CacheManager, Engine, EngineConfig, EvictionConfig, KvQuant, ReuseConfig, SamplingParams,
-    Sequence,
+    Axis, CacheManager, Engine, EngineConfig, KvQuant, ReuseConfig, SamplingParams, Sequence,
 };
 use kvforge_pool::{BlockAllocator, Slot};
 use kvforge_prefix::ExtraKeys;
+use serde_json::json;
 
 use super::model_path;
 use super::tiny;
@@ -172,13 +173,13 @@ fn real_model_reuse_with_a_cold_tier_gives_the_outputs_of_the_same_schedule() {
 
 #[test]
 fn a_failed_turn_rolls_back_exactly_after_demotions_and_drops() {
-    let cfg = EngineConfig {
-        eviction: Some(EvictionConfig::SinkWindow {
-            sink: 4,
-            window: 24,
-        }),
-        ..cold_cfg()
-    };
+    let mut cfg = cold_cfg();
+    cfg.evict_with(
+        &Registry::builtin(),
+        "sink-window",
+        json!({ "sink": 4, "window": 24 }),
+    )
+    .unwrap();
     let turns = users(3);
     let p = params(20);
     // Reference: the three turns, none failing.
@@ -351,15 +352,17 @@ fn two_sessions_generate_at_the_same_time() {
 /// no sequence left, and the cold tier stores exactly its cached blocks.
 #[test]
 fn eight_threads_with_every_mechanism_leak_nothing() {
-    let cfg = EngineConfig {
+    let mut cfg = EngineConfig {
         kv_tokens: 2048,
-        eviction: Some(EvictionConfig::SinkWindow {
-            sink: 4,
-            window: 32,
-        }),
         dedup: Some(kvforge_engine::DedupConfig::Exact),
         ..cold_cfg()
     };
+    cfg.evict_with(
+        &Registry::builtin(),
+        "sink-window",
+        json!({ "sink": 4, "window": 32 }),
+    )
+    .unwrap();
     let m = manager(cfg);
     let system: Vec<u32> = (10..40).collect();
     std::thread::scope(|s| {

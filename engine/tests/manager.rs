@@ -5,6 +5,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use kvforge_engine::gguf::GgufFile;
+use kvforge_engine::mechanisms::{Mechanisms, Registry};
 use kvforge_engine::numerics::within;
 use kvforge_engine::{
     CacheManager, Engine, EngineConfig, IndexKind, ReuseConfig, SamplingParams, Sequence,
@@ -223,6 +224,38 @@ fn a_session_reuses_what_other_requests_cached_across_namespaces_only_within() {
     assert_eq!(r.reused_tokens, 0, "namespaces never share blocks");
     m.close_session(id).unwrap();
     m.close_session(other).unwrap();
+}
+
+/// Eviction named in a mechanisms table (a policy the engine installs,
+/// not one of the coordinator's own configuration) keeps a request longer
+/// than the hot pool within it, so the request is admitted and runs; with
+/// no eviction the same request is refused before it starts (it once was
+/// refused with eviction too: the check saw only the configured policy).
+#[test]
+fn a_named_eviction_policy_admits_a_request_longer_than_the_hot_pool() {
+    let manager = |toml: &str| {
+        let registry = Registry::builtin();
+        let m = Mechanisms::from_toml(toml, std::path::Path::new("m.toml"), 4, &registry).unwrap();
+        let mut cfg = EngineConfig {
+            block_size: 4,
+            kv_tokens: 64,
+            ..Default::default()
+        };
+        let reuse = m.apply(&mut cfg, &registry, Some(5)).unwrap();
+        CacheManager::new(Engine::new(tiny(), tokenizer(), &cfg).unwrap(), reuse).unwrap()
+    };
+    let prompt: Vec<u32> = (0..40).map(|i| 3 + i % 90).collect();
+    let p = params(40);
+    let plain = manager("");
+    let e = plain
+        .complete(&prompt, "t", &p, &mut |_, _| true)
+        .unwrap_err();
+    assert!(e.to_string().contains("KV blocks"), "{e}");
+    let evicting = manager("[eviction]\npolicy = \"sink-window\"\nsink = 4\nwindow = 24\n");
+    let r = evicting
+        .complete(&prompt, "t", &p, &mut |_, _| true)
+        .unwrap();
+    assert_eq!(r.generation.tokens.len(), 40);
 }
 
 #[test]

@@ -277,10 +277,11 @@ impl PagedKvCache {
     }
 
     /// Whether a sequence only ever grows in hot blocks (no cold tier, no
-    /// eviction): then a request larger than the hot tier cannot fit.
+    /// eviction policy, configured or installed): then a request larger
+    /// than the hot tier cannot fit.
     pub fn grows_only_hot(&self) -> bool {
         let c = self.coordinator();
-        c.config().cold.is_none() && c.config().eviction.is_none()
+        c.config().cold.is_none() && !c.evicts()
     }
 
     /// Checks every coordinator invariant after each of its calls (tests;

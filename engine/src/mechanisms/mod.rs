@@ -32,6 +32,7 @@ use crate::manager::ReuseConfig;
 use crate::policies::Policies;
 use crate::tier::KvQuant;
 
+mod eviction;
 mod registry;
 mod specs;
 #[cfg(test)]
@@ -170,15 +171,9 @@ impl Mechanisms {
             c.validate().map_err(|e| e.to_string())?;
         }
         if let Some(e) = &self.eviction {
-            built.eviction = Some(registry.eviction(e, block, cold)?);
-            // A policy's protected recent window inside the hot window would
-            // drop blocks before they could go cold.
-            let window = e.params.get("window").and_then(serde_json::Value::as_u64);
-            // Against the cold tier's own plan (a tier policy replaces it).
-            let plan = self.cold.as_ref().filter(|_| self.tier.is_none());
-            if let (Some(c), Some(w)) = (plan, window) {
-                rules::window_fits(usize::try_from(w).unwrap_or(usize::MAX), c.window)?;
-            }
+            let tier_policy = self.tier.is_some();
+            let f = eviction::checked(registry, e, block, self.cold.as_ref(), tier_policy)?;
+            built.eviction = Some(f);
         }
         if let Some(msg) = self.lifecycle.and_then(LifecycleSpec::problem) {
             return Err(msg);
@@ -217,7 +212,6 @@ impl Mechanisms {
             );
         }
         cfg.kv_quant = self.cold;
-        cfg.eviction = None;
         cfg.policies.eviction = built.eviction;
         cfg.policies.tier = built.tier;
         cfg.dedup = self.share.map(ShareSpec::config);

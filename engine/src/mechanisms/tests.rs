@@ -28,7 +28,7 @@ fn a_file_sets_every_mechanism_of_an_engine_config() {
     assert_eq!((q.bits, q.window, q.sink, q.rotate), (4, 64, 16, true));
     assert_eq!(q.key_axis, kvforge_quant::Axis::PerToken);
     assert_eq!(cfg.kv_budget, 3 << 20);
-    assert!(cfg.dedup.is_some() && cfg.lifecycle.is_some() && cfg.eviction.is_none());
+    assert!(cfg.dedup.is_some() && cfg.lifecycle.is_some());
     let policy = (cfg.policies.eviction.unwrap())().unwrap();
     assert!(policy.name().contains("keydiff"), "{}", policy.name());
     assert_eq!(
@@ -337,4 +337,56 @@ fn apply_and_the_first_coordinator_build_a_policy_once() {
         2,
         "a new coordinator, a fresh policy"
     );
+}
+
+/// `EngineConfig::evict_with` builds a registry policy with a table's
+/// checks: an unknown name, a parameter that is not a table, a bad
+/// parameter and a window inside the cold tier's hot window are errors
+/// that leave the configuration without a policy.
+#[test]
+fn evict_with_builds_a_named_policy_with_the_tables_checks() {
+    let r = Registry::builtin();
+    let mut cfg = EngineConfig {
+        block_size: 16,
+        kv_quant: Some(crate::tier::KvQuant {
+            bits: 4,
+            group_size: 32,
+            window: 64,
+            rotate: false,
+            key_axis: kvforge_quant::Axis::PerChannel,
+            sink: 16,
+        }),
+        ..EngineConfig::default()
+    };
+    let bad = [
+        (
+            "lru",
+            serde_json::json!({ "sink": 16, "window": 64 }),
+            "unknown eviction policy",
+        ),
+        (
+            "sink-window",
+            serde_json::json!([16, 64]),
+            "must be a table",
+        ),
+        ("sink-window", serde_json::json!({ "sink": 16 }), "window"),
+        (
+            "sink-window",
+            serde_json::json!({ "sink": 16, "window": 32 }),
+            "at least as long",
+        ),
+    ];
+    for (name, params, want) in bad {
+        let e = cfg.evict_with(&r, name, params).unwrap_err();
+        assert!(e.contains(want), "{name}: {e}");
+        assert!(cfg.policies.eviction.is_none());
+    }
+    cfg.evict_with(
+        &r,
+        "sink-window",
+        serde_json::json!({ "sink": 16, "window": 64 }),
+    )
+    .unwrap();
+    let policy = (cfg.policies.eviction.unwrap())().unwrap();
+    assert!(policy.name().contains("sink"), "{}", policy.name());
 }

@@ -38,9 +38,10 @@ use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvforge_bench::cli::{self, Chats, Common};
 use kvforge_bench::output::Output;
+use kvforge_engine::mechanisms::Registry;
 use kvforge_engine::{
-    CacheManager, Engine, EngineConfig, EvictionConfig, LabelSource, LifecycleConfig, Message,
-    ReuseConfig, SamplingParams, TurnReport,
+    CacheManager, Engine, EngineConfig, LabelSource, LifecycleConfig, Message, ReuseConfig,
+    SamplingParams, TurnReport,
 };
 use kvforge_lifecycle::RuleFallback;
 
@@ -210,7 +211,7 @@ fn engine_for(a: &Args, config: &str, budget_tokens: usize) -> Result<Engine> {
         "lc-constrained" => Some(LabelSource::Constrained),
         _ => None,
     };
-    let cfg = EngineConfig {
+    let mut cfg = EngineConfig {
         kv_tokens: 8192,
         lifecycle: source.map(|source| LifecycleConfig::Labels {
             source,
@@ -219,12 +220,14 @@ fn engine_for(a: &Args, config: &str, budget_tokens: usize) -> Result<Engine> {
             min_match: 6,
             compress_min: Some(a.compress_min),
         }),
-        eviction: (config == "streaming").then_some(EvictionConfig::SinkWindow {
-            sink: 16,
-            window: budget_tokens.saturating_sub(16).max(16),
-        }),
         ..EngineConfig::default()
     };
+    if config == "streaming" {
+        let window = budget_tokens.saturating_sub(16).max(16);
+        let params = serde_json::json!({ "sink": 16, "window": window });
+        cfg.evict_with(&Registry::builtin(), "sink-window", params)
+            .map_err(anyhow::Error::msg)?;
+    }
     Engine::load(&a.common.model, &cfg)
         .with_context(|| format!("loading {}", a.common.model.display()))
 }

@@ -29,9 +29,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 use kvforge_bench::cli::{self, Chats, Common};
 use kvforge_bench::output::Output;
 use kvforge_coordinator::Slot;
+use kvforge_engine::mechanisms::Registry;
 use kvforge_engine::{
-    Axis, CacheManager, Engine, EngineConfig, EvictionConfig, KvQuant, Message, ReuseConfig,
-    SamplingParams, Score, Trigger,
+    Axis, CacheManager, Engine, EngineConfig, KvQuant, Message, ReuseConfig, SamplingParams,
 };
 
 const SYSTEM: &str = "You are SmolLM, a friendly assistant in a long conversation. Answer the user \
@@ -89,15 +89,7 @@ fn parse_args() -> Result<Args> {
         bail!("--turns must be at most 20 (the conversations this workload takes)");
     }
     // The policy's own checks (watermarks, weights), before any model load.
-    kvforge_evict::Scored::new(
-        score(&a.policy)?,
-        Trigger::Watermark {
-            high: a.high,
-            low: a.low,
-        },
-        a.sink,
-        a.window,
-    )?;
+    config(&a, 0)?;
     Ok(a)
 }
 
@@ -130,17 +122,25 @@ impl Args {
     }
 }
 
-fn score(policy: &str) -> Result<Score> {
-    Ok(match policy {
-        "h2o" => Score::AttentionEma { decay: 0.9 },
-        "lfu" => Score::Lfu,
-        "hybrid" => Score::Hybrid {
-            alpha: 1.0,
-            beta: 1.0,
-            gamma: 1.0,
-        },
-        _ => bail!("--policy takes h2o, lfu or hybrid, not {policy:?}"),
-    })
+/// The eviction policy's parameters (a mechanisms file's `[eviction]`
+/// table): a watermark over the byte budget, the hybrid's weights all 1.
+fn eviction(a: &Args) -> Result<serde_json::Value> {
+    let mut p = serde_json::json!({
+        "sink": a.sink,
+        "window": a.window,
+        "high": a.high,
+        "low": a.low,
+    });
+    match a.policy.as_str() {
+        "h2o" | "lfu" => {}
+        "hybrid" => {
+            for w in ["alpha", "beta", "gamma"] {
+                p[w] = 1.0.into();
+            }
+        }
+        other => bail!("--policy takes h2o, lfu or hybrid, not {other:?}"),
+    }
+    Ok(p)
 }
 
 /// One turn of one session in one pass.
@@ -200,9 +200,10 @@ fn run() -> Result<()> {
     Ok(())
 }
 
-/// The sessions' cache manager (no prefix reuse): the mechanisms of `a`
-/// under `budget` bytes (0: the hot capacity); and the budget it holds.
-fn manager(a: &Args, budget: u64) -> Result<(CacheManager, u64)> {
+/// The engine's configuration of `a` under `budget` bytes (0: the hot
+/// capacity): blocks of 16, room for every session at full length (pass 1
+/// never evicts), the cold tier and the eviction policy `a` names.
+fn config(a: &Args, budget: u64) -> Result<EngineConfig> {
     let kv_quant = a.cold_bits().map(|bits| KvQuant {
         bits,
         group_size: 32,
@@ -211,25 +212,22 @@ fn manager(a: &Args, budget: u64) -> Result<(CacheManager, u64)> {
         key_axis: Axis::PerChannel,
         sink: a.sink,
     });
-    let cfg = EngineConfig {
+    let mut cfg = EngineConfig {
         block_size: 16,
-        // Room for every session at full length: pass 1 never evicts.
         kv_tokens: a.sessions * 2048,
         kv_quant,
-        eviction: Some(EvictionConfig::Scored {
-            score: score(&a.policy)?,
-            trigger: Trigger::Watermark {
-                high: a.high,
-                low: a.low,
-            },
-            sink: a.sink,
-            window: a.window,
-            per_head: false,
-            per_token: false,
-        }),
         kv_budget: budget,
         ..EngineConfig::default()
     };
+    cfg.evict_with(&Registry::builtin(), &a.policy, eviction(a)?)
+        .map_err(anyhow::Error::msg)?;
+    Ok(cfg)
+}
+
+/// The sessions' cache manager (no prefix reuse): the mechanisms of `a`
+/// under `budget` bytes (0: the hot capacity); and the budget it holds.
+fn manager(a: &Args, budget: u64) -> Result<(CacheManager, u64)> {
+    let cfg = config(a, budget)?;
     let engine = Engine::load(&a.common.model, &cfg)
         .with_context(|| format!("loading {}", a.common.model.display()))?;
     let budget = engine.cache().config().budget();

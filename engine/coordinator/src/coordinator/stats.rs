@@ -146,4 +146,11 @@ impl Coordinator {
     pub fn lifecycle_source(&self) -> Option<LabelSource> {
         self.lifecycle.as_ref().map(Lifecycle::source)
     }
+
+    /// Whether an eviction policy runs: the configured one, or one
+    /// installed with [`set_eviction_policy`](Self::set_eviction_policy)
+    /// (every policy a mechanisms file names).
+    pub fn evicts(&self) -> bool {
+        self.evict.is_some()
+    }
 }

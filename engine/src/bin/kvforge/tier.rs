@@ -3,9 +3,10 @@
 //! checked against each other, then applied to an [`EngineConfig`].
 
 use clap::Args;
+use kvforge_engine::mechanisms::Registry;
 use kvforge_engine::{
-    Axis, DedupConfig, EngineConfig, EngineError, EvictionConfig, KvQuant, LabelSource,
-    LifecycleConfig, SimHashConfig,
+    Axis, DedupConfig, EngineConfig, EngineError, KvQuant, LabelSource, LifecycleConfig,
+    SimHashConfig,
 };
 
 /// The quantized cold tier (off unless --kv-quant is given).
@@ -157,10 +158,14 @@ impl Tier {
     pub(crate) fn apply(&self, cfg: &mut EngineConfig) -> Result<(), EngineError> {
         self.check_flags()?;
         cfg.kv_quant = self.spec()?;
-        cfg.eviction = (self.evict_window > 0).then_some(EvictionConfig::SinkWindow {
-            sink: self.evict_sink.unwrap_or(4),
-            window: self.evict_window,
-        });
+        if self.evict_window > 0 {
+            let params = serde_json::json!({
+                "sink": self.evict_sink.unwrap_or(4),
+                "window": self.evict_window,
+            });
+            cfg.evict_with(&Registry::builtin(), "sink-window", params)
+                .map_err(|e| EngineError::Request(format!("--evict-window: {e}")))?;
+        }
         cfg.dedup = match self.kv_share_cos {
             Some(threshold) => Some(DedupConfig::SimHash(SimHashConfig {
                 threshold,
