@@ -13,5 +13,6 @@ criterion::criterion_main!(
     benchmarks::quant::benches,
     benchmarks::lsh::benches,
     benchmarks::evict::benches,
-    benchmarks::attention::benches
+    benchmarks::attention::benches,
+    benchmarks::qmatmul::benches
 );

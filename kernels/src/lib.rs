@@ -39,8 +39,12 @@ mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod isa;
+mod pool;
+pub mod qmatmul;
 
 pub use isa::Isa;
+pub use pool::{Pool, set_global_threads};
+pub use qmatmul::{Activations, QMatrix, WeightFormat};
 
 use half::f16;
 use kvforge_quant::{GroupQuantizer, QuantConfig, QuantError, QuantizedBlock, Quantizer};

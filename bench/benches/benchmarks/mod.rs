@@ -6,6 +6,7 @@ pub(crate) mod hashing;
 pub(crate) mod lsh;
 pub(crate) mod matching;
 pub(crate) mod pool;
+pub(crate) mod qmatmul;
 pub(crate) mod quant;
 
 use std::time::Duration;
