@@ -33,11 +33,14 @@ pub fn synchronize(device: Device) {
     }
 }
 
-/// Sets how many threads libtorch's CPU kernels use (intra-op), for the
-/// whole process; 0 or less leaves libtorch's default.
+/// Sets how many threads libtorch's CPU kernels (intra-op) and the
+/// kernels' quantized matmul use, for the whole process; 0 or less leaves
+/// the defaults (the matmul's pool is built once, at its first use: a
+/// later call changes libtorch's only).
 pub fn set_cpu_threads(n: i32) {
     if n > 0 {
         tch::set_num_threads(n);
+        kvforge_kernels::set_global_threads(n as usize);
     }
 }
 
@@ -104,7 +107,11 @@ pub struct EngineConfig {
     pub device: Device,
     /// Compute dtype.
     pub kind: Kind,
-    /// Storage dtype of the weight matrices (`None` = the compute dtype).
+    /// Storage of the weight matrices: `None` keeps a GGUF model's
+    /// matrices in the file's blocks on the CPU with f32 compute (the
+    /// kernels' quantized matmul: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K;
+    /// other formats, devices and dtypes dequantize to the compute dtype);
+    /// `Some(kind)` stores them dense in `kind`.
     pub weight_kind: Option<Kind>,
     /// Storage dtype of the KV cache (`None` = the compute dtype). The
     /// default is f16 on every device: what vLLM or llama.cpp users pay,
@@ -186,7 +193,13 @@ impl Engine {
             (model, tok)
         } else {
             let g = gguf::GgufFile::open(path)?;
-            let model = Llama::from_gguf(&g, cfg.device, cfg.kind)?;
+            let blocks =
+                cfg.weight_kind.is_none() && cfg.device == Device::Cpu && cfg.kind == Kind::Float;
+            let model = if blocks {
+                Llama::from_gguf_blocks(&g)?
+            } else {
+                Llama::from_gguf(&g, cfg.device, cfg.kind)?
+            };
             (model, Tokenizer::from_gguf(&g)?)
         };
         Self::new(model, tokenizer, cfg)
@@ -232,7 +245,9 @@ impl Engine {
     /// Wraps a model and tokenizer with a fresh cache.
     pub fn new(model: Llama, tokenizer: Tokenizer, cfg: &EngineConfig) -> Result<Self> {
         let model = match cfg.weight_kind {
-            Some(k) if k != model.kind() => model.with_weight_kind(k)?,
+            Some(k) if k != model.kind() || model.has_block_weights() => {
+                model.with_weight_kind(k)?
+            }
             _ => model,
         };
         let kv = if cfg.kv_tokens == 0 {

@@ -57,6 +57,17 @@ impl From<kvforge_coordinator::CoordError> for EngineError {
     }
 }
 
+/// A kernel's refusal: what the kernel cannot do here is `Unsupported`,
+/// a malformed input a `Request` error.
+impl From<kvforge_kernels::KernelError> for EngineError {
+    fn from(e: kvforge_kernels::KernelError) -> Self {
+        match e {
+            kvforge_kernels::KernelError::Unsupported(s) => EngineError::Unsupported(s),
+            other => EngineError::Request(other.to_string()),
+        }
+    }
+}
+
 impl EngineError {
     /// The message without the category prefix.
     pub fn detail(&self) -> String {

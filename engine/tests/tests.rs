@@ -16,6 +16,7 @@ use kvforge_engine::{
 use tch::Tensor;
 
 mod batch;
+mod blocks;
 mod compose;
 mod forced;
 mod fused;
@@ -170,7 +171,7 @@ fn hugging_face_directories_load_and_match() {
     let model = tiny();
     let dir = std::env::temp_dir().join(format!("kvforge-hf-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let named = model.named_weights();
+    let named = model.named_weights().unwrap();
     let refs: Vec<(&str, &Tensor)> = named.iter().map(|(n, t)| (n.as_str(), t)).collect();
     Tensor::write_safetensors(&refs, dir.join("model.safetensors")).unwrap();
     std::fs::write(dir.join("config.json"), model.hf_config().to_string()).unwrap();
@@ -382,6 +383,7 @@ fn prompt_logits(engine: &Engine, prompt: &[u32]) -> Tensor {
 /// The parity mode: f32 weights, compute and KV.
 fn smollm2() -> Engine {
     let cfg = EngineConfig {
+        weight_kind: Some(Kind::Float),
         kv_kind: Some(Kind::Float),
         ..Default::default()
     };

@@ -263,7 +263,7 @@ fn bad_tier_settings_are_errors_that_change_nothing() {
 /// naming layer 0, and that the block stays hot and the sequence unchanged.
 fn poisoned_values_are_reported_and_the_block_stays_hot(poison: impl Fn(&Tensor), needle: &str) {
     let model = tiny();
-    for (name, t) in model.named_weights() {
+    for (name, t) in model.named_weights().unwrap() {
         if name == "model.layers.0.self_attn.v_proj.weight" {
             poison(&t);
         }

@@ -134,7 +134,7 @@ pub(super) fn attend_cuda(
     // these tensors and before anything later reads `out` or `scores`;
     // tensors freed afterwards go back to libtorch's caching allocator,
     // whose reuse is ordered on that stream.
-    unsafe { kern.run(&step) }.map_err(kernel)?;
+    unsafe { kern.run(&step) }.map_err(EngineError::from)?;
     drop(mirror);
     let mass = scores
         .map(|s| mass_from_scores(&s, view, observe, dims, keys))

@@ -61,7 +61,7 @@ impl Default for FusedBackend {
 impl FusedBackend {
     /// Runs with `isa` (an error if this CPU lacks it).
     pub fn with_isa(mut self, isa: Isa) -> Result<Self> {
-        self.isa = isa.check().map_err(kernel)?;
+        self.isa = isa.check().map_err(EngineError::from)?;
         Ok(self)
     }
 
@@ -148,13 +148,15 @@ impl AttentionBackend for FusedBackend {
             )));
         }
         let mut kern = PagedDecode::new(dims)
-            .map_err(kernel)?
+            .map_err(EngineError::from)?
             .with_isa(self.isa)
-            .map_err(kernel)?
+            .map_err(EngineError::from)?
             .with_threads(self.threads, self.min_split)
             .with_per_head(observe.per_head);
         if let Some(c) = kv.cold {
-            kern = kern.with_cold(c.kernel_format()).map_err(kernel)?;
+            kern = kern
+                .with_cold(c.kernel_format())
+                .map_err(EngineError::from)?;
         }
         let row = dims.kv_heads * dims.head_dim;
         let half = k.kind() == Kind::Half;
@@ -202,7 +204,7 @@ impl AttentionBackend for FusedBackend {
             mass.as_deref_mut(),
             key_novelty.as_deref_mut(),
         )
-        .map_err(kernel)?;
+        .map_err(EngineError::from)?;
         let out = Tensor::f_from_slice(&out)?
             .f_view([1, qs[1], qs[2]])?
             .f_to_kind(q.kind())?;
@@ -211,14 +213,5 @@ impl AttentionBackend for FusedBackend {
             mass,
             key_novelty,
         })
-    }
-}
-
-/// A kernel's refusal as the engine's error: what the kernel cannot do
-/// here is `Unsupported`, a malformed table or page a `Request` error.
-fn kernel(e: kvforge_kernels::KernelError) -> EngineError {
-    match e {
-        kvforge_kernels::KernelError::Unsupported(s) => EngineError::Unsupported(s),
-        other => EngineError::Request(other.to_string()),
     }
 }

@@ -322,6 +322,17 @@ impl GgufFile {
         })
     }
 
+    /// A tensor as stored: its type, its bytes and its shape (row-major,
+    /// as [`dequantize`](Self::dequantize) gives it: `[rows, cols]`).
+    pub fn raw(&self, name: &str) -> Result<(GgmlType, &[u8], &[usize])> {
+        let info = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| EngineError::Model(format!("GGUF tensor {name} missing")))?;
+        let bytes = &self.data[info.offset..info.offset + info.len];
+        Ok((info.dtype, bytes, &info.shape))
+    }
+
     /// Dequantizes a tensor to f32, row-major in `info.shape`.
     pub fn dequantize(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>)> {
         let info = self

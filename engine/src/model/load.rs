@@ -1,76 +1,16 @@
-//! Weights: from GGUF or a Hugging Face directory, drawn at random (tests,
-//! GPU shapes), stored in another dtype, shared between engines.
+//! Weights from a Hugging Face directory, drawn at random (tests, GPU
+//! shapes), stored in another dtype, exported, shared between engines
+//! (`from_gguf.rs`: from a GGUF file).
 
 use std::path::Path;
 
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{EngineError, Result};
-use crate::gguf::GgufFile;
 
 use super::*;
 
-/// Undo llama.cpp's interleaving of Q/K rows so `rotate_half` RoPE applies.
-pub(super) fn unpermute(w: Tensor, heads: usize) -> Result<Tensor> {
-    let (out, inp) = w.size2()?;
-    let h = heads as i64;
-    Ok(w.f_reshape([h, out / h / 2, 2, inp])?
-        .f_transpose(1, 2)?
-        .f_reshape([out, inp])?)
-}
-
 impl Llama {
-    /// Loads a GGUF LLaMA model, dequantizing every tensor to `kind`.
-    pub fn from_gguf(g: &GgufFile, device: Device, kind: Kind) -> Result<Self> {
-        let cfg = Self::config_from_gguf(g)?;
-        let load = |name: &str| -> Result<Tensor> {
-            let (data, shape) = g.dequantize(name)?;
-            let shape: Vec<i64> = shape.iter().map(|&s| s as i64).collect();
-            Ok(Tensor::f_from_slice(&data)?
-                .f_reshape(shape)?
-                .f_to_device(device)?
-                .f_to_kind(kind)?)
-        };
-        let expect = |t: Tensor, name: &str, want: &[i64]| -> Result<Tensor> {
-            if t.size() != want {
-                return Err(EngineError::Model(format!(
-                    "tensor {name} has shape {:?}, expected {want:?}",
-                    t.size()
-                )));
-            }
-            Ok(t)
-        };
-        let (d, hd, ff) = (cfg.d_model as i64, cfg.head_dim as i64, cfg.ffn as i64);
-        let (nh, nkv) = (cfg.n_heads as i64, cfg.n_kv_heads as i64);
-        let mut layers = Vec::with_capacity(cfg.n_layers);
-        for i in 0..cfg.n_layers {
-            let t = |s: &str, shape: &[i64]| {
-                let name = format!("blk.{i}.{s}.weight");
-                expect(load(&name)?, &name, shape)
-            };
-            layers.push(Layer {
-                attn_norm: t("attn_norm", &[d])?,
-                wq: unpermute(t("attn_q", &[nh * hd, d])?, cfg.n_heads)?,
-                wk: unpermute(t("attn_k", &[nkv * hd, d])?, cfg.n_kv_heads)?,
-                wv: t("attn_v", &[nkv * hd, d])?,
-                wo: t("attn_output", &[d, nh * hd])?,
-                ffn_norm: t("ffn_norm", &[d])?,
-                w_gate: t("ffn_gate", &[ff, d])?,
-                w_up: t("ffn_up", &[ff, d])?,
-                w_down: t("ffn_down", &[d, ff])?,
-            });
-        }
-        let v = cfg.vocab as i64;
-        let embed = expect(load("token_embd.weight")?, "token_embd.weight", &[v, d])?;
-        let lm_head = if g.tensors.contains_key("output.weight") {
-            expect(load("output.weight")?, "output.weight", &[v, d])?
-        } else {
-            embed.shallow_clone()
-        };
-        let norm = expect(load("output_norm.weight")?, "output_norm.weight", &[d])?;
-        Self::assemble(cfg, embed, layers, norm, lm_head, device, kind)
-    }
-
     /// Loads a Hugging Face LLaMA directory (`config.json` + `*.safetensors`).
     pub fn from_hf_dir(dir: &Path, device: Device, kind: Kind) -> Result<Self> {
         let text = std::fs::read_to_string(dir.join("config.json")).map_err(|e| {
@@ -99,23 +39,26 @@ impl Llama {
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for i in 0..cfg.n_layers {
             let p = format!("model.layers.{i}");
+            let attn_norm = take(&format!("{p}.input_layernorm.weight"))?;
+            let ffn_norm = take(&format!("{p}.post_attention_layernorm.weight"))?;
+            let mut m = |s: &str| Ok::<_, EngineError>(Weight::Dense(take(&format!("{p}.{s}"))?));
             layers.push(Layer {
-                attn_norm: take(&format!("{p}.input_layernorm.weight"))?,
-                wq: take(&format!("{p}.self_attn.q_proj.weight"))?,
-                wk: take(&format!("{p}.self_attn.k_proj.weight"))?,
-                wv: take(&format!("{p}.self_attn.v_proj.weight"))?,
-                wo: take(&format!("{p}.self_attn.o_proj.weight"))?,
-                ffn_norm: take(&format!("{p}.post_attention_layernorm.weight"))?,
-                w_gate: take(&format!("{p}.mlp.gate_proj.weight"))?,
-                w_up: take(&format!("{p}.mlp.up_proj.weight"))?,
-                w_down: take(&format!("{p}.mlp.down_proj.weight"))?,
+                attn_norm,
+                wq: m("self_attn.q_proj.weight")?,
+                wk: m("self_attn.k_proj.weight")?,
+                wv: m("self_attn.v_proj.weight")?,
+                wo: m("self_attn.o_proj.weight")?,
+                ffn_norm,
+                w_gate: m("mlp.gate_proj.weight")?,
+                w_up: m("mlp.up_proj.weight")?,
+                w_down: m("mlp.down_proj.weight")?,
             });
         }
-        let embed = take("model.embed_tokens.weight")?;
+        let embed = Weight::Dense(take("model.embed_tokens.weight")?);
         let norm = take("model.norm.weight")?;
         let lm_head = match take("lm_head.weight") {
-            Ok(t) => t,
-            Err(_) => embed.shallow_clone(),
+            Ok(t) => Weight::Dense(t),
+            Err(_) => embed.share(),
         };
         Self::assemble(cfg, embed, layers, norm, lm_head, device, kind)
     }
@@ -159,17 +102,17 @@ impl Llama {
             cfg.vocab as i64,
         );
         let (nh, nkv) = (cfg.n_heads as i64, cfg.n_kv_heads as i64);
-        let w = |o: i64, i: i64| -> Result<Tensor> {
+        let w = |o: i64, i: i64| -> Result<Weight> {
             let draw_kind = if draw == Device::Cpu {
                 Kind::Float
             } else {
                 kind
             };
-            Ok(
+            Ok(Weight::Dense(
                 (Tensor::f_randn([o, i], (draw_kind, draw))? / (i as f64).sqrt())
                     .f_to_device(device)?
                     .f_to_kind(kind)?,
-            )
+            ))
         };
         let ones = |n: i64| -> Result<Tensor> { Ok(Tensor::f_ones([n], (kind, device))?) };
         let mut layers = Vec::with_capacity(cfg.n_layers);
@@ -187,17 +130,17 @@ impl Llama {
             });
         }
         let embed = w(v, d)?;
-        let lm_head = embed.shallow_clone();
+        let lm_head = embed.share();
         let norm = ones(d)?;
         Self::assemble(cfg, embed, layers, norm, lm_head, device, kind)
     }
 
     pub(super) fn assemble(
         cfg: LlamaConfig,
-        embed: Tensor,
+        embed: Weight,
         layers: Vec<Layer>,
         norm: Tensor,
-        lm_head: Tensor,
+        lm_head: Weight,
         device: Device,
         kind: Kind,
     ) -> Result<Self> {
@@ -216,11 +159,14 @@ impl Llama {
 
     /// Stores the matrices (projections, embedding, output head) in
     /// `weight_kind` while activations, norms and attention stay in the
-    /// compute dtype: f16 weights halve the bytes a CPU decode step streams
-    /// from memory, and small-batch f16 GEMV is fast there. Larger batches
-    /// (prefill) upcast the weight per call instead.
+    /// compute dtype (GGUF blocks dequantized): f16 weights halve the bytes
+    /// a CPU decode step streams from memory, and small-batch f16 GEMV is
+    /// fast there. Larger batches (prefill) upcast the weight per call
+    /// instead.
     pub fn with_weight_kind(mut self, weight_kind: Kind) -> Result<Self> {
-        let conv = |t: &Tensor| -> Result<Tensor> { Ok(t.f_to_kind(weight_kind)?) };
+        let device = self.device;
+        let conv =
+            |w: &Weight| -> Result<Weight> { Ok(Weight::Dense(w.dense(weight_kind, device)?)) };
         for l in &mut self.layers {
             for w in [
                 &mut l.wq,
@@ -234,47 +180,88 @@ impl Llama {
                 *w = conv(w)?;
             }
         }
-        let tied = self.lm_head.data_ptr() == self.embed.data_ptr();
+        let tied = self.lm_head.same(&self.embed);
         self.embed = conv(&self.embed)?;
         self.lm_head = if tied {
-            self.embed.shallow_clone()
+            self.embed.share()
         } else {
             conv(&self.lm_head)?
         };
         Ok(self)
     }
 
+    /// Whether the matrices are GGUF blocks the kernels read (else dense
+    /// tensors).
+    pub fn has_block_weights(&self) -> bool {
+        matches!(self.lm_head, Weight::Blocks(_))
+            || self
+                .layers
+                .iter()
+                .any(|l| matches!(l.wq, Weight::Blocks(_)))
+    }
+
+    /// Bytes the weights hold (matrices as stored, norms).
+    pub fn weight_bytes(&self) -> usize {
+        let t = |t: &Tensor| t.numel() * t.kind().elt_size_in_bytes();
+        let w = |w: &Weight| match w {
+            Weight::Dense(x) => t(x),
+            Weight::Blocks(q) => q.bytes(),
+        };
+        let head = if self.lm_head.same(&self.embed) {
+            0
+        } else {
+            w(&self.lm_head)
+        };
+        w(&self.embed)
+            + head
+            + t(&self.norm)
+            + self
+                .layers
+                .iter()
+                .map(|l| {
+                    t(&l.attn_norm)
+                        + t(&l.ffn_norm)
+                        + l.matrices().iter().map(|m| w(m)).sum::<usize>()
+                })
+                .sum::<usize>()
+    }
+
     /// The weights under Hugging Face LLaMA names (`model.layers.0.self_attn.q_proj.weight`,
-    /// …), in the layout `from_hf_dir` loads: write them with
-    /// `Tensor::write_safetensors` next to a `config.json` to export a model.
-    pub fn named_weights(&self) -> Vec<(String, Tensor)> {
+    /// …), in the layout `from_hf_dir` loads (GGUF blocks dequantized to
+    /// the compute dtype): write them with `Tensor::write_safetensors` next
+    /// to a `config.json` to export a model.
+    pub fn named_weights(&self) -> Result<Vec<(String, Tensor)>> {
+        let dense = |w: &Weight| w.dense(self.kind, self.device);
         let mut v = vec![
-            (
-                "model.embed_tokens.weight".to_string(),
-                self.embed.shallow_clone(),
-            ),
+            ("model.embed_tokens.weight".to_string(), dense(&self.embed)?),
             ("model.norm.weight".to_string(), self.norm.shallow_clone()),
         ];
-        if self.lm_head.data_ptr() != self.embed.data_ptr() {
-            v.push(("lm_head.weight".to_string(), self.lm_head.shallow_clone()));
+        if !self.lm_head.same(&self.embed) {
+            v.push(("lm_head.weight".to_string(), dense(&self.lm_head)?));
         }
         for (i, l) in self.layers.iter().enumerate() {
             let p = format!("model.layers.{i}");
-            for (name, t) in [
-                ("input_layernorm", &l.attn_norm),
+            v.push((
+                format!("{p}.input_layernorm.weight"),
+                l.attn_norm.shallow_clone(),
+            ));
+            v.push((
+                format!("{p}.post_attention_layernorm.weight"),
+                l.ffn_norm.shallow_clone(),
+            ));
+            for (name, w) in [
                 ("self_attn.q_proj", &l.wq),
                 ("self_attn.k_proj", &l.wk),
                 ("self_attn.v_proj", &l.wv),
                 ("self_attn.o_proj", &l.wo),
-                ("post_attention_layernorm", &l.ffn_norm),
                 ("mlp.gate_proj", &l.w_gate),
                 ("mlp.up_proj", &l.w_up),
                 ("mlp.down_proj", &l.w_down),
             ] {
-                v.push((format!("{p}.{name}.weight"), t.shallow_clone()));
+                v.push((format!("{p}.{name}.weight"), dense(w)?));
             }
         }
-        v
+        Ok(v)
     }
 
     /// A Hugging Face `config.json` for this model's dimensions.
@@ -293,7 +280,7 @@ impl Llama {
             "rms_norm_eps": c.rms_eps,
             "rope_theta": c.rope_theta,
             "max_position_embeddings": c.max_ctx,
-            "tie_word_embeddings": self.lm_head.data_ptr() == self.embed.data_ptr(),
+            "tie_word_embeddings": self.lm_head.same(&self.embed),
         })
     }
 
@@ -304,24 +291,24 @@ impl Llama {
         let rope = self.rope.lock().unwrap_or_else(|e| e.into_inner());
         Llama {
             cfg: self.cfg.clone(),
-            embed: t(&self.embed),
+            embed: self.embed.share(),
             layers: self
                 .layers
                 .iter()
                 .map(|l| Layer {
                     attn_norm: t(&l.attn_norm),
-                    wq: t(&l.wq),
-                    wk: t(&l.wk),
-                    wv: t(&l.wv),
-                    wo: t(&l.wo),
+                    wq: l.wq.share(),
+                    wk: l.wk.share(),
+                    wv: l.wv.share(),
+                    wo: l.wo.share(),
                     ffn_norm: t(&l.ffn_norm),
-                    w_gate: t(&l.w_gate),
-                    w_up: t(&l.w_up),
-                    w_down: t(&l.w_down),
+                    w_gate: l.w_gate.share(),
+                    w_up: l.w_up.share(),
+                    w_down: l.w_down.share(),
                 })
                 .collect(),
             norm: t(&self.norm),
-            lm_head: t(&self.lm_head),
+            lm_head: self.lm_head.share(),
             rope: std::sync::Mutex::new((t(&rope.0), t(&rope.1))),
             device: self.device,
             kind: self.kind,

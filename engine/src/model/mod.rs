@@ -2,11 +2,14 @@
 //! grouped-query attention, SwiGLU, tied or separate output head.
 //!
 //! Touvron et al., "LLaMA: Open and Efficient Foundation Language Models"
-//! (2023). Weights come from GGUF (dequantized at load; llama.cpp's Q/K row
-//! permutation undone) or from a Hugging Face safetensors directory.
+//! (2023). Weights come from GGUF (on the CPU kept in the file's blocks,
+//! which the kernels' quantized matmul reads, or dequantized at load;
+//! llama.cpp's Q/K row permutation undone either way) or from a Hugging
+//! Face safetensors directory.
 //!
-//! `config.rs`: the dimensions; `load.rs`: the weights; here: the forward
-//! pass over a [`KvStore`].
+//! `config.rs`: the dimensions; `from_gguf.rs` and `load.rs`: the
+//! weights; `weight.rs`: a
+//! matrix dense or in blocks; here: the forward pass over a [`KvStore`].
 
 use tch::{Device, Kind, Tensor};
 
@@ -14,30 +17,49 @@ use crate::error::{EngineError, Result};
 use crate::kv::KvStore;
 
 mod config;
+mod from_gguf;
 mod load;
+mod weight;
 
 pub use config::LlamaConfig;
+use weight::{Weight, matmul_blocks};
 
 struct Layer {
     attn_norm: Tensor,
-    wq: Tensor,
-    wk: Tensor,
-    wv: Tensor,
-    wo: Tensor,
+    wq: Weight,
+    wk: Weight,
+    wv: Weight,
+    wo: Weight,
     ffn_norm: Tensor,
-    w_gate: Tensor,
-    w_up: Tensor,
-    w_down: Tensor,
+    w_gate: Weight,
+    w_up: Weight,
+    w_down: Weight,
 }
 
-/// A LLaMA-family decoder with its weights on one device in one dtype.
+impl Layer {
+    /// The matrices, in the order of the forward pass.
+    fn matrices(&self) -> [&Weight; 7] {
+        [
+            &self.wq,
+            &self.wk,
+            &self.wv,
+            &self.wo,
+            &self.w_gate,
+            &self.w_up,
+            &self.w_down,
+        ]
+    }
+}
+
+/// A LLaMA-family decoder with its weights on one device in one dtype (its
+/// matrices possibly in another dtype, or in GGUF blocks on the CPU).
 pub struct Llama {
     /// Dimensions.
     pub cfg: LlamaConfig,
-    embed: Tensor,
+    embed: Weight,
     layers: Vec<Layer>,
     norm: Tensor,
-    lm_head: Tensor,
+    lm_head: Weight,
     /// RoPE cos / sin tables, `[positions, head_dim]`: built for the
     /// positions used so far (doubling as needed, up to the context length),
     /// not up front for whatever context a model file claims.
@@ -82,36 +104,30 @@ impl Llama {
     /// other weights.
     pub fn fingerprint(&self, h: &mut xxhash_rust::xxh3::Xxh3) -> Result<()> {
         h.update(format!("{:?}", self.cfg).as_bytes());
-        let layers = self.layers.iter().flat_map(|l| {
-            [
-                &l.attn_norm,
-                &l.wq,
-                &l.wk,
-                &l.wv,
-                &l.wo,
-                &l.ffn_norm,
-                &l.w_gate,
-                &l.w_up,
-                &l.w_down,
-            ]
-        });
-        let mut buf = Vec::new();
-        for t in [&self.embed, &self.norm, &self.lm_head]
-            .into_iter()
-            .chain(layers)
-        {
-            let t = t.f_to_device(Device::Cpu)?.f_contiguous()?;
-            let n = t.numel();
-            buf.resize(n * t.kind().elt_size_in_bytes(), 0);
-            t.f_copy_data_u8(&mut buf, n)?;
-            h.update(format!("{:?}{:?}", t.kind(), t.size()).as_bytes());
-            h.update(&buf);
+        let norms = |t: &Tensor| Weight::Dense(t.shallow_clone());
+        let mut all = vec![self.embed.share(), norms(&self.norm), self.lm_head.share()];
+        for l in &self.layers {
+            all.push(norms(&l.attn_norm));
+            all.extend(l.matrices()[..4].iter().map(|w| w.share()));
+            all.push(norms(&l.ffn_norm));
+            all.extend(l.matrices()[4..].iter().map(|w| w.share()));
+        }
+        for w in &all {
+            w.fingerprint(h)?;
         }
         Ok(())
     }
 
-    /// `x @ w^T`, bridging a weight stored in another dtype.
-    fn linear(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    /// `x @ w^T`, bridging a weight stored in another dtype or in blocks.
+    fn linear(&self, x: &Tensor, w: &Weight) -> Result<Tensor> {
+        let w = match w {
+            Weight::Dense(w) => w,
+            Weight::Blocks(q) => {
+                let y = matmul_blocks(x, &[q])?.pop();
+                let y = y.ok_or_else(|| EngineError::Model("no matmul output".into()))?;
+                return Ok(y.f_to_kind(x.kind())?);
+            }
+        };
         if w.kind() == x.kind() {
             return Ok(x.f_linear::<Tensor>(w, None)?);
         }
@@ -123,6 +139,30 @@ impl Llama {
         } else {
             x.f_linear::<Tensor>(&w.f_to_kind(x.kind())?, None)?
         })
+    }
+
+    /// [`linear`](Self::linear) of `x` with each of `ws`: blocks share one
+    /// quantization of `x`.
+    fn project<const N: usize>(&self, x: &Tensor, ws: [&Weight; N]) -> Result<[Tensor; N]> {
+        let blocks: Vec<_> = ws
+            .iter()
+            .filter_map(|w| match w {
+                Weight::Blocks(q) => Some(&**q),
+                Weight::Dense(_) => None,
+            })
+            .collect();
+        let ys = if blocks.len() == N {
+            matmul_blocks(x, &blocks)?
+                .into_iter()
+                .map(|y| Ok(y.f_to_kind(x.kind())?))
+                .collect::<Result<Vec<_>>>()?
+        } else {
+            ws.iter()
+                .map(|w| self.linear(x, w))
+                .collect::<Result<Vec<_>>>()?
+        };
+        ys.try_into()
+            .map_err(|_| EngineError::Model("a projection lost an output".into()))
     }
 
     /// The device the weights live on.
@@ -307,22 +347,21 @@ impl Llama {
         let c = &self.cfg;
         let n = tokens.len() as i64;
         let ids: Vec<i64> = tokens.iter().map(|&t| i64::from(t)).collect();
-        let ids = Tensor::f_from_slice(&ids)?.f_to_device(self.device)?;
-        let mut x = self.embed.f_index_select(0, &ids)?.f_to_kind(self.kind)?; // [n, d]
+        let mut x = self.embed.rows(&ids, self.kind, self.device)?; // [n, d]
         let (nh, nkv, hd) = (c.n_heads as i64, c.n_kv_heads as i64, c.head_dim as i64);
         for (l, layer) in self.layers.iter().enumerate() {
             let h = self.rms_norm(&x, &layer.attn_norm)?;
-            let q = self.linear(&h, &layer.wq)?.f_reshape([n, nh, hd])?;
-            let k = self.linear(&h, &layer.wk)?.f_reshape([n, nkv, hd])?;
-            let v = self.linear(&h, &layer.wv)?.f_reshape([n, nkv, hd])?;
+            let [q, k, v] = self.project(&h, [&layer.wq, &layer.wk, &layer.wv])?;
+            let q = q.f_reshape([n, nh, hd])?;
+            let k = k.f_reshape([n, nkv, hd])?;
+            let v = v.f_reshape([n, nkv, hd])?;
             let q = self.rotate(&q, cos, sin)?;
             let k = self.rotate(&k, cos, sin)?;
             let att = attend(l, &q, &k, &v)?.f_reshape([n, nh * hd])?;
             x += self.linear(&att, &layer.wo)?;
             let h = self.rms_norm(&x, &layer.ffn_norm)?;
-            let gate = self.linear(&h, &layer.w_gate)?.f_silu()?;
-            let up = self.linear(&h, &layer.w_up)?;
-            x += self.linear(&(gate * up), &layer.w_down)?;
+            let [gate, up] = self.project(&h, [&layer.w_gate, &layer.w_up])?;
+            x += self.linear(&(gate.f_silu()? * up), &layer.w_down)?;
         }
         Ok(x)
     }

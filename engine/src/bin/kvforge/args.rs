@@ -24,8 +24,9 @@ pub(crate) struct Common {
     /// Compute dtype: f32, bf16 or f16.
     #[arg(long, default_value = "f32")]
     pub(crate) dtype: String,
-    /// Weight storage dtype (default: --dtype). `--weights f16` with f32
-    /// compute roughly doubles CPU decode speed.
+    /// Weight storage dtype: f32, bf16 or f16 (dense). Default: a GGUF
+    /// model's matrices stay in the file's blocks (read by the quantized
+    /// matmul) on the CPU with f32 compute; elsewhere --dtype.
     #[arg(long)]
     pub(crate) weights: Option<String>,
     /// KV cache storage dtype: f16, bf16 or f32.
@@ -188,6 +189,16 @@ impl Common {
             tokenizer.encode(&Tokenizer::chat_prompt(&messages))
         } else {
             tokenizer.chat_ids(&messages)
+        }
+    }
+
+    /// How `engine` stores its weight matrices: `gguf` (the file's
+    /// blocks) or a dtype.
+    pub(crate) fn weights_label<'a>(&'a self, engine: &Engine) -> &'a str {
+        if engine.model().has_block_weights() {
+            "gguf"
+        } else {
+            self.weights.as_deref().unwrap_or(&self.dtype)
         }
     }
 

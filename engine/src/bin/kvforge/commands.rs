@@ -262,7 +262,7 @@ pub(crate) fn bench(
     emit(format!(
         "{{\"engine\":\"kvforge\",\"dtype\":\"{}\",\"weights\":\"{}\",\"kv\":\"{}\",\"context\":{},\"prefill_tok_s\":{:.3},\"decode_tok_s\":{:.3},\"threads\":{},\"kv_bytes\":{},\"cold_bytes\":{},\"kv_quant\":\"{}\"}}",
         common.dtype,
-        common.weights.as_deref().unwrap_or(&common.dtype),
+        common.weights_label(&engine),
         common.kv_dtype,
         g.prompt_tokens,
         g.prompt_tokens as f64 / g.prefill_secs.max(1e-9),
@@ -311,10 +311,11 @@ pub(crate) fn ppl(
     let what = format!("the longest article of {}", text.display());
     let ids = first_tokens(&engine, &article, tokens, &what, "--tokens")?;
     let tier = engine.cache().cold_tier();
+    let weights = common.weights_label(&engine).to_string();
     let line = |mode: &str, quant: Option<KvQuant>, r: &PplReport| {
         serde_json::json!({
             "mode": mode, "tokens": tokens, "window": window, "prefix": prefix, "chunk": chunk,
-            "dtype": common.dtype, "weights": common.weights.as_deref().unwrap_or(&common.dtype),
+            "dtype": common.dtype, "weights": weights,
             "kv": common.kv_dtype,
             "kv_quant": quant.map_or_else(|| "none".to_string(), |q| q.name()),
             "scored": r.scored, "ppl": r.ppl, "kv_bytes": r.kv_bytes,
