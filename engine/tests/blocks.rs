@@ -1,62 +1,51 @@
 //! GGUF block weights (the default on the CPU): the kernels' packing
-//! decodes every format exactly as the engine's GGUF reader does, and the
+//! decodes every format as the `gguf` package's reference does, and the
 //! real model on its blocks stays close to transformers.
 
-use kvforge_engine::gguf::{GgmlType, GgufFile, dequantize};
+use kvforge_engine::gguf::{GgmlType, GgufFile};
 use kvforge_kernels::{QMatrix, WeightFormat};
 
 use super::*;
 
-/// Random blocks of `format` with f16 scales in a model's range.
-fn random_blocks(format: WeightFormat, blocks: usize, seed: u64) -> Vec<u8> {
-    let (_, size) = format.block();
-    let mut s = seed;
-    let mut next = move || {
-        s = s
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (s >> 33) as u8
-    };
-    let mut bytes: Vec<u8> = (0..blocks * size).map(|_| next()).collect();
-    let scale_at: &[usize] = match format {
-        WeightFormat::Q4_0 | WeightFormat::Q8_0 => &[0],
-        WeightFormat::Q4_1 | WeightFormat::Q4_K | WeightFormat::Q5_K => &[0, 2],
-        WeightFormat::Q6_K => &[208],
-    };
-    for (i, blk) in bytes.chunks_exact_mut(size).enumerate() {
-        for &at in scale_at {
-            let v = half::f16::from_f32(((i % 7) as f32 - 3.0) / 64.0);
-            blk[at..at + 2].copy_from_slice(&v.to_bits().to_le_bytes());
-        }
-    }
-    bytes
-}
-
-fn ggml(format: WeightFormat) -> GgmlType {
-    match format {
-        WeightFormat::Q4_0 => GgmlType::Q4_0,
-        WeightFormat::Q4_1 => GgmlType::Q4_1,
-        WeightFormat::Q8_0 => GgmlType::Q8_0,
-        WeightFormat::Q4_K => GgmlType::Q4_K,
-        WeightFormat::Q5_K => GgmlType::Q5_K,
-        WeightFormat::Q6_K => GgmlType::Q6_K,
-    }
-}
-
+/// The matmul's packing of every block format it reads, against the
+/// `gguf` package's reference dequantizer (the fixture
+/// `gguf_block_formats_match_the_gguf_reference` reads), one matrix row
+/// of each; and the real model's tensors, row by row.
 #[test]
-fn every_block_format_decodes_as_the_gguf_reader_does() {
-    for format in WeightFormat::ALL {
-        let (rows, cols) = (3, 512);
-        let bytes = random_blocks(format, rows * cols / format.block().0, 5);
-        let q = QMatrix::from_ggml(format, rows, cols, &bytes).unwrap();
-        let want = dequantize(ggml(format), &bytes);
-        let got = q.dequantize();
-        let same = want
+fn every_block_format_decodes_as_the_gguf_reference_does() {
+    let text = std::fs::read_to_string(root().join("engine/tests/fixtures/kquants_reference.json"))
+        .unwrap();
+    let fx: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let mut seen = 0;
+    for (name, t) in fx.as_object().unwrap() {
+        let dtype = GgmlType::from_id(t["id"].as_u64().unwrap() as u32).unwrap();
+        let Some(format) = dtype.weight_format() else {
+            continue;
+        };
+        let hex = t["hex"].as_str().unwrap();
+        let bytes: Vec<u8> = (0..hex.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+            .collect();
+        let want: Vec<f64> = t["values"]
+            .as_array()
+            .unwrap()
             .iter()
-            .zip(&got)
-            .all(|(a, b)| a.to_bits() == b.to_bits() || (*a == 0.0 && *b == 0.0));
-        assert!(same, "{format:?} decodes differently from the GGUF reader");
+            .map(|v| v.as_f64().unwrap())
+            .collect();
+        let q = QMatrix::from_ggml(format, 1, want.len(), &bytes).unwrap();
+        let mut got = vec![0f32; want.len()];
+        q.dequantize_row(0, &mut got).unwrap();
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            let (g, w) = (f64::from(*g), *w as f32 as f64);
+            assert!(
+                (g - w).abs() <= 1e-6 * w.abs().max(1e-3),
+                "{name} element {i}: {g} vs reference {w}"
+            );
+        }
+        seen += 1;
     }
+    assert_eq!(seen, WeightFormat::ALL.len());
     // The real model's two formats, tensor by tensor.
     let g = GgufFile::open(&model_path()).unwrap();
     for name in [
@@ -65,10 +54,7 @@ fn every_block_format_decodes_as_the_gguf_reader_does() {
         "blk.29.ffn_down.weight",
     ] {
         let (dtype, bytes, shape) = g.raw(name).unwrap();
-        let format = WeightFormat::ALL
-            .into_iter()
-            .find(|f| ggml(*f) == dtype)
-            .unwrap();
+        let format = dtype.weight_format().unwrap();
         let q = QMatrix::from_ggml(format, shape[0], shape[1], bytes).unwrap();
         assert_eq!(q.dequantize(), g.dequantize(name).unwrap().0, "{name}");
     }

@@ -129,6 +129,21 @@ impl GgmlType {
         })
     }
 
+    /// The block format `kvforge-kernels` reads for this type, if it reads
+    /// it (its quantized matmul, and the decoding of those blocks here).
+    pub fn weight_format(self) -> Option<kvforge_kernels::WeightFormat> {
+        use kvforge_kernels::WeightFormat as W;
+        Some(match self {
+            GgmlType::Q4_0 => W::Q4_0,
+            GgmlType::Q4_1 => W::Q4_1,
+            GgmlType::Q8_0 => W::Q8_0,
+            GgmlType::Q4_K => W::Q4_K,
+            GgmlType::Q5_K => W::Q5_K,
+            GgmlType::Q6_K => W::Q6_K,
+            _ => return None,
+        })
+    }
+
     /// (elements per block, bytes per block)
     fn block(self) -> (usize, usize) {
         match self {

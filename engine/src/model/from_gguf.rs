@@ -5,26 +5,13 @@
 use std::borrow::Cow;
 use std::sync::Arc;
 
-use kvforge_kernels::{QMatrix, WeightFormat};
+use kvforge_kernels::QMatrix;
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{EngineError, Result};
-use crate::gguf::{GgmlType, GgufFile};
+use crate::gguf::GgufFile;
 
 use super::*;
-
-/// The block format the kernels read for a GGUF type, if they read it.
-fn weight_format(t: GgmlType) -> Option<WeightFormat> {
-    Some(match t {
-        GgmlType::Q4_0 => WeightFormat::Q4_0,
-        GgmlType::Q4_1 => WeightFormat::Q4_1,
-        GgmlType::Q8_0 => WeightFormat::Q8_0,
-        GgmlType::Q4_K => WeightFormat::Q4_K,
-        GgmlType::Q5_K => WeightFormat::Q5_K,
-        GgmlType::Q6_K => WeightFormat::Q6_K,
-        _ => return None,
-    })
-}
 
 /// GGUF tensor `name` (`want` = `[rows, cols]`) in its blocks, if the
 /// kernels read its format; its rows reordered as [`unpermute`] would for
@@ -36,7 +23,7 @@ fn block_matrix(
     heads: Option<usize>,
 ) -> Result<Option<QMatrix>> {
     let (dtype, bytes, shape) = g.raw(name)?;
-    let Some(format) = weight_format(dtype) else {
+    let Some(format) = dtype.weight_format() else {
         return Ok(None);
     };
     let (rows, cols) = (want[0] as usize, want[1] as usize);

@@ -20,7 +20,7 @@ pub(crate) enum Weight {
 }
 
 thread_local! {
-    /// The activations of the last matmul on this thread, as int8.
+    /// The activations of the last matmul on this thread, as int16.
     static ACTS: RefCell<Activations> = RefCell::new(Activations::default());
 }
 

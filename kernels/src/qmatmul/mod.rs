@@ -89,6 +89,21 @@ impl WeightFormat {
         }
     }
 
+    /// `bytes` (whole blocks of this format) as f32, each value as ggml
+    /// decodes it (what a [`QMatrix`] of these blocks multiplies by).
+    pub fn dequantize(self, bytes: &[u8]) -> Vec<f32> {
+        let (per, size) = self.block();
+        let mut out = vec![0f32; bytes.len() / size * per];
+        let (packed, held) = match self {
+            WeightFormat::Q4_0 => (Packed::Q4_0, std::borrow::Cow::Borrowed(bytes)),
+            WeightFormat::Q4_1 => (Packed::Q4_1, bytes.into()),
+            WeightFormat::Q8_0 => (Packed::Q8_0, bytes.into()),
+            _ => (Packed::K16, pack::k16(self, bytes).into()),
+        };
+        scalar::dequantize(packed, &held, &mut out);
+        out
+    }
+
     /// ggml's name (`q4_1`, …).
     pub fn name(self) -> &'static str {
         match self {
