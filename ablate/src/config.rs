@@ -15,7 +15,7 @@ use toml::Spanned;
 use crate::workloads::Workloads;
 
 /// One experiment: a model, its workloads, the configurations to compare.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Experiment {
     /// Names the output folder `target/ablate/<name>/`.
@@ -29,6 +29,10 @@ pub struct Experiment {
     /// first) is what the others are compared with.
     #[serde(rename = "config")]
     pub configs: Vec<Spanned<Mechanisms>>,
+    /// What its eviction and tier policy names are built by (not in the
+    /// file: [`registry`](crate::registry) unless read with another).
+    #[serde(skip, default = "crate::registry")]
+    pub registry: Registry,
 }
 
 /// The model, and how it runs.
@@ -87,25 +91,33 @@ impl Experiment {
     /// Reads and checks `path` (its eviction policies against
     /// [`registry`](crate::registry)).
     pub fn load(path: &Path) -> Result<Experiment> {
-        Self::read(path).map(|(exp, _)| exp)
+        Self::read(path, crate::registry()).map(|(exp, _)| exp)
     }
 
-    /// [`load`](Self::load), and the text it was read from (read once:
-    /// the run keeps it as its stamp). Only a regular file of at most
-    /// 1 MiB is read (a FIFO or `/dev/zero` is one line, not a hang).
-    pub fn read(path: &Path) -> Result<(Experiment, String)> {
+    /// Reads and checks `path`, its policy names built by `registry`; and
+    /// the text it was read from (read once: the run keeps it as its
+    /// stamp). Only a regular file of at most 1 MiB is read (a FIFO or
+    /// `/dev/zero` is one line, not a hang).
+    pub fn read(path: &Path, registry: Registry) -> Result<(Experiment, String)> {
         let src = kvforge_engine::input::read_text(path, kvforge_engine::input::MAX_CONFIG_BYTES)
             .map_err(anyhow::Error::msg)?;
-        Ok((Self::parse(&src, path)?, src))
+        Ok((Self::parse_with(&src, path, registry)?, src))
     }
 
-    /// Parses and checks `src`, read from `path` (for messages).
+    /// Parses and checks `src`, read from `path` (for messages), against
+    /// [`registry`](crate::registry).
     pub fn parse(src: &str, path: &Path) -> Result<Experiment> {
-        let exp: Experiment = match toml::from_str(src) {
+        Self::parse_with(src, path, crate::registry())
+    }
+
+    /// [`parse`](Self::parse), its policy names built by `registry`.
+    pub fn parse_with(src: &str, path: &Path, registry: Registry) -> Result<Experiment> {
+        let mut exp: Experiment = match toml::from_str(src) {
             Ok(e) => e,
             Err(e) => bail!("{}", located(path, src, e.span(), e.message())),
         };
-        exp.check(src, path, &crate::registry())?;
+        exp.registry = registry;
+        exp.check(src, path)?;
         Ok(exp)
     }
 
@@ -164,14 +176,14 @@ impl Experiment {
             .map_or("", |c| c.name())
     }
 
-    fn check(&self, src: &str, path: &Path, registry: &Registry) -> Result<()> {
+    fn check(&self, src: &str, path: &Path) -> Result<()> {
         let top = |msg: String| anyhow::anyhow!("{}", located(path, src, None, &msg));
         self.check_model().map_err(top)?;
         if self.configs.is_empty() {
             return Err(top("no [[config]]: the matrix is empty".into()));
         }
         self.workloads.check().map_err(top)?;
-        self.check_configs(src, path, registry)
+        self.check_configs(src, path)
     }
 
     /// The experiment's name and model settings, or what is wrong with
@@ -210,7 +222,7 @@ impl Experiment {
 
     /// Every configuration: named, safely and once; its mechanisms and the
     /// harness's own keys valid.
-    fn check_configs(&self, src: &str, path: &Path, registry: &Registry) -> Result<()> {
+    fn check_configs(&self, src: &str, path: &Path) -> Result<()> {
         let mut names = std::collections::BTreeSet::new();
         let base = self.baseline();
         for c in &self.configs {
@@ -231,7 +243,7 @@ impl Experiment {
             if !names.insert(mech.name()) {
                 bail!("{}", at(format!("config {:?} appears twice", mech.name())));
             }
-            if let Err(msg) = mech.check(self.block_size(mech), registry) {
+            if let Err(msg) = mech.check(self.block_size(mech), &self.registry) {
                 bail!("{}", at(format!("config {:?}: {msg}", mech.name())));
             }
             if let Err(msg) = self.check_harness_keys(c.get_ref(), base, &names) {

@@ -58,7 +58,7 @@ pub struct Summary {
 
 /// Describes a configuration's mechanisms in a few words.
 pub fn describe(exp: &Experiment, m: &Mechanisms) -> String {
-    let words = m.describe(exp.block_size(m), &crate::registry());
+    let words = m.describe(exp.block_size(m), &exp.registry);
     match m.target_kv {
         Some(t) => format!(
             "sized to {}% of the KV per item (budget and window set per item: knob_tokens in results.csv): {words}",

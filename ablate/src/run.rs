@@ -38,6 +38,9 @@ pub struct Options {
     /// What relative paths in the experiment file (and the default output
     /// folder) are relative to: the project root.
     pub root: PathBuf,
+    /// What the file's policy names are built by: [`registry`](crate::registry),
+    /// or one that knows more (the Python package's builds Python classes).
+    pub registry: kvforge_engine::Registry,
 }
 
 /// What a run did: where its report is, how many items it measured and
@@ -56,7 +59,7 @@ pub struct Outcome {
 pub fn run(opts: &Options) -> Result<Outcome> {
     let started = Instant::now();
     // Read once: what is parsed is what the stamp keeps.
-    let (mut exp, text) = Experiment::read(&opts.config)?;
+    let (mut exp, text) = Experiment::read(&opts.config, opts.registry.clone())?;
     exp.rebase(&opts.root);
     check_inputs(&exp)?;
     let out = out_folder(opts, &exp);

@@ -24,8 +24,8 @@ pub(crate) struct Runner<'a> {
     tok: &'a Tokenizer,
 }
 
-/// Engine and reuse configuration of `m` (its eviction policy built by
-/// the bench's [`registry`](crate::registry)).
+/// Engine and reuse configuration of `m` (its policies built by the
+/// experiment's registry).
 fn configure(exp: &Experiment, m: &Mechanisms) -> Result<(EngineConfig, ReuseConfig)> {
     let mut cfg = EngineConfig {
         weight_kind: None,
@@ -40,7 +40,7 @@ fn configure(exp: &Experiment, m: &Mechanisms) -> Result<(EngineConfig, ReuseCon
         ..m.clone()
     };
     let reuse = m
-        .apply(&mut cfg, &crate::registry(), Some(exp.model.seed))
+        .apply(&mut cfg, &exp.registry, Some(exp.model.seed))
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     Ok((cfg, reuse))
 }

@@ -99,6 +99,7 @@ fn quick(out: &Path, config: &Path, resume: bool) -> anyhow::Result<Outcome> {
         resume,
         progress: false,
         root: root(),
+        registry: kvforge_ablate::registry(),
     })
 }
 

@@ -27,6 +27,7 @@ pub(crate) fn ablate(
         resume,
         progress,
         root: root.unwrap_or_else(|| PathBuf::from(".")),
+        registry: crate::resolve::with_python(kvforge_ablate::registry()),
     };
     let done = py
         .detach(|| kvforge_ablate::run::run(&opts))

@@ -15,8 +15,8 @@ use std::sync::Arc;
 
 use kvforge_engine::mechanisms::Mechanisms;
 use kvforge_engine::{
-    CacheManager, EngineConfig, EngineError, Llama, LlamaConfig, Registry, ReuseConfig, Tokenizer,
-    gguf, parse_device, parse_dtype,
+    CacheManager, EngineConfig, EngineError, Llama, LlamaConfig, ReuseConfig, Tokenizer, gguf,
+    parse_device, parse_dtype,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -42,7 +42,7 @@ fn mechanisms(
     path: Option<PathBuf>,
     block_size: usize,
 ) -> PyResult<Option<Mechanisms>> {
-    let registry = Registry::builtin();
+    let registry = crate::resolve::registry();
     match (json, path) {
         (Some(_), Some(_)) => Err(bad(
             "kvforge: give the mechanisms as a table or a file, not both",
@@ -134,7 +134,9 @@ impl Engine {
             ..ReuseConfig::default()
         };
         if let Some(m) = mechanisms(mechanisms_json, mechanisms_path, block_size)? {
-            reuse = m.apply(&mut cfg, &Registry::builtin(), None).map_err(bad)?;
+            reuse = m
+                .apply(&mut cfg, &crate::resolve::registry(), None)
+                .map_err(bad)?;
         }
         if let Some(obj) = policy {
             PyPolicy::wrap(&obj)?;

@@ -256,6 +256,5 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ablate::ablate, m)?)?;
     m.add_function(wrap_pyfunction!(conformance::check_eviction_policy, m)?)?;
     m.add_function(wrap_pyfunction!(conformance::check_tier_policy, m)?)?;
-    resolve::install_resolver();
     Ok(())
 }

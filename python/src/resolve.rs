@@ -1,7 +1,8 @@
-//! Python policies named in mechanisms tables: [`install_resolver`] makes
-//! `"module:Class"` names of eviction and tier policies reach every
-//! registry of the process (mechanisms tables, the ablation), each built
-//! with the table's parameters as keyword arguments.
+//! Python policies named in mechanisms tables: [`registry`] is the
+//! registry every mechanisms table of the Python package is checked and
+//! built with (the engine's, the ablation's): `"module:Class"` names of
+//! eviction and tier policies are Python classes, each built with the
+//! table's parameters as keyword arguments.
 
 use std::sync::Arc;
 
@@ -44,26 +45,31 @@ fn python_name(name: &str) -> Option<(String, String)> {
     (!module.is_empty() && !class.is_empty()).then(|| (module.to_string(), class.to_string()))
 }
 
-/// Lets every registry of this process build `"module:Class"` names of
-/// eviction and tier policies from Python (once; later calls change
-/// nothing).
-pub(crate) fn install_resolver() {
-    Registry::install_resolver(Arc::new(|name: &str| {
-        let (module, class) = python_name(name)?;
-        let b: EvictionBuilder = Arc::new(move |p| {
-            build(&module, &class, p, |obj| {
-                Ok(Box::new(PyPolicy::wrap(obj)?) as Box<dyn EvictionPolicy>)
-            })
-        });
-        Some(b)
-    }));
-    Registry::install_tier_resolver(Arc::new(|name: &str| {
-        let (module, class) = python_name(name)?;
-        let b: TierBuilder = Arc::new(move |p| {
-            build(&module, &class, p, |obj| {
-                Ok(Box::new(PyTier::wrap(obj)?) as Box<dyn kvforge_quant::TierPolicy>)
-            })
-        });
-        Some(b)
-    }));
+/// The Python package's registry: kvforge's own policies, and
+/// `"module:Class"` names of eviction and tier policies built from Python.
+pub(crate) fn registry() -> Registry {
+    with_python(Registry::builtin())
+}
+
+/// `registry` with `"module:Class"` names resolved to Python classes.
+pub(crate) fn with_python(registry: Registry) -> Registry {
+    registry
+        .with_resolver(Arc::new(|name: &str| {
+            let (module, class) = python_name(name)?;
+            let b: EvictionBuilder = Arc::new(move |p| {
+                build(&module, &class, p, |obj| {
+                    Ok(Box::new(PyPolicy::wrap(obj)?) as Box<dyn EvictionPolicy>)
+                })
+            });
+            Some(b)
+        }))
+        .with_tier_resolver(Arc::new(|name: &str| {
+            let (module, class) = python_name(name)?;
+            let b: TierBuilder = Arc::new(move |p| {
+                build(&module, &class, p, |obj| {
+                    Ok(Box::new(PyTier::wrap(obj)?) as Box<dyn kvforge_quant::TierPolicy>)
+                })
+            });
+            Some(b)
+        }))
 }

@@ -40,6 +40,7 @@ fn parse(args: Vec<String>) -> Result<Options> {
         resume: false,
         progress: true,
         root: PathBuf::from("."),
+        registry: kvforge_ablate::registry(),
     };
     let mut preset = None;
     let mut it = args.into_iter();

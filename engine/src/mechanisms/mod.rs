@@ -37,14 +37,13 @@ mod registry;
 mod specs;
 #[cfg(test)]
 mod tests;
-mod tiers;
+mod tier_policy;
 
-pub use registry::{EvictionBuilder, PolicyParams, Registry, Resolver};
+pub use registry::{EvictionBuilder, PolicyParams, Registry, Resolver, TierBuilder, TierResolver};
 pub use specs::{
     BlockFormat, IndexName, KeyAxis, LifecycleSpec, PolicySpec, PrefixSpec, RemoteSpec, ShareSpec,
     TailName,
 };
-pub use tiers::{TierBuilder, TierResolver};
 
 /// The largest `budget_mib`: 1 PiB (larger values would wrap in bytes).
 pub const MAX_BUDGET_MIB: u64 = 1 << 30;

@@ -16,10 +16,11 @@
 //! ```
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use kvforge_coordinator::rules;
 use kvforge_evict::{EvictionPolicy, Score, Scored, SinkWindow, Trigger};
+use kvforge_quant::TierPolicy;
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 
@@ -65,23 +66,36 @@ const PAGE: (bool, bool) = (false, false);
 pub type EvictionBuilder =
     Arc<dyn Fn(&PolicyParams<'_>) -> Result<Box<dyn EvictionPolicy>, String> + Send + Sync>;
 
-/// Builds the eviction policy a name no registry holds stands for, or
-/// `None` when the name is not its to build.
+/// Builds the eviction policy a name the registry does not hold stands
+/// for, or `None` when the name is not its to build.
 pub type Resolver = Arc<dyn Fn(&str) -> Option<EvictionBuilder> + Send + Sync>;
 
-/// Where every registry of this process looks up a name it does not hold.
-static RESOLVER: OnceLock<Resolver> = OnceLock::new();
+/// Builds one tier policy from its parameters (or says why not).
+pub type TierBuilder =
+    Arc<dyn Fn(&PolicyParams<'_>) -> Result<Box<dyn TierPolicy>, String> + Send + Sync>;
 
-/// The eviction policies a mechanisms file can name, by name.
+/// Builds the tier policy a name stands for, or `None` when the name is
+/// not its to build.
+pub type TierResolver = Arc<dyn Fn(&str) -> Option<TierBuilder> + Send + Sync>;
+
+/// The policies a mechanisms file can name: eviction policies by name,
+/// and where names it does not hold are looked up (the kvforge Python
+/// package's registry resolves `"module:Class"` names to Python classes).
 #[derive(Clone)]
 pub struct Registry {
     eviction: BTreeMap<String, EvictionBuilder>,
+    /// Builds eviction policies for names `eviction` does not hold.
+    pub(super) resolver: Option<Resolver>,
+    /// Builds every tier policy (kvforge's own plan has no name).
+    pub(super) tier_resolver: Option<TierResolver>,
 }
 
 impl std::fmt::Debug for Registry {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Registry")
             .field("eviction", &self.eviction_names())
+            .field("resolver", &self.resolver.is_some())
+            .field("tier_resolver", &self.tier_resolver.is_some())
             .finish()
     }
 }
@@ -97,12 +111,14 @@ impl Registry {
     pub fn empty() -> Self {
         Registry {
             eviction: BTreeMap::new(),
+            resolver: None,
+            tier_resolver: None,
         }
     }
 
     /// kvforge's own: `sink-window` (StreamingLLM), `h2o`, `lfu`,
     /// `keydiff`, `snapkv` (both also `per_head` or `per_token`) and
-    /// `hybrid` (seed 004's priority).
+    /// `hybrid` (recency, attention and frequency weighted).
     pub fn builtin() -> Self {
         Registry::empty()
             .with_eviction("sink-window", |p| {
@@ -166,14 +182,13 @@ impl Registry {
         self
     }
 
-    /// Installs, once per process, where every registry looks up an
-    /// eviction policy name it does not hold: the kvforge Python package
-    /// installs one at import that builds `"module:Class"` names from
-    /// Python classes, so a mechanisms file, the engine and the ablation
-    /// in that process reach them. `false` when one was installed before
-    /// (it stays).
-    pub fn install_resolver(resolver: Resolver) -> bool {
-        RESOLVER.set(resolver).is_ok()
+    /// The same, looking up eviction policy names it does not hold in
+    /// `resolver` (replacing an earlier one): the kvforge Python package's
+    /// registry builds `"module:Class"` names from Python classes this
+    /// way.
+    pub fn with_resolver(mut self, resolver: Resolver) -> Self {
+        self.resolver = Some(resolver);
+        self
     }
 
     /// The eviction policies it knows.
@@ -190,7 +205,7 @@ impl Registry {
         block_size: usize,
         cold_tier: bool,
     ) -> Result<EvictionFactory, String> {
-        let resolved = || RESOLVER.get().and_then(|r| r(&spec.policy));
+        let resolved = || self.resolver.as_ref().and_then(|r| r(&spec.policy));
         let build = self.eviction.get(&spec.policy).cloned().or_else(resolved);
         let Some(build) = build else {
             let python = if spec.policy.contains(':') {
@@ -313,7 +328,7 @@ struct SnapKvParams {
     low: Option<f64>,
 }
 
-/// Seed 004's hybrid `α(1−recency) + β(1−attention) + γ(1−frequency)`.
+/// The hybrid priority `α(1−recency) + β(1−attention) + γ(1−frequency)`.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct HybridParams {

@@ -230,8 +230,9 @@ fn the_ablations_own_keys_are_refused_by_the_engine() {
 
 #[test]
 fn a_resolver_builds_names_no_registry_holds_and_says_what_a_colon_name_is() {
-    // The only resolver this test process installs: `rust-test:` names.
-    let installed = Registry::install_resolver(std::sync::Arc::new(|name: &str| {
+    // A registry with a resolver of `rust-test:` names; the builtin one,
+    // without it, does not reach them (nothing is process-wide).
+    let registry = Registry::builtin().with_resolver(std::sync::Arc::new(|name: &str| {
         let window: usize = name.strip_prefix("rust-test:window")?.parse().ok()?;
         let b: EvictionBuilder = std::sync::Arc::new(move |_p| {
             Ok(Box::new(
@@ -240,13 +241,17 @@ fn a_resolver_builds_names_no_registry_holds_and_says_what_a_colon_name_is() {
         });
         Some(b)
     }));
-    assert!(installed);
-    assert!(!Registry::install_resolver(std::sync::Arc::new(|_| None)));
-    let m = parse("eviction = { policy = \"rust-test:window64\" }").unwrap();
+    let src = "eviction = { policy = \"rust-test:window64\" }";
+    let m = Mechanisms::from_toml(src, Path::new("m.toml"), 16, &registry).unwrap();
     let mut cfg = EngineConfig::default();
-    m.apply(&mut cfg, &Registry::builtin(), None).unwrap();
+    m.apply(&mut cfg, &registry, None).unwrap();
     let built = (cfg.policies.eviction.unwrap())().unwrap();
     assert_eq!(built.name(), "sink0-window64");
+    let e = parse(src).unwrap_err();
+    assert!(
+        e.contains("unknown eviction policy \"rust-test:window64\""),
+        "{e}"
+    );
     let e = parse("eviction = { policy = \"mymod:Mine\" }").unwrap_err();
     assert!(e.contains("unknown eviction policy \"mymod:Mine\""), "{e}");
     assert!(e.contains("written in Python"), "{e}");
@@ -256,8 +261,8 @@ fn a_resolver_builds_names_no_registry_holds_and_says_what_a_colon_name_is() {
 
 #[test]
 fn a_tier_policy_is_named_through_the_tier_resolver_and_needs_a_cold_tier() {
-    // The only tier resolver this test process installs: `rust-test:` names.
-    let installed = Registry::install_tier_resolver(std::sync::Arc::new(|name: &str| {
+    // A registry with a tier resolver of `rust-test:` names.
+    let registry = Registry::builtin().with_tier_resolver(std::sync::Arc::new(|name: &str| {
         let window: usize = name.strip_prefix("rust-test:plan")?.parse().ok()?;
         let b: TierBuilder = std::sync::Arc::new(move |p| {
             let plan = kvforge_quant::TierPlan::new(p.block_size, window);
@@ -265,16 +270,20 @@ fn a_tier_policy_is_named_through_the_tier_resolver_and_needs_a_cold_tier() {
         });
         Some(b)
     }));
-    assert!(installed);
+    let parse = |src: &str| Mechanisms::from_toml(src, Path::new("m.toml"), 16, &registry);
     let cold = "cold = { format = \"int4\", window = 32 }\n";
-    let m = parse(&format!("{cold}tier = {{ policy = \"rust-test:plan64\" }}")).unwrap();
+    let src = format!("{cold}tier = {{ policy = \"rust-test:plan64\" }}");
+    let m = parse(&src).unwrap();
     let mut cfg = EngineConfig::default();
-    m.apply(&mut cfg, &Registry::builtin(), None).unwrap();
+    m.apply(&mut cfg, &registry, None).unwrap();
     assert!((cfg.policies.tier.unwrap())().is_ok());
     assert_eq!(
-        m.describe(16, &Registry::builtin()),
+        m.describe(16, &registry),
         "cold int4, tier rust-test:plan64"
     );
+    // The builtin registry has no tier resolver.
+    let e = Mechanisms::from_toml(&src, Path::new("m.toml"), 16, &Registry::builtin());
+    assert!(e.unwrap_err().contains("unknown tier policy"));
     // Its builder's refusal, an unknown name, no cold tier: one line each.
     for (src, want) in [
         (

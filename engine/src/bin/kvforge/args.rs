@@ -10,7 +10,7 @@ use kvforge_engine::{
     Registry, ReuseConfig, SamplingParams, Tokenizer, TurnTail, parse_device, parse_dtype,
 };
 
-use super::tier::Tier;
+use super::flags::MechanismFlags;
 use super::{DEFAULT_MODEL, MAX_BLOCK_SIZE};
 
 #[derive(Args)]
@@ -73,7 +73,7 @@ pub(crate) struct Common {
     #[arg(long)]
     pub(crate) config: Option<PathBuf>,
     #[command(flatten)]
-    pub(crate) tier: Tier,
+    pub(crate) mechanisms: MechanismFlags,
 }
 
 #[derive(Args)]
@@ -143,7 +143,7 @@ impl Common {
     /// block size, cold-tier names.
     pub(crate) fn check(&self) -> Result<(), EngineError> {
         self.params().validate()?;
-        self.tier.spec()?;
+        self.mechanisms.spec()?;
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         if self.threads < 0 || self.threads as usize > cores {
             return Err(EngineError::Request(format!(
@@ -166,7 +166,7 @@ impl Common {
         let Some(path) = &self.config else {
             return Ok(None);
         };
-        if let Some(flag) = self.tier.given().or_else(|| self.tier.detail()) {
+        if let Some(flag) = self.mechanisms.given().or_else(|| self.mechanisms.detail()) {
             return Err(EngineError::Request(format!(
                 "--config {} sets the mechanisms: drop {flag} (or write it into the file)",
                 path.display()
@@ -219,7 +219,7 @@ impl Common {
                 m.apply(&mut cfg, &Registry::builtin(), None)
                     .map_err(EngineError::Request)?;
             }
-            None => self.tier.apply(&mut cfg)?,
+            None => self.mechanisms.apply(&mut cfg)?,
         }
         let path = self
             .model

@@ -14,7 +14,7 @@
 
 mod args;
 mod commands;
-mod tier;
+mod flags;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -185,7 +185,7 @@ fn main() -> ExitCode {
     let chat_only = match &cli.command {
         Command::Generate { common, .. }
         | Command::Bench { common, .. }
-        | Command::Ppl { common, .. } => common.tier.chat_only(),
+        | Command::Ppl { common, .. } => common.mechanisms.chat_only(),
         _ => None,
     };
     if let Some(flag) = chat_only {

@@ -1,40 +1,28 @@
 //! Tier policies a mechanisms file names: `tier = { policy = "…", … }`
 //! replaces the cold tier's sink-and-window plan with another
-//! [`TierPolicy`]. kvforge's own plan is `cold`'s, so no name is built in:
-//! the names come from a process-wide resolver (the kvforge Python
-//! package installs one at import that builds `"module:Class"` names).
+//! [`TierPolicy`](kvforge_quant::TierPolicy). kvforge's own plan is `cold`'s, so no name is built in:
+//! the names come from the registry's tier resolver (the kvforge Python
+//! package's registry builds `"module:Class"` names).
 
-use std::sync::{Arc, OnceLock};
-
-use kvforge_quant::TierPolicy;
+use std::sync::Arc;
 
 use crate::policies::TierFactory;
 
-use super::registry::{PolicyParams, Registry};
+use super::registry::{PolicyParams, Registry, TierResolver};
 use super::specs::PolicySpec;
 
-/// Builds one tier policy from its parameters (or says why not).
-pub type TierBuilder =
-    Arc<dyn Fn(&PolicyParams<'_>) -> Result<Box<dyn TierPolicy>, String> + Send + Sync>;
-
-/// Builds the tier policy a name stands for, or `None` when the name is
-/// not its to build.
-pub type TierResolver = Arc<dyn Fn(&str) -> Option<TierBuilder> + Send + Sync>;
-
-static TIER_RESOLVER: OnceLock<TierResolver> = OnceLock::new();
-
 impl Registry {
-    /// Installs, once per process, where mechanisms files' tier policy
-    /// names are looked up; `false` when one was installed before (it
-    /// stays).
-    pub fn install_tier_resolver(resolver: TierResolver) -> bool {
-        TIER_RESOLVER.set(resolver).is_ok()
+    /// The same, looking up tier policy names in `resolver` (replacing an
+    /// earlier one).
+    pub fn with_tier_resolver(mut self, resolver: TierResolver) -> Self {
+        self.tier_resolver = Some(resolver);
+        self
     }
 
     /// A factory of the tier policy `spec` names, checked by building one
     /// now: a name nothing resolves, or a bad parameter, is an error.
     pub fn tier(&self, spec: &PolicySpec, block_size: usize) -> Result<TierFactory, String> {
-        let Some(build) = TIER_RESOLVER.get().and_then(|r| r(&spec.policy)) else {
+        let Some(build) = self.tier_resolver.as_ref().and_then(|r| r(&spec.policy)) else {
             let python = if spec.policy.contains(':') {
                 " (a \"module:Class\" name is a policy written in Python: it runs under the kvforge Python package, as `cargo xtask ablate` runs such a file)"
             } else {

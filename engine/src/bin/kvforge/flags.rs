@@ -9,9 +9,10 @@ use kvforge_engine::{
     SimHashConfig,
 };
 
-/// The quantized cold tier (off unless --kv-quant is given).
+/// The mechanism flags; the quantized cold tier is off unless --kv-quant
+/// is given.
 #[derive(Args)]
-pub(crate) struct Tier {
+pub(crate) struct MechanismFlags {
     /// Quantize KV blocks older than --kv-window: int8, int4 or int2.
     #[arg(long)]
     pub(crate) kv_quant: Option<String>,
@@ -75,7 +76,7 @@ pub(crate) struct Tier {
     pub(crate) kv_budget_mib: u64,
 }
 
-impl Tier {
+impl MechanismFlags {
     /// A flag that does nothing without another, or two that contradict
     /// each other: one line naming them (F10 of the inputs review).
     pub(crate) fn check_flags(&self) -> Result<(), EngineError> {
