@@ -8,8 +8,9 @@
 //! Face safetensors directory.
 //!
 //! `config.rs`: the dimensions; `from_gguf.rs` and `load.rs`: the
-//! weights; `weight.rs`: a
-//! matrix dense or in blocks; here: the forward pass over a [`KvStore`].
+//! weights; `weight.rs`: a matrix dense or in blocks; `fused.rs`: RMSNorm,
+//! RoPE and SwiGLU as one loop each on f32 CPU tensors; here: the forward
+//! pass over a [`KvStore`].
 
 use tch::{Device, Kind, Tensor};
 
@@ -18,6 +19,7 @@ use crate::kv::KvStore;
 
 mod config;
 mod from_gguf;
+mod fused;
 mod load;
 mod weight;
 
@@ -176,6 +178,9 @@ impl Llama {
     }
 
     fn rms_norm(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        if let Some(y) = fused::rms_norm(x, w, self.cfg.rms_eps)? {
+            return Ok(y);
+        }
         let xf = x.f_to_kind(Kind::Float)?;
         let var = xf
             .f_pow_tensor_scalar(2)?
@@ -217,6 +222,9 @@ impl Llama {
 
     /// `x · cos + rotate_half(x) · sin`, the tables broadcast over heads.
     fn rotate(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        if let Some(y) = fused::rotate(x, cos, sin)? {
+            return Ok(y);
+        }
         let (cos, sin) = (cos.f_unsqueeze(1)?, sin.f_unsqueeze(1)?);
         let half = (self.cfg.head_dim / 2) as i64;
         let x1 = x.f_narrow(-1, 0, half)?;
@@ -361,7 +369,11 @@ impl Llama {
             x += self.linear(&att, &layer.wo)?;
             let h = self.rms_norm(&x, &layer.ffn_norm)?;
             let [gate, up] = self.project(&h, [&layer.w_gate, &layer.w_up])?;
-            x += self.linear(&(gate.f_silu()? * up), &layer.w_down)?;
+            let act = match fused::swiglu(&gate, &up)? {
+                Some(a) => a,
+                None => gate.f_silu()? * up,
+            };
+            x += self.linear(&act, &layer.w_down)?;
         }
         Ok(x)
     }
