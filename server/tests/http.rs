@@ -338,7 +338,22 @@ fn bad_requests_get_a_400_in_openais_shape_naming_the_field() {
         (
             json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": []}),
             "tools",
+            "tools is not supported",
+        ),
+        (
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}),
+            "response_format",
+            "not supported",
+        ),
+        (
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tool": []}),
+            "tool",
             "unrecognized request argument",
+        ),
+        (
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "seed": 1.5}),
+            "",
+            "invalid type",
         ),
         (
             json!({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}),
@@ -675,4 +690,65 @@ fn without_a_seed_two_sampled_replies_differ_and_with_one_they_repeat() {
         "a fresh seed per request, as OpenAI samples"
     );
     assert_eq!(ask(Some(5)), ask(Some(5)));
+}
+
+/// What harnesses and SDKs send: `null` for every field they do not use,
+/// signed seeds, `models.retrieve`; and a wrong method gets OpenAI's
+/// error shape.
+#[test]
+fn nulls_signed_seeds_model_retrieval_and_405s_as_openai_answers() {
+    let s = TestServer::tiny(ServerConfig::default());
+    let mut body = chat("hi", 2);
+    for key in [
+        "tools",
+        "tool_choice",
+        "response_format",
+        "logit_bias",
+        "top_logprobs",
+        "functions",
+        "stop",
+        "user",
+        "n",
+        "logprobs",
+        "temperature",
+        "stream_options",
+    ] {
+        body[key] = Value::Null;
+    }
+    body["seed"] = json!(-1);
+    let r = s.post(CHAT, &body);
+    let status = r.status;
+    let reply = String::from_utf8_lossy(&r.bytes().unwrap()).to_string();
+    assert_eq!(status, 200, "{reply}");
+    // Signed seeds repeat as unsigned ones do (different salts: both
+    // replies computed afresh).
+    let mut a = chat("Tell me a story", 6);
+    a["seed"] = json!(-7);
+    a["temperature"] = json!(1.0);
+    let mut text = |salt: &str| {
+        a["cache_salt"] = json!(salt);
+        s.post(CHAT, &a).json().unwrap()["choices"][0]["message"]["content"].clone()
+    };
+    assert_eq!(text("a"), text("b"));
+    let mut c = json!({"model": MODEL, "prompt": "hi", "max_tokens": 2, "seed": i64::MIN});
+    c["suffix"] = Value::Null;
+    c["response_format"] = Value::Null;
+    assert_eq!(s.post(COMPLETIONS, &c).status, 200);
+    // models.retrieve: the served model, or 404 model_not_found.
+    let m = s.get(&format!("/v1/models/{MODEL}"));
+    assert_eq!(m.status, 200);
+    let v = m.json().unwrap();
+    assert_eq!(v["id"], MODEL);
+    assert_eq!(v["object"], "model");
+    let (msg, _, code) = error_of(s.get("/v1/models/gpt-4o"), 404);
+    assert_eq!(code.as_deref(), Some("model_not_found"), "{msg}");
+    // A wrong method: 405 with a JSON error, not an empty body.
+    for (method, path) in [
+        ("GET", CHAT),
+        ("POST", "/v1/models"),
+        ("DELETE", COMPLETIONS),
+    ] {
+        let (msg, _, _) = error_of(s.raw(method, path, &[], b""), 405);
+        assert!(msg.contains(method) && !msg.contains('\n'), "{msg}");
+    }
 }

@@ -78,6 +78,35 @@ class OpenAIClient(unittest.TestCase):
         ids = [m.id for m in client().models.list()]
         self.assertEqual(ids, [MODEL])
 
+    def test_models_retrieve_and_a_model_that_is_not_served(self):
+        m = client().models.retrieve(MODEL)
+        self.assertEqual((m.id, m.object), (MODEL, "model"))
+        with self.assertRaises(openai.NotFoundError):
+            client().models.retrieve("gpt-4o")
+
+    def test_nulls_harnesses_send_and_a_signed_seed_are_accepted(self):
+        # lm-evaluation-harness, LangChain and LlamaIndex pass None for the
+        # fields they do not use; the client sends them as JSON null.
+        kw = dict(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Say hi."}],
+            max_tokens=4,
+            tools=None,
+            tool_choice=None,
+            response_format=None,
+            logit_bias=None,
+            top_logprobs=None,
+            stop=None,
+            n=None,
+            seed=-1,
+        )
+        # Different salts: both computed afresh, so the same seed repeats.
+        reply = lambda salt: client().chat.completions.create(**kw, extra_body={"cache_salt": salt})
+        self.assertEqual(reply("a").choices[0].message.content, reply("b").choices[0].message.content)
+        with self.assertRaises(openai.BadRequestError) as e:
+            client().chat.completions.create(**{**kw, "response_format": {"type": "json_object"}})
+        self.assertIn("not supported", str(e.exception))
+
     def test_chat_reply_usage_and_cached_tokens_on_a_repeated_prefix(self):
         c = client()
         q = "What is the capital of France? Answer in one short sentence."

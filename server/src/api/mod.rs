@@ -50,9 +50,36 @@ const COMMON_FIELDS: &[&str] = &[
     "logprobs",
 ];
 
+/// OpenAI's request fields this server does not implement: `null` (what
+/// clients such as LangChain and lm-evaluation-harness send for a field
+/// they do not use) is accepted, any other value is refused as not
+/// supported.
+const UNSUPPORTED_FIELDS: &[&str] = &[
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "functions",
+    "function_call",
+    "response_format",
+    "logit_bias",
+    "top_logprobs",
+    "metadata",
+    "store",
+    "service_tier",
+    "modalities",
+    "audio",
+    "prediction",
+    "reasoning_effort",
+    "web_search_options",
+    "verbosity",
+    "prompt_cache_key",
+    "safety_identifier",
+];
+
 /// Refuses a field the endpoint does not know, as OpenAI does
-/// ("Unrecognized request argument supplied"). Serde's own refusal cannot
-/// be used: it does not work with the flattened shared fields.
+/// ("Unrecognized request argument supplied"), and a real OpenAI field it
+/// does not implement unless it is `null`. Serde's own refusal cannot be
+/// used: it does not work with the flattened shared fields.
 pub fn check_fields(body: &Value, endpoint: Endpoint) -> Result<(), ApiError> {
     let Some(obj) = body.as_object() else {
         return Err(ApiError::invalid("the request body must be a JSON object"));
@@ -61,7 +88,16 @@ pub fn check_fields(body: &Value, endpoint: Endpoint) -> Result<(), ApiError> {
         Endpoint::Chat => &["messages", "max_completion_tokens"],
         Endpoint::Completion => &["prompt", "echo", "best_of", "suffix"],
     };
-    for key in obj.keys() {
+    for (key, value) in obj {
+        if UNSUPPORTED_FIELDS.contains(&key.as_str()) {
+            if value.is_null() {
+                continue;
+            }
+            return Err(bad(
+                key,
+                format!("{key} is not supported by this server (only null)"),
+            ));
+        }
         if !COMMON_FIELDS.contains(&key.as_str()) && !own.contains(&key.as_str()) {
             return Err(bad(
                 key,
@@ -113,7 +149,8 @@ struct Common {
     top_p: Option<f32>,
     /// vLLM's extension: keep the k most likely tokens (-1 or 0 = all).
     top_k: Option<i64>,
-    seed: Option<u64>,
+    /// OpenAI's seed is a signed 64-bit integer; its bits seed the sampler.
+    seed: Option<i64>,
     stop: Option<Value>,
     stream: Option<bool>,
     stream_options: Option<StreamOptions>,

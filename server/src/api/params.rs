@@ -117,7 +117,7 @@ impl Common {
             temperature,
             top_k,
             top_p,
-            seed: self.seed.unwrap_or_else(fresh_seed),
+            seed: self.seed.map_or_else(fresh_seed, |s| s as u64),
             max_tokens,
             ignore_eos: self.ignore_eos.unwrap_or(false),
         })

@@ -89,9 +89,11 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
         .layer(axum::middleware::from_fn_with_state(app.clone(), read_body))
         .with_state(app)
@@ -141,6 +143,15 @@ async fn not_found() -> ApiError {
         "no such endpoint; see /v1/models, /v1/chat/completions, /v1/completions",
     );
     e.status = 404;
+    e
+}
+
+/// 405 in OpenAI's error shape (axum's own has an empty body).
+async fn method_not_allowed(method: axum::http::Method) -> ApiError {
+    let mut e = ApiError::invalid(format!(
+        "method {method} is not allowed here; the endpoints take POST (chat, completions) or GET (models, health, metrics)"
+    ));
+    e.status = 405;
     e
 }
 
@@ -273,21 +284,37 @@ async fn generate(
     run.await.unwrap_or_else(IntoResponse::into_response)
 }
 
+/// The one model this server serves, as OpenAI's model object.
+fn model_object(app: &App) -> serde_json::Value {
+    json!({
+        "id": app.limits.model_id,
+        "object": "model",
+        "created": 0,
+        "owned_by": "kvforge",
+        "max_model_len": app.limits.max_ctx,
+    })
+}
+
 async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
     if let Err(e) = app.auth.authorize(&headers) {
         return e.into_response();
     }
-    axum::Json(json!({
-        "object": "list",
-        "data": [{
-            "id": app.limits.model_id,
-            "object": "model",
-            "created": 0,
-            "owned_by": "kvforge",
-            "max_model_len": app.limits.max_ctx,
-        }],
-    }))
-    .into_response()
+    axum::Json(json!({"object": "list", "data": [model_object(&app)]})).into_response()
+}
+
+/// `GET /v1/models/{id}` (the client's `models.retrieve`).
+async fn model(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Response {
+    if let Err(e) = app.auth.authorize(&headers) {
+        return e.into_response();
+    }
+    if id != app.limits.model_id {
+        return ApiError::unknown_model(&id, &app.limits.model_id).into_response();
+    }
+    axum::Json(model_object(&app)).into_response()
 }
 
 async fn health(State(app): State<Arc<App>>) -> Response {
