@@ -734,6 +734,23 @@ fn nulls_signed_seeds_model_retrieval_and_405s_as_openai_answers() {
     c["suffix"] = Value::Null;
     c["response_format"] = Value::Null;
     assert_eq!(s.post(COMPLETIONS, &c).status, 200);
+    // Prompt + max_tokens past the context (4096 here): 400, as OpenAI and
+    // vLLM answer; no max_tokens: the reply may run to the context.
+    for (path, body) in [
+        (CHAT, chat("hi", 4096)),
+        (
+            COMPLETIONS,
+            json!({"model": MODEL, "prompt": "hi", "max_tokens": 4096}),
+        ),
+        (
+            CHAT,
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": u64::MAX}),
+        ),
+    ] {
+        let (msg, _, code) = error_of(s.post(path, &body), 400);
+        assert_eq!(code.as_deref(), Some("context_length_exceeded"), "{msg}");
+        assert!(msg.contains("context is 4096 tokens"), "{msg}");
+    }
     // models.retrieve: the served model, or 404 model_not_found.
     let m = s.get(&format!("/v1/models/{MODEL}"));
     assert_eq!(m.status, 200);

@@ -48,6 +48,21 @@ impl Common {
                 ),
             ));
         }
+        // An explicit max_tokens past the context is refused, as OpenAI
+        // and vLLM refuse it (absent, the reply ends at the context).
+        if let Some(m) = max_tokens
+            && (prompt.len() as u64).saturating_add(m) > limits.max_ctx as u64
+        {
+            return Err(super::context_exceeded(
+                endpoint,
+                format!(
+                    "this model's context is {} tokens, and the request asks for {} ({} in the prompt, {m} in {max_param})",
+                    limits.max_ctx,
+                    (prompt.len() as u64).saturating_add(m),
+                    prompt.len()
+                ),
+            ));
+        }
         let params = self.sampling(max_tokens, max_param, limits)?;
         let stop = stop_strings(self.stop.as_ref())?;
         let stream = self.stream.unwrap_or(false);
