@@ -48,6 +48,8 @@ impl MetricKind {
 #[derive(Debug, Default)]
 pub struct Exposition {
     text: String,
+    /// Labels every row carries (`key="value",…`, escaped), first.
+    common: String,
 }
 
 impl Exposition {
@@ -56,11 +58,36 @@ impl Exposition {
         Self::default()
     }
 
+    /// Nothing written yet; every row will carry `labels` (vLLM's
+    /// `model_name`, say) before its own.
+    pub fn with_labels(labels: &[(&str, &str)]) -> Self {
+        let common = labels
+            .iter()
+            .map(|(k, v)| format!("{k}=\"{}\"", escape(v)))
+            .collect::<Vec<_>>()
+            .join(",");
+        Exposition {
+            text: String::new(),
+            common,
+        }
+    }
+
+    /// A row's label set (`{…}` or empty) with the common labels first.
+    fn labels(&self, own: &str) -> String {
+        let inner = own.strip_prefix('{').and_then(|l| l.strip_suffix('}'));
+        match (self.common.is_empty(), inner) {
+            (true, _) => own.to_string(),
+            (false, None | Some("")) => format!("{{{}}}", self.common),
+            (false, Some(l)) => format!("{{{},{l}}}", self.common),
+        }
+    }
+
     /// One series: `# HELP` (unless `help` is empty), `# TYPE`, then a
     /// line per row.
     pub fn series(&mut self, name: &str, help: &str, kind: MetricKind, rows: &[(String, f64)]) {
         self.head(name, help, kind.word());
         for (labels, v) in rows {
+            let labels = self.labels(labels);
             let _ = writeln!(self.text, "{name}{labels} {v}");
         }
     }
@@ -80,11 +107,14 @@ impl Exposition {
         let mut acc = 0;
         for (bound, n) in buckets {
             acc += n;
-            let _ = writeln!(self.text, "{name}_bucket{{le=\"{bound}\"}} {acc}");
+            let le = self.labels(&format!("{{le=\"{bound}\"}}"));
+            let _ = writeln!(self.text, "{name}_bucket{le} {acc}");
         }
-        let _ = writeln!(self.text, "{name}_bucket{{le=\"+Inf\"}} {count}");
-        let _ = writeln!(self.text, "{name}_sum {sum}");
-        let _ = writeln!(self.text, "{name}_count {count}");
+        let le = self.labels("{le=\"+Inf\"}");
+        let _ = writeln!(self.text, "{name}_bucket{le} {count}");
+        let plain = self.labels("");
+        let _ = writeln!(self.text, "{name}_sum{plain} {sum}");
+        let _ = writeln!(self.text, "{name}_count{plain} {count}");
     }
 
     fn head(&mut self, name: &str, help: &str, kind: &str) {

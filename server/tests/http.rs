@@ -623,12 +623,17 @@ fn metrics_have_vllms_names_counters_and_histograms() {
         "kvforge:e2e_request_latency_seconds",
     ] {
         assert!(m.contains(&format!("# TYPE {h} histogram")), "{h}");
-        assert!(m.contains(&format!("{h}_bucket{{le=\"+Inf\"}}")), "{h}");
+        let inf = format!("{h}_bucket{{model_name=\"{MODEL}\",le=\"+Inf\"}}");
+        assert!(m.contains(&inf), "{h}");
         metric(&m, &format!("{h}_count"));
     }
     assert_eq!(metric(&m, "kvforge:time_to_first_token_seconds_count"), 1.0);
     assert_eq!(metric(&m, "kvforge:inter_token_latency_seconds_count"), 4.0);
     assert_eq!(metric(&m, "kvforge:generation_tokens_total"), 5.0);
+    // Every row names the model, as vLLM's do (dashboards filter on it).
+    for row in m.lines().filter(|l| !l.starts_with('#')) {
+        assert!(row.contains(&format!("{{model_name=\"{MODEL}\"")), "{row}");
+    }
     for line in m
         .lines()
         .filter(|l| l.starts_with("# TYPE") && l.ends_with("counter"))

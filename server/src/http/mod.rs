@@ -335,7 +335,7 @@ async fn metrics_text(State(app): State<Arc<App>>) -> Response {
             if let Some(r) = &app.remote {
                 c.remote = Some(r.read());
             }
-            metrics::render(&m, &c)
+            metrics::render(&m, &c, &app.limits.model_id)
         }
         None => String::new(),
     };

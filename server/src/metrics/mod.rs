@@ -172,9 +172,10 @@ fn per_tier(cache: &CacheStats, f: impl Fn(&kvforge_pool::PoolStats) -> u64) -> 
 
 /// The text `/metrics` answers: the server's series, then the cache's
 /// (bytes and blocks per tier, what the policies did), the remote tier's,
-/// and the latency histograms.
-pub fn render(m: &ServeMetrics, cache: &CacheStats) -> String {
-    let mut out = Exposition::new();
+/// and the latency histograms; every row labelled with `model_name` (as
+/// vLLM labels its own).
+pub fn render(m: &ServeMetrics, cache: &CacheStats, model_name: &str) -> String {
+    let mut out = Exposition::with_labels(&[("model_name", model_name)]);
     write(&mut out, SERVER, m);
     write(&mut out, CACHE, cache);
     if let Some(r) = &cache.remote {

@@ -86,7 +86,7 @@ fn sample() -> (ServeMetrics, CacheStats) {
 #[test]
 fn every_series_is_announced_once_counters_end_in_total_buckets_add_up() {
     let (m, cache) = sample();
-    let text = render(&m, &cache);
+    let text = render(&m, &cache, "my \"model\"");
     let mut announced = std::collections::BTreeMap::new();
     let mut lines = text.lines().peekable();
     while let Some(l) = lines.next() {
@@ -106,6 +106,14 @@ fn every_series_is_announced_once_counters_end_in_total_buckets_add_up() {
             let mut last = 0.0;
             while let Some(row) = lines.next_if(|r| !r.starts_with('#')) {
                 assert!(row.starts_with(&name), "{row} under {name}");
+                // Every row names the model first, escaped, then its own.
+                let labels = &row[row.find('{').unwrap_or(row.len())..];
+                assert!(
+                    labels.starts_with("{model_name=\"my \\\"model\\\"\"")
+                        && (labels.starts_with("{model_name=\"my \\\"model\\\"\"} ")
+                            || labels.contains("\",")),
+                    "{row}"
+                );
                 let v: f64 = row.rsplit(' ').next().unwrap_or_default().parse().unwrap();
                 if kind == "histogram" && row.contains("_bucket") {
                     assert!(v >= last, "{row}: buckets are cumulative");
@@ -128,8 +136,14 @@ fn every_series_is_announced_once_counters_end_in_total_buckets_add_up() {
     ] {
         assert!(announced.contains_key(name), "{name} missing");
     }
-    assert!(text.contains("kvforge:kv_bytes_in_use{tier=\"int4\"} 50000\n"));
-    assert!(text.contains("kvforge:request_success_total{finished_reason=\"stop\"} 1\n"));
-    assert!(text.contains("kvforge:time_to_first_token_seconds_bucket{le=\"+Inf\"} 4\n"));
-    assert!(text.contains("kvforge:remote_lookup_seconds_bucket{le=\"0.001\"} 3\n"));
+    let m = "model_name=\"my \\\"model\\\"\"";
+    for row in [
+        format!("kvforge:kv_bytes_in_use{{{m},tier=\"int4\"}} 50000\n"),
+        format!("kvforge:request_success_total{{{m},finished_reason=\"stop\"}} 1\n"),
+        format!("kvforge:time_to_first_token_seconds_bucket{{{m},le=\"+Inf\"}} 4\n"),
+        format!("kvforge:time_to_first_token_seconds_count{{{m}}} 4\n"),
+        format!("kvforge:remote_lookup_seconds_bucket{{{m},le=\"0.001\"}} 3\n"),
+    ] {
+        assert!(text.contains(&row), "{row} not in\n{text}");
+    }
 }
