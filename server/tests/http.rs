@@ -312,8 +312,8 @@ fn bad_requests_get_a_400_in_openais_shape_naming_the_field() {
         ),
         (
             json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}),
-            "",
-            "invalid type",
+            "temperature",
+            "temperature must be a number, got a string",
         ),
         (
             json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 3}),
@@ -352,8 +352,23 @@ fn bad_requests_get_a_400_in_openais_shape_naming_the_field() {
         ),
         (
             json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "seed": 1.5}),
-            "",
-            "invalid type",
+            "seed",
+            "seed must be a signed 64-bit integer, got a fraction",
+        ),
+        (
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}),
+            "max_tokens",
+            "max_tokens must be a non-negative integer, got a negative integer",
+        ),
+        (
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}),
+            "stream",
+            "must be a boolean",
+        ),
+        (
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "store": true}),
+            "store",
+            "not supported",
         ),
         (
             json!({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}),
@@ -721,6 +736,10 @@ fn nulls_signed_seeds_model_retrieval_and_405s_as_openai_answers() {
         body[key] = Value::Null;
     }
     body["seed"] = json!(-1);
+    // Values of unimplemented fields that ask for nothing.
+    body["store"] = json!(false);
+    body["parallel_tool_calls"] = json!(true);
+    body["metadata"] = json!({});
     let r = s.post(CHAT, &body);
     let status = r.status;
     let reply = String::from_utf8_lossy(&r.bytes().unwrap()).to_string();

@@ -9,7 +9,10 @@ use serde_json::Value;
 
 use crate::error::ApiError;
 
+mod fields;
 mod params;
+
+pub use fields::check_fields;
 
 /// Most stop strings per request (OpenAI's limit).
 pub const MAX_STOP: usize = 4;
@@ -28,84 +31,6 @@ pub struct Limits {
     /// Tokens the KV budget can hold at most, when only the hot tier
     /// grows (no cold tier or eviction): a longer prompt is refused.
     pub max_kv_tokens: Option<usize>,
-}
-
-/// The fields both endpoints take.
-const COMMON_FIELDS: &[&str] = &[
-    "model",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "stop",
-    "stream",
-    "stream_options",
-    "n",
-    "user",
-    "cache_salt",
-    "ignore_eos",
-    "frequency_penalty",
-    "presence_penalty",
-    "logprobs",
-];
-
-/// OpenAI's request fields this server does not implement: `null` (what
-/// clients such as LangChain and lm-evaluation-harness send for a field
-/// they do not use) is accepted, any other value is refused as not
-/// supported.
-const UNSUPPORTED_FIELDS: &[&str] = &[
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-    "functions",
-    "function_call",
-    "response_format",
-    "logit_bias",
-    "top_logprobs",
-    "metadata",
-    "store",
-    "service_tier",
-    "modalities",
-    "audio",
-    "prediction",
-    "reasoning_effort",
-    "web_search_options",
-    "verbosity",
-    "prompt_cache_key",
-    "safety_identifier",
-];
-
-/// Refuses a field the endpoint does not know, as OpenAI does
-/// ("Unrecognized request argument supplied"), and a real OpenAI field it
-/// does not implement unless it is `null`. Serde's own refusal cannot be
-/// used: it does not work with the flattened shared fields.
-pub fn check_fields(body: &Value, endpoint: Endpoint) -> Result<(), ApiError> {
-    let Some(obj) = body.as_object() else {
-        return Err(ApiError::invalid("the request body must be a JSON object"));
-    };
-    let own: &[&str] = match endpoint {
-        Endpoint::Chat => &["messages", "max_completion_tokens"],
-        Endpoint::Completion => &["prompt", "echo", "best_of", "suffix"],
-    };
-    for (key, value) in obj {
-        if UNSUPPORTED_FIELDS.contains(&key.as_str()) {
-            if value.is_null() {
-                continue;
-            }
-            return Err(bad(
-                key,
-                format!("{key} is not supported by this server (only null)"),
-            ));
-        }
-        if !COMMON_FIELDS.contains(&key.as_str()) && !own.contains(&key.as_str()) {
-            return Err(bad(
-                key,
-                format!("unrecognized request argument supplied: {key}"),
-            ));
-        }
-    }
-    Ok(())
 }
 
 /// `POST /v1/chat/completions`.
