@@ -2,8 +2,10 @@
 //! CPU tensors: a decode step on GGUF blocks spends more time in
 //! libtorch's small ops (about eight dispatches for a norm, nine for a
 //! rotation) than in their arithmetic. Each function answers `None` when
-//! its inputs are not all f32 on the CPU, or hold more than [`MAX_ROWS`]
-//! rows (a prompt chunk: there libtorch's vectorized, threaded ops win);
+//! its inputs are not all f32 on the CPU, are empty, or hold more than
+//! [`MAX_ROWS`] rows (a long prompt chunk: there libtorch's vectorized,
+//! threaded ops win; decode steps, small batches and chunks of up to 32
+//! tokens take the loops);
 //! the caller then runs the libtorch ops, which compute the same values in
 //! another order.
 
@@ -11,7 +13,8 @@ use tch::{Device, Kind, Tensor};
 
 use crate::error::Result;
 
-/// Rows up to which the loops here run (decode and small batches).
+/// Rows up to which the loops here run (decode steps, small batches,
+/// short prompt chunks).
 pub(super) const MAX_ROWS: i64 = 32;
 
 /// `t` as a contiguous f32 CPU tensor, or `None` when it is not f32 on the
@@ -23,23 +26,33 @@ fn cpu_f32(t: &Tensor) -> Result<Option<Tensor>> {
     Ok(Some(t.f_contiguous()?))
 }
 
-/// Whether `t`'s first dimension holds at most [`MAX_ROWS`] rows.
+/// Whether `t` holds values (libtorch's data pointer of an empty tensor
+/// is null) in at most [`MAX_ROWS`] rows of its first dimension.
 fn few_rows(t: &Tensor) -> bool {
-    t.size().first().is_some_and(|&r| r <= MAX_ROWS)
+    t.numel() > 0 && t.size().first().is_some_and(|&r| r <= MAX_ROWS)
 }
 
-/// The values of a contiguous f32 CPU tensor.
-fn values(t: &Tensor) -> &[f32] {
-    // SAFETY: `t` is a contiguous f32 CPU tensor (made so by `cpu_f32` or
-    // `f_empty`) of `numel` elements, alive as long as the borrow.
+/// The values of `t`.
+///
+/// # Safety
+/// `t` must be a contiguous f32 CPU tensor with at least one element (its
+/// data pointer is then non-null and covers `numel` values).
+unsafe fn values(t: &Tensor) -> &[f32] {
+    // SAFETY: the caller's contract; the slice borrows `t`, which keeps
+    // its storage alive.
     unsafe { std::slice::from_raw_parts(t.data_ptr() as *const f32, t.numel()) }
 }
 
-/// A new f32 CPU tensor of `size`, its values written by `fill`.
+/// A new f32 CPU tensor of `size` (at least one element), its values
+/// written by `fill`.
 fn output(size: &[i64], fill: impl FnOnce(&mut [f32])) -> Result<Tensor> {
     let out = Tensor::f_empty(size, (Kind::Float, Device::Cpu))?;
-    // SAFETY: `out` is a new contiguous f32 CPU tensor of `numel` elements
-    // that nothing else references while `fill` writes them.
+    if out.numel() == 0 {
+        return Ok(out);
+    }
+    // SAFETY: `out` is a new contiguous f32 CPU tensor of `numel > 0`
+    // elements (a non-null pointer) that nothing else references while
+    // `fill` writes them.
     let values = unsafe { std::slice::from_raw_parts_mut(out.data_ptr() as *mut f32, out.numel()) };
     fill(values);
     Ok(out)
@@ -57,7 +70,9 @@ pub(super) fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Option<Tensor
     if d == 0 || x.size().last().copied() != Some(d as i64) {
         return Ok(None);
     }
-    let (xs, ws) = (values(&x), values(&w));
+    // SAFETY: both made contiguous f32 CPU tensors by `cpu_f32`; `x` has
+    // elements (`few_rows`), `w` has `d > 0`.
+    let (xs, ws) = unsafe { (values(&x), values(&w)) };
     let out = output(&x.size(), |os| {
         for (row, o) in xs.chunks_exact(d).zip(os.chunks_exact_mut(d)) {
             let ss: f64 = row.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
@@ -88,7 +103,9 @@ pub(super) fn rotate(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Option<Te
         return Ok(None);
     }
     let half = hd / 2;
-    let (xs, cs, ss) = (values(&x), values(&cos), values(&sin));
+    // SAFETY: all made contiguous f32 CPU tensors by `cpu_f32`; `x` has
+    // elements (`few_rows`), and so `cos` and `sin` (`rows · hd` each).
+    let (xs, cs, ss) = unsafe { (values(&x), values(&cos), values(&sin)) };
     let out = output(&size, |os| {
         let rows = xs
             .chunks_exact(heads * hd)
@@ -117,7 +134,9 @@ pub(super) fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Option<Tensor>> {
     if g.size() != u.size() {
         return Ok(None);
     }
-    let (gs, us) = (values(&g), values(&u));
+    // SAFETY: both made contiguous f32 CPU tensors by `cpu_f32`, of the
+    // same size, with elements (`few_rows`).
+    let (gs, us) = unsafe { (values(&g), values(&u)) };
     let out = output(&g.size(), |os| {
         for ((o, &a), &b) in os.iter_mut().zip(gs).zip(us) {
             *o = a / (1.0 + (-a).exp()) * b;
@@ -190,5 +209,15 @@ mod tests {
         let x = randn(&[2, 4, 8], 3);
         let wrong = randn(&[2, 6], 4);
         assert!(rotate(&x, &wrong, &wrong).unwrap().is_none());
+        // No rows: libtorch's data pointer is null, so the loops decline.
+        let empty = randn(&[0, 64], 1);
+        assert!(rms_norm(&empty, &w, 1e-5).unwrap().is_none());
+        assert!(swiglu(&empty, &empty).unwrap().is_none());
+        let none = randn(&[0, 4, 8], 3);
+        assert!(
+            rotate(&none, &randn(&[0, 8], 4), &randn(&[0, 8], 5))
+                .unwrap()
+                .is_none()
+        );
     }
 }
