@@ -353,7 +353,7 @@ fn bad_requests_get_a_400_in_openais_shape_naming_the_field() {
         (
             json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "seed": 1.5}),
             "seed",
-            "seed must be a signed 64-bit integer, got a fraction",
+            "seed must be a signed 64-bit integer, got a number with a fraction or exponent",
         ),
         (
             json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}),
@@ -417,6 +417,11 @@ fn bad_requests_get_a_400_in_openais_shape_naming_the_field() {
         (json!({"model": MODEL, "prompt": ""}), "prompt"),
         (json!({"model": MODEL, "prompt": "x", "echo": true}), "echo"),
         (json!({"model": MODEL, "prompt": {"a": 1}}), "prompt"),
+        // Chat's field on completions: unknown there, not mistyped.
+        (
+            json!({"model": MODEL, "prompt": "x", "messages": 5}),
+            "messages",
+        ),
     ];
     for (body, param) in comp {
         let (msg, p, _) = error_of(s.post(COMPLETIONS, &body), 400);
@@ -740,6 +745,8 @@ fn nulls_signed_seeds_model_retrieval_and_405s_as_openai_answers() {
     body["store"] = json!(false);
     body["parallel_tool_calls"] = json!(true);
     body["metadata"] = json!({});
+    body["response_format"] = json!({"type": "text"});
+    body["service_tier"] = json!("auto");
     let r = s.post(CHAT, &body);
     let status = r.status;
     let reply = String::from_utf8_lossy(&r.bytes().unwrap()).to_string();
@@ -781,8 +788,10 @@ fn nulls_signed_seeds_model_retrieval_and_405s_as_openai_answers() {
     let v = m.json().unwrap();
     assert_eq!(v["id"], MODEL);
     assert_eq!(v["object"], "model");
-    let (msg, _, code) = error_of(s.get("/v1/models/gpt-4o"), 404);
-    assert_eq!(code.as_deref(), Some("model_not_found"), "{msg}");
+    for other in ["/v1/models/gpt-4o", "/v1/models/org/tiny"] {
+        let (msg, _, code) = error_of(s.get(other), 404);
+        assert_eq!(code.as_deref(), Some("model_not_found"), "{other}: {msg}");
+    }
     // A wrong method: 405 with a JSON error, not an empty body.
     for (method, path) in [
         ("GET", CHAT),

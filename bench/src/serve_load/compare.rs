@@ -25,7 +25,7 @@ use kvforge_ablate::output::{Csv, Output};
 fn block_bytes(metrics: &str) -> Result<f64> {
     let bytes = series(metrics, "kvforge:kv_bytes_in_use");
     let blocks = series(metrics, "kvforge:kv_blocks_in_use");
-    let hot = |v: &[(String, f64)]| v.iter().find(|r| r.0.contains("hot")).map(|r| r.1);
+    let hot = |v: &[(String, f64)]| v.iter().find(|r| r.0.contains("tier=\"hot\"")).map(|r| r.1);
     match (hot(&bytes), hot(&blocks)) {
         (Some(b), Some(n)) if n > 0.0 => Ok(b / n),
         _ => bail!("no hot blocks in use to size a block from"),

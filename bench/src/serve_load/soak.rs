@@ -67,7 +67,7 @@ pub fn soak(c: &Common, sk: &Soak, out: &mut Output) -> Result<()> {
         let get = |name: &str| {
             series(&m, name)
                 .iter()
-                .find(|r| r.0.contains("hot"))
+                .find(|r| r.0.contains("tier=\"hot\""))
                 .map_or(f64::NAN, |r| r.1)
         };
         let in_use = get("kvforge:kv_blocks_in_use");

@@ -18,8 +18,8 @@
 //! their own with one line); a policy object can also be handed to an
 //! engine directly ([`Policies`](crate::policies::Policies)). `tier = {
 //! policy = "module:Class", … }` replaces the cold tier's window-and-sink
-//! plan with a tier policy a process-wide resolver builds (the Python
-//! package's).
+//! plan with a tier policy the registry's tier resolver builds (the
+//! Python package's registry has one).
 
 use std::ops::Range;
 use std::path::Path;

@@ -73,7 +73,13 @@ pub fn check_fields(body: &Value, endpoint: Endpoint) -> Result<(), ApiError> {
             }
             return Err(bad(
                 key,
-                format!("{key} is not supported by this server (only null)"),
+                format!("{key} is not supported by this server (only null or its default)"),
+            ));
+        }
+        if !COMMON_FIELDS.contains(&key.as_str()) && !own.contains(&key.as_str()) {
+            return Err(bad(
+                key,
+                format!("unrecognized request argument supplied: {key}"),
             ));
         }
         if let Some(want) = expected(key, endpoint)
@@ -85,24 +91,24 @@ pub fn check_fields(body: &Value, endpoint: Endpoint) -> Result<(), ApiError> {
                 format!("{key} must be {}, got {}", want.words(), kind_of(value)),
             ));
         }
-        if !COMMON_FIELDS.contains(&key.as_str()) && !own.contains(&key.as_str()) {
-            return Err(bad(
-                key,
-                format!("unrecognized request argument supplied: {key}"),
-            ));
-        }
     }
     Ok(())
 }
 
 /// A value of a field the server does not implement that asks for nothing
 /// (`store: false`, an empty `logit_bias`, `parallel_tool_calls` without
-/// tools): accepted, as the default it is.
+/// tools, plain-text `response_format`, `top_logprobs: 0`, the default
+/// service tier): accepted, as the default it is.
 fn is_no_op(key: &str, value: &Value) -> bool {
     match key {
         "store" => value == &Value::Bool(false),
         "logit_bias" | "metadata" => value.as_object().is_some_and(|m| m.is_empty()),
         "parallel_tool_calls" => value.is_boolean(),
+        "response_format" => {
+            value.as_object().is_some_and(|m| m.len() == 1) && value["type"] == "text"
+        }
+        "top_logprobs" => value.as_u64() == Some(0),
+        "service_tier" => matches!(value.as_str(), Some("auto" | "default")),
         _ => false,
     }
 }
@@ -171,7 +177,7 @@ fn kind_of(v: &Value) -> &'static str {
     match v {
         Value::Null => "null",
         Value::Bool(_) => "a boolean",
-        Value::Number(n) if n.is_f64() => "a fraction",
+        Value::Number(n) if n.is_f64() => "a number with a fraction or exponent",
         Value::Number(n) if n.as_i64().is_some_and(|i| i < 0) => "a negative integer",
         Value::Number(n) if n.as_i64().is_none() => "an integer above 2^63 - 1",
         Value::Number(_) => "an integer",

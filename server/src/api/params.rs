@@ -48,15 +48,16 @@ impl Common {
                 ),
             ));
         }
-        // An explicit max_tokens past the context is refused, as OpenAI
-        // and vLLM refuse it (absent, the reply ends at the context).
+        // A max_tokens past the context is refused, as OpenAI and vLLM
+        // refuse it: the client's, or completions' default of 16 (chat
+        // without one: the reply ends at the context).
         if let Some(m) = max_tokens
             && (prompt.len() as u64).saturating_add(m) > limits.max_ctx as u64
         {
             return Err(super::context_exceeded(
                 endpoint,
                 format!(
-                    "this model's context is {} tokens, and the request asks for {} ({} in the prompt, {m} in {max_param})",
+                    "this model's context is {} tokens, and the request asks for {} ({} in the prompt, {m} to generate: {max_param}, 16 when a completion gives none)",
                     limits.max_ctx,
                     (prompt.len() as u64).saturating_add(m),
                     prompt.len()

@@ -89,7 +89,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
-        .route("/v1/models/{id}", get(model))
+        .route("/v1/models/{*id}", get(model))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .fallback(not_found)
@@ -302,7 +302,8 @@ async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
     axum::Json(json!({"object": "list", "data": [model_object(&app)]})).into_response()
 }
 
-/// `GET /v1/models/{id}` (the client's `models.retrieve`).
+/// `GET /v1/models/{id}` (the client's `models.retrieve`; the id may hold
+/// slashes, as `org/name` ids do).
 async fn model(
     State(app): State<Arc<App>>,
     headers: HeaderMap,
