@@ -2,42 +2,26 @@
 //! decodes every format as the `gguf` package's reference does, and the
 //! real model on its blocks stays close to transformers.
 
-use kvforge_engine::gguf::{GgmlType, GgufFile};
+use kvforge_engine::gguf::GgufFile;
 use kvforge_kernels::{QMatrix, WeightFormat};
 
 use super::*;
 
 /// The matmul's packing of every block format it reads, against the
-/// `gguf` package's reference dequantizer (the fixture
-/// `gguf_block_formats_match_the_gguf_reference` reads), one matrix row
-/// of each; and the real model's tensors, row by row.
+/// `gguf` package's reference dequantizer (`gguf_reference_rows`), one
+/// matrix row of each; and the real model's tensors, row by row.
 #[test]
 fn every_block_format_decodes_as_the_gguf_reference_does() {
-    let text = std::fs::read_to_string(root().join("engine/tests/fixtures/kquants_reference.json"))
-        .unwrap();
-    let fx: serde_json::Value = serde_json::from_str(&text).unwrap();
     let mut seen = 0;
-    for (name, t) in fx.as_object().unwrap() {
-        let dtype = GgmlType::from_id(t["id"].as_u64().unwrap() as u32).unwrap();
+    for (name, dtype, bytes, want) in gguf_reference_rows() {
         let Some(format) = dtype.weight_format() else {
             continue;
         };
-        let hex = t["hex"].as_str().unwrap();
-        let bytes: Vec<u8> = (0..hex.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
-            .collect();
-        let want: Vec<f64> = t["values"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_f64().unwrap())
-            .collect();
         let q = QMatrix::from_ggml(format, 1, want.len(), &bytes).unwrap();
         let mut got = vec![0f32; want.len()];
         q.dequantize_row(0, &mut got).unwrap();
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            let (g, w) = (f64::from(*g), *w as f32 as f64);
+            let (g, w) = (f64::from(*g), f64::from(*w));
             assert!(
                 (g - w).abs() <= 1e-6 * w.abs().max(1e-3),
                 "{name} element {i}: {g} vs reference {w}"

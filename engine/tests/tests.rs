@@ -581,31 +581,44 @@ fn truncated_model_file_is_an_error() {
     }
 }
 
-/// Every block format against the `gguf` package's reference dequantizer
-/// (fixture from `scripts/kquants_reference.py`: random codes, finite
-/// scales).
-#[test]
-fn gguf_block_formats_match_the_gguf_reference() {
-    use kvforge_engine::gguf::{GgmlType, dequantize};
+/// One row of each block format in the `gguf` package's reference
+/// fixture (`scripts/kquants_reference.py`: random codes, finite scales):
+/// its name, type, bytes and the reference's dequantized values.
+pub(crate) fn gguf_reference_rows()
+-> Vec<(String, kvforge_engine::gguf::GgmlType, Vec<u8>, Vec<f32>)> {
+    use kvforge_engine::gguf::GgmlType;
     let text = std::fs::read_to_string(root().join("engine/tests/fixtures/kquants_reference.json"))
         .unwrap();
     let fx: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let types = fx.as_object().unwrap();
-    assert_eq!(types.len(), 8, "Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K");
-    for (name, t) in types {
-        let id = t["id"].as_u64().unwrap() as u32;
-        let dtype = GgmlType::from_id(id).unwrap_or_else(|| panic!("{name} unsupported"));
-        let hex = t["hex"].as_str().unwrap();
-        let bytes: Vec<u8> = (0..hex.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
-            .collect();
-        let want: Vec<f32> = t["values"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_f64().unwrap() as f32)
-            .collect();
+    fx.as_object()
+        .unwrap()
+        .iter()
+        .map(|(name, t)| {
+            let id = t["id"].as_u64().unwrap() as u32;
+            let dtype = GgmlType::from_id(id).unwrap_or_else(|| panic!("{name} unsupported"));
+            let hex = t["hex"].as_str().unwrap();
+            let bytes: Vec<u8> = (0..hex.len())
+                .step_by(2)
+                .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+                .collect();
+            let want: Vec<f32> = t["values"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_f64().unwrap() as f32)
+                .collect();
+            (name.clone(), dtype, bytes, want)
+        })
+        .collect()
+}
+
+/// Every block format against the `gguf` package's reference dequantizer.
+#[test]
+fn gguf_block_formats_match_the_gguf_reference() {
+    use kvforge_engine::gguf::dequantize;
+    let rows = gguf_reference_rows();
+    assert_eq!(rows.len(), 8, "Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K");
+    for (name, dtype, bytes, want) in rows {
         let got = dequantize(dtype, &bytes);
         assert_eq!(got.len(), want.len(), "{name}");
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
