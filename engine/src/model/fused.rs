@@ -7,7 +7,8 @@
 //! threaded ops win; decode steps, small batches and chunks of up to 32
 //! tokens take the loops);
 //! the caller then runs the libtorch ops, which compute the same values in
-//! another order.
+//! another order. [`values`] and [`output`], the model's one way to read
+//! and write a CPU tensor's f32 values in place, serve `weight.rs` too.
 
 use tch::{Device, Kind, Tensor};
 
@@ -32,20 +33,23 @@ fn few_rows(t: &Tensor) -> bool {
     t.numel() > 0 && t.size().first().is_some_and(|&r| r <= MAX_ROWS)
 }
 
-/// The values of `t`.
+/// The values of `t`, a contiguous f32 CPU tensor (empty for one without
+/// elements, whose data pointer libtorch leaves null).
 ///
 /// # Safety
-/// `t` must be a contiguous f32 CPU tensor with at least one element (its
-/// data pointer is then non-null and covers `numel` values).
-unsafe fn values(t: &Tensor) -> &[f32] {
-    // SAFETY: the caller's contract; the slice borrows `t`, which keeps
-    // its storage alive.
+/// `t` must be a contiguous f32 CPU tensor.
+pub(super) unsafe fn values(t: &Tensor) -> &[f32] {
+    if t.numel() == 0 {
+        return &[];
+    }
+    // SAFETY: the caller's contract, and `numel > 0` makes the pointer
+    // non-null; the slice borrows `t`, which keeps its storage alive.
     unsafe { std::slice::from_raw_parts(t.data_ptr() as *const f32, t.numel()) }
 }
 
-/// A new f32 CPU tensor of `size` (at least one element), its values
-/// written by `fill`.
-fn output(size: &[i64], fill: impl FnOnce(&mut [f32])) -> Result<Tensor> {
+/// A new f32 CPU tensor of `size`, its values written by `fill` (not
+/// called when the tensor has no elements).
+pub(super) fn output(size: &[i64], fill: impl FnOnce(&mut [f32]) -> Result<()>) -> Result<Tensor> {
     let out = Tensor::f_empty(size, (Kind::Float, Device::Cpu))?;
     if out.numel() == 0 {
         return Ok(out);
@@ -54,7 +58,7 @@ fn output(size: &[i64], fill: impl FnOnce(&mut [f32])) -> Result<Tensor> {
     // elements (a non-null pointer) that nothing else references while
     // `fill` writes them.
     let values = unsafe { std::slice::from_raw_parts_mut(out.data_ptr() as *mut f32, out.numel()) };
-    fill(values);
+    fill(values)?;
     Ok(out)
 }
 
@@ -70,8 +74,7 @@ pub(super) fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Option<Tensor
     if d == 0 || x.size().last().copied() != Some(d as i64) {
         return Ok(None);
     }
-    // SAFETY: both made contiguous f32 CPU tensors by `cpu_f32`; `x` has
-    // elements (`few_rows`), `w` has `d > 0`.
+    // SAFETY: both made contiguous f32 CPU tensors by `cpu_f32`.
     let (xs, ws) = unsafe { (values(&x), values(&w)) };
     let out = output(&x.size(), |os| {
         for (row, o) in xs.chunks_exact(d).zip(os.chunks_exact_mut(d)) {
@@ -81,6 +84,7 @@ pub(super) fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Option<Tensor
                 *o = v * scale * g;
             }
         }
+        Ok(())
     })?;
     Ok(Some(out))
 }
@@ -103,8 +107,7 @@ pub(super) fn rotate(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Option<Te
         return Ok(None);
     }
     let half = hd / 2;
-    // SAFETY: all made contiguous f32 CPU tensors by `cpu_f32`; `x` has
-    // elements (`few_rows`), and so `cos` and `sin` (`rows · hd` each).
+    // SAFETY: all made contiguous f32 CPU tensors by `cpu_f32`.
     let (xs, cs, ss) = unsafe { (values(&x), values(&cos), values(&sin)) };
     let out = output(&size, |os| {
         let rows = xs
@@ -119,6 +122,7 @@ pub(super) fn rotate(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Option<Te
                 }
             }
         }
+        Ok(())
     })?;
     Ok(Some(out))
 }
@@ -134,13 +138,13 @@ pub(super) fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Option<Tensor>> {
     if g.size() != u.size() {
         return Ok(None);
     }
-    // SAFETY: both made contiguous f32 CPU tensors by `cpu_f32`, of the
-    // same size, with elements (`few_rows`).
+    // SAFETY: both made contiguous f32 CPU tensors by `cpu_f32`.
     let (gs, us) = unsafe { (values(&g), values(&u)) };
     let out = output(&g.size(), |os| {
         for ((o, &a), &b) in os.iter_mut().zip(gs).zip(us) {
             *o = a / (1.0 + (-a).exp()) * b;
         }
+        Ok(())
     })?;
     Ok(Some(out))
 }

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use kvforge_kernels::{Activations, Isa, Pool, QMatrix};
 use tch::{Device, Kind, Tensor};
 
+use super::fused::{output, values};
 use crate::error::{EngineError, Result};
 
 /// One weight matrix `[out, in]`.
@@ -126,22 +127,16 @@ pub(crate) fn matmul_blocks(x: &Tensor, ws: &[&QMatrix]) -> Result<Vec<Tensor>> 
     if m > DENSE_ROWS {
         return ws.iter().map(|w| dense_panels(&x, w)).collect();
     }
-    // SAFETY: `x` is a contiguous f32 CPU tensor of `m × k` elements (just
-    // made so), alive until the end of this function.
-    let xs = unsafe { std::slice::from_raw_parts(x.data_ptr() as *const f32, m * k) };
+    // SAFETY: `x` is a contiguous f32 CPU tensor (just made so).
+    let xs = unsafe { values(&x) };
     ACTS.with(|acts| {
         let mut a = acts.borrow_mut();
         a.quantize(xs, m, k)?;
         ws.iter()
             .map(|w| {
-                let out = Tensor::f_empty([m as i64, w.rows() as i64], (Kind::Float, Device::Cpu))?;
-                // SAFETY: `out` is a new contiguous f32 CPU tensor of
-                // `m × rows` elements, written only here.
-                let os = unsafe {
-                    std::slice::from_raw_parts_mut(out.data_ptr() as *mut f32, m * w.rows())
-                };
-                w.matmul(&a, os, Isa::detect(), Pool::global())?;
-                Ok(out)
+                output(&[m as i64, w.rows() as i64], |os| {
+                    Ok(w.matmul(&a, os, Isa::detect(), Pool::global())?)
+                })
             })
             .collect()
     })
