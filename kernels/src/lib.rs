@@ -41,6 +41,7 @@ pub mod cuda;
 mod isa;
 mod pool;
 pub mod qmatmul;
+pub mod rowwise;
 
 pub use isa::Isa;
 pub use pool::{Pool, set_global_threads};

@@ -339,14 +339,17 @@ fn a_paused_redis_slows_only_the_request_that_asks_it() {
         (r.status, t0.elapsed())
     });
     // While the lookup stalls (the asking request's own prefill comes
-    // after it, and is not what this measures).
+    // after it, and is not what this measures). The window's start and
+    // end count as stamps, so a stream that stopped shows as one gap.
     let t0 = Instant::now();
+    stamps.push(t0);
     while t0.elapsed() < deadline - Duration::from_millis(300) {
         match events.next() {
             Some(Ok(e)) if e != "[DONE]" => stamps.push(Instant::now()),
             _ => break,
         }
     }
+    stamps.push(Instant::now());
     redis.resume().unwrap();
     let (status, took) = asking.join().unwrap();
     events.close();
@@ -357,15 +360,14 @@ fn a_paused_redis_slows_only_the_request_that_asks_it() {
     );
     let gaps: Vec<Duration> = stamps.windows(2).map(|w| w[1] - w[0]).collect();
     let worst = gaps.iter().max().copied().unwrap_or_default();
+    let tokens = stamps.len() - 2;
     eprintln!(
-        "{} tokens during the stall, largest gap {worst:?}; the stalled request took {took:?}",
-        stamps.len()
+        "{tokens} tokens during the stall, largest gap {worst:?}; the stalled request took {took:?}"
     );
-    assert!(
-        stamps.len() > 20,
-        "the stream went on: {} tokens",
-        stamps.len()
-    );
+    // How many tokens fit in the window is the machine's speed (a debug
+    // build on 2 cores made 20 in 2.7 s); that none waited for the stall
+    // is the largest gap, the window's edges included.
+    assert!(tokens >= 5, "the stream went on: {tokens} tokens");
     assert!(
         worst < deadline / 3,
         "a gap of {worst:?} during a {deadline:?} stall"

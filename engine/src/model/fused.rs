@@ -1,15 +1,16 @@
-//! RMSNorm, RoPE and SwiGLU's gate as one loop each over contiguous f32
-//! CPU tensors: a decode step on GGUF blocks spends more time in
-//! libtorch's small ops (about eight dispatches for a norm, nine for a
-//! rotation) than in their arithmetic. Each function answers `None` when
-//! its inputs are not all f32 on the CPU, are empty, or hold more than
-//! [`MAX_ROWS`] rows (a long prompt chunk: there libtorch's vectorized,
-//! threaded ops win; decode steps, small batches and chunks of up to 32
-//! tokens take the loops);
-//! the caller then runs the libtorch ops, which compute the same values in
-//! another order. [`values`] and [`output`], the model's one way to read
-//! and write a CPU tensor's f32 values in place, serve `weight.rs` too.
+//! RMSNorm, RoPE and SwiGLU's gate on contiguous f32 CPU tensors through
+//! `kvforge_kernels::rowwise`'s loops: a decode step on GGUF blocks spends
+//! more time in libtorch's small ops (about eight dispatches for a norm,
+//! nine for a rotation) than in their arithmetic. Each function answers
+//! `None` when its inputs are not all f32 on the CPU, are empty, or hold
+//! more than [`MAX_ROWS`] rows (a long prompt chunk: there libtorch's
+//! vectorized, threaded ops win; decode steps, small batches and chunks of
+//! up to 32 tokens take the loops); the caller then runs the libtorch ops,
+//! which compute the same values in another order. [`values`] and
+//! [`output`], the model's one way to read and write a CPU tensor's f32
+//! values in place, serve `weight.rs` too.
 
+use kvforge_kernels::rowwise;
 use tch::{Device, Kind, Tensor};
 
 use crate::error::Result;
@@ -76,16 +77,7 @@ pub(super) fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Option<Tensor
     }
     // SAFETY: both made contiguous f32 CPU tensors by `cpu_f32`.
     let (xs, ws) = unsafe { (values(&x), values(&w)) };
-    let out = output(&x.size(), |os| {
-        for (row, o) in xs.chunks_exact(d).zip(os.chunks_exact_mut(d)) {
-            let ss: f64 = row.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
-            let scale = (1.0 / (ss / d as f64 + eps).sqrt()) as f32;
-            for ((o, &v), &g) in o.iter_mut().zip(row).zip(ws) {
-                *o = v * scale * g;
-            }
-        }
-        Ok(())
-    })?;
+    let out = output(&x.size(), |os| Ok(rowwise::rms_norm(xs, ws, eps, os)?))?;
     Ok(Some(out))
 }
 
@@ -106,24 +98,9 @@ pub(super) fn rotate(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Option<Te
     if hd % 2 != 0 || cos.numel() != rows * hd || sin.numel() != rows * hd {
         return Ok(None);
     }
-    let half = hd / 2;
     // SAFETY: all made contiguous f32 CPU tensors by `cpu_f32`.
     let (xs, cs, ss) = unsafe { (values(&x), values(&cos), values(&sin)) };
-    let out = output(&size, |os| {
-        let rows = xs
-            .chunks_exact(heads * hd)
-            .zip(os.chunks_exact_mut(heads * hd));
-        for ((xr, or), (c, s)) in rows.zip(cs.chunks_exact(hd).zip(ss.chunks_exact(hd))) {
-            for (xh, oh) in xr.chunks_exact(hd).zip(or.chunks_exact_mut(hd)) {
-                for j in 0..half {
-                    let (a, b) = (xh[j], xh[j + half]);
-                    oh[j] = a * c[j] - b * s[j];
-                    oh[j + half] = b * c[j + half] + a * s[j + half];
-                }
-            }
-        }
-        Ok(())
-    })?;
+    let out = output(&size, |os| Ok(rowwise::rope(xs, cs, ss, heads, hd, os)?))?;
     Ok(Some(out))
 }
 
@@ -140,12 +117,7 @@ pub(super) fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Option<Tensor>> {
     }
     // SAFETY: both made contiguous f32 CPU tensors by `cpu_f32`.
     let (gs, us) = unsafe { (values(&g), values(&u)) };
-    let out = output(&g.size(), |os| {
-        for ((o, &a), &b) in os.iter_mut().zip(gs).zip(us) {
-            *o = a / (1.0 + (-a).exp()) * b;
-        }
-        Ok(())
-    })?;
+    let out = output(&g.size(), |os| Ok(rowwise::swiglu(gs, us, os)?))?;
     Ok(Some(out))
 }
 
