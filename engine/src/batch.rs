@@ -18,6 +18,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use crate::cache::Sequence;
 use crate::engine::Engine;
 use crate::error::EngineError;
+use crate::logprobs::TokenLogprob;
 
 /// The running requests of a caller, as a step sees them.
 pub trait Batch {
@@ -36,6 +37,18 @@ pub trait Batch {
     fn sample(&mut self, i: usize, logits: &[f32]);
     /// Request `i` failed: it must end.
     fn fail(&mut self, i: usize, why: Failure);
+    /// How many alternatives request `i` wants beside each token it runs
+    /// as a prompt chunk (`None`, the default: it wants no scores).
+    fn prompt_logprobs(&self, i: usize) -> Option<usize> {
+        let _ = i;
+        None
+    }
+    /// The scores of request `i`'s tokens at positions `from..` of its
+    /// context, from a prompt chunk (see
+    /// [`Engine::prefill_scored`]); called before that chunk's `sample`.
+    fn scored(&mut self, i: usize, from: usize, scores: Vec<TokenLogprob>) {
+        let _ = (i, from, scores);
+    }
 }
 
 /// Why one request of a step failed.
@@ -172,16 +185,26 @@ impl Engine {
     fn chunk(&self, batch: &mut dyn Batch, i: usize, n: usize) -> Result<(), EngineError> {
         let pending = batch.pending(i);
         let tokens = pending[..n.min(pending.len())].to_vec();
-        let reaches_end = tokens.len() == pending.len();
+        let next = pending.get(tokens.len()).copied();
+        let reaches_end = next.is_none();
+        let top = batch.prompt_logprobs(i);
         let out = catch_unwind(AssertUnwindSafe(|| {
             let mut seqs = batch.sequences(&[i]);
-            match seqs.first_mut() {
-                Some(seq) => self.prefill(seq, &tokens),
-                None => Err(EngineError::Request(format!("no request {i} in the batch"))),
+            match (seqs.first_mut(), top) {
+                (Some(seq), None) => Ok((0, self.prefill(seq, &tokens)?, Vec::new())),
+                (Some(seq), Some(top)) => {
+                    let from = seq.len() + 1;
+                    let (logits, scores) = self.prefill_scored(seq, &tokens, next, top)?;
+                    Ok((from, logits, scores))
+                }
+                (None, _) => Err(EngineError::Request(format!("no request {i} in the batch"))),
             }
         }));
         match out {
-            Ok(Ok(logits)) => {
+            Ok(Ok((from, logits, scores))) => {
+                if top.is_some() {
+                    batch.scored(i, from, scores);
+                }
                 // A chunk before the prompt's end: nothing to sample yet.
                 if reaches_end {
                     batch.sample(i, &logits);

@@ -10,6 +10,7 @@ use crate::cache::Sequence;
 use crate::engine::Engine;
 use crate::error::{EngineError, Result};
 use crate::kv::KvStore;
+use crate::logprobs::{TokenLogprob, token_logprob};
 
 /// Row `i` of `logits` (`[rows, vocab]`) as f32.
 fn logits_row(logits: &Tensor, i: i64) -> Result<Vec<f32>> {
@@ -26,6 +27,30 @@ impl Engine {
             .model
             .forward(tokens, &mut self.cache.view(seq), false)?;
         logits_row(&out, 0)
+    }
+
+    /// [`prefill`](Self::prefill) that also scores what it ran: the
+    /// log-probability (and the `top` most likely tokens) of each of
+    /// `tokens` after the first, then of `next` (the token that will
+    /// follow them, when known) — one [`TokenLogprob`] per token with a
+    /// row before it in this call. The next token's logits as `prefill`.
+    pub fn prefill_scored(
+        &self,
+        seq: &mut Sequence,
+        tokens: &[u32],
+        next: Option<u32>,
+        top: usize,
+    ) -> Result<(Vec<f32>, Vec<TokenLogprob>)> {
+        let out = self
+            .model
+            .forward(tokens, &mut self.cache.view(seq), true)?;
+        let rows = tokens.len() as i64;
+        let targets = tokens.iter().skip(1).copied().chain(next);
+        let scores = targets
+            .enumerate()
+            .map(|(i, t)| Ok(token_logprob(&logits_row(&out, i as i64)?, t, top)))
+            .collect::<Result<Vec<_>>>()?;
+        Ok((logits_row(&out, rows - 1)?, scores))
     }
 
     /// One decode step: `tokens[i]` appended to `seqs[i]`, for all of them

@@ -344,6 +344,28 @@ impl Tokenizer {
         })
     }
 
+    /// The bytes token `id` stands for: through GPT-2's byte-level
+    /// alphabet (every byte one character) when its vocabulary entry is
+    /// written in it, else the UTF-8 of its text alone. Unlike
+    /// [`pieces`](Self::pieces), a token holding part of a character
+    /// keeps its bytes (OpenAI's `bytes` field).
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        let text = || {
+            self.pieces()
+                .get(id as usize)
+                .map(|p| p.as_bytes().to_vec())
+                .unwrap_or_default()
+        };
+        match self.inner.id_to_token(id) {
+            Some(t) => t
+                .chars()
+                .map(byte_level)
+                .collect::<Option<_>>()
+                .unwrap_or_else(text),
+            None => text(),
+        }
+    }
+
     /// The id of a token string, if it is in the vocabulary.
     pub fn token_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
@@ -366,4 +388,22 @@ impl Tokenizer {
         s.push_str("<|im_start|>assistant\n");
         s
     }
+}
+
+/// The byte GPT-2's byte-level alphabet writes as `c`: the printable bytes
+/// `!`..`~`, `¡`..`¬` and `®`..`ÿ` as themselves, the other 68 as U+0100
+/// onwards in byte order.
+fn byte_level(c: char) -> Option<u8> {
+    let printable = |b: u32| {
+        (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b)
+    };
+    let c = c as u32;
+    if printable(c) {
+        return Some(c as u8);
+    }
+    let nth = c.checked_sub(0x100)?;
+    (0..=255u32)
+        .filter(|&b| !printable(b))
+        .nth(nth as usize)
+        .map(|b| b as u8)
 }

@@ -226,6 +226,24 @@ fn tokenizer_json_round_trips() {
     );
 }
 
+/// Every token's bytes, concatenated, are the text's bytes — a character
+/// split over tokens included (its pieces alone read as U+FFFD); a
+/// special token is its text.
+#[test]
+fn token_bytes_concatenate_to_the_text() {
+    let tok = Tokenizer::from_gguf(&GgufFile::open(&model_path()).unwrap()).unwrap();
+    let text = "Crabs 🦀 and naïve café, ¡olé! \t\n end";
+    let ids = tok.encode_text(text).unwrap();
+    let bytes: Vec<u8> = ids.iter().flat_map(|&i| tok.token_bytes(i)).collect();
+    assert_eq!(String::from_utf8(bytes).unwrap(), text);
+    assert!(
+        ids.iter()
+            .any(|&i| tok.pieces()[i as usize].contains('\u{fffd}')),
+        "the crab is split over tokens: {ids:?}"
+    );
+    assert_eq!(tok.token_bytes(tok.eos), b"<|im_end|>");
+}
+
 /// A long text is counted in pieces and refused as soon as it is known to
 /// be over the limit; a text within it gets exactly `encode_text`'s ids,
 /// whether it fits one piece or several, cut between words or not.

@@ -400,6 +400,16 @@ fn bad_requests_get_a_400_in_openais_shape_naming_the_field() {
             "presence_penalty",
             "not supported",
         ),
+        (
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}),
+            "top_logprobs",
+            "needs logprobs",
+        ),
+        (
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 21}),
+            "top_logprobs",
+            "at most 20",
+        ),
     ];
     for (body, param, words) in cases {
         let (msg, p, _) = error_of(s.post(CHAT, &body), 400);
@@ -415,7 +425,10 @@ fn bad_requests_get_a_400_in_openais_shape_naming_the_field() {
             "prompt[1]",
         ),
         (json!({"model": MODEL, "prompt": ""}), "prompt"),
-        (json!({"model": MODEL, "prompt": "x", "echo": true}), "echo"),
+        (
+            json!({"model": MODEL, "prompt": "x", "logprobs": 21}),
+            "logprobs",
+        ),
         (json!({"model": MODEL, "prompt": {"a": 1}}), "prompt"),
         // Chat's field on completions: unknown there, not mistyped.
         (
@@ -801,4 +814,138 @@ fn nulls_signed_seeds_model_retrieval_and_405s_as_openai_answers() {
         let (msg, _, _) = error_of(s.raw(method, path, &[], b""), 405);
         assert!(msg.contains(method) && !msg.contains('\n'), "{msg}");
     }
+}
+
+/// `logprobs` as harnesses read them. lm-evaluation-harness scores a
+/// continuation by sending context + continuation as token ids with
+/// `echo`, `logprobs: 1` and `max_tokens: 1`, then sums
+/// `token_logprobs[len(context)..-1]` and checks each is its place's most
+/// likely (`top_logprobs`). The echo covers every prompt token (the first
+/// unscored), then the generated one, scored as without the echo (the
+/// same row of logits computed in another shape: within 1e-3; that prompt
+/// rows score what generation would is the engine's
+/// `prompt_scores_cover_every_token_once_whatever_the_chunking`); a chat
+/// reply carries one entry per token; a stream the same entries as the
+/// whole reply.
+#[test]
+fn logprobs_and_echo_score_prompts_and_replies_as_harnesses_read_them() {
+    let s = TestServer::tiny(ServerConfig::default());
+    let context: Vec<u32> = vec![5, 17, 29, 41, 53];
+    let post = |body: Value| {
+        let r = s.post(COMPLETIONS, &body);
+        assert_eq!(r.status, 200);
+        r.json().unwrap()
+    };
+    // The greedy next token and its log-probability.
+    let greedy = post(json!({"model": MODEL, "prompt": context, "max_tokens": 1,
+        "temperature": 0, "logprobs": 2, "cache_salt": "g"}));
+    let lp = &greedy["choices"][0]["logprobs"];
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), 1, "{lp}");
+    let generated = lp["token_logprobs"][0].as_f64().unwrap();
+    let top = lp["top_logprobs"][0].as_object().unwrap();
+    let best = top
+        .values()
+        .map(|v| v.as_f64().unwrap())
+        .fold(f64::MIN, f64::max);
+    assert!(
+        generated <= 0.0 && (generated - best).abs() < 1e-9,
+        "greedy: {lp}"
+    );
+    let piece = lp["tokens"][0].clone();
+    // The same, echoed (the prompt as a batch of one, as the harness
+    // sends it).
+    let echo = post(json!({"model": MODEL, "prompt": [context], "max_tokens": 1,
+        "temperature": 0, "logprobs": 1, "echo": true}));
+    let choice = &echo["choices"][0];
+    let lp = &choice["logprobs"];
+    let scores = lp["token_logprobs"].as_array().unwrap();
+    assert_eq!(
+        scores.len(),
+        context.len() + 1,
+        "the prompt and one token: {lp}"
+    );
+    assert!(scores[0].is_null() && lp["top_logprobs"][0].is_null());
+    assert_eq!(lp["tokens"][context.len()], piece);
+    let scored = scores[context.len()].as_f64().unwrap();
+    assert!((scored - generated).abs() < 1e-3, "{scored} vs {generated}");
+    for (i, t) in lp["top_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .enumerate()
+        .skip(1)
+    {
+        let t = t.as_object().unwrap();
+        assert!(
+            (1..=2).contains(&t.len()),
+            "logprobs 1, and the token itself: {t:?}"
+        );
+        assert!(scores[i].as_f64().unwrap() <= 0.0);
+    }
+    let offsets: Vec<u64> = lp["text_offset"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    assert_eq!(offsets[0], 0);
+    assert!(offsets.windows(2).all(|w| w[0] <= w[1]), "{offsets:?}");
+    let text = choice["text"].as_str().unwrap();
+    let tokens: String = lp["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(text, tokens, "the echo's text is its tokens'");
+    assert_eq!(
+        echo["usage"]["prompt_tokens_details"]["cached_tokens"], 0,
+        "scored afresh"
+    );
+    // logprobs 0: each token's own score only.
+    let zero = post(json!({"model": MODEL, "prompt": context, "max_tokens": 3,
+        "temperature": 0, "logprobs": 0, "cache_salt": "z"}));
+    for t in zero["choices"][0]["logprobs"]["top_logprobs"]
+        .as_array()
+        .unwrap()
+    {
+        assert_eq!(t.as_object().unwrap().len(), 1, "{t}");
+    }
+    // Chat: one entry per generated token, `top_logprobs` alternatives
+    // each, most likely first; the stream carries the same entries.
+    let mut body = chat("Score this.", 6);
+    body["logprobs"] = json!(true);
+    body["top_logprobs"] = json!(3);
+    body["ignore_eos"] = json!(true);
+    body["cache_salt"] = json!("w");
+    let whole = s.post(CHAT, &body).json().unwrap();
+    let content = whole["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+        .clone();
+    assert_eq!(content.len(), 6, "{whole}");
+    for e in &content {
+        let top = e["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        let lps: Vec<f64> = top.iter().map(|a| a["logprob"].as_f64().unwrap()).collect();
+        assert!(lps.windows(2).all(|w| w[0] >= w[1]), "{lps:?}");
+        assert!(e["bytes"].is_array() && e["token"].is_string());
+    }
+    body["stream"] = json!(true);
+    body["cache_salt"] = json!("s");
+    let streamed: Vec<Value> = s
+        .post(CHAT, &body)
+        .events()
+        .map(Result::unwrap)
+        .filter(|e| e != "[DONE]")
+        .flat_map(|e| {
+            let v: Value = serde_json::from_str(&e).unwrap();
+            v["choices"][0]["logprobs"]["content"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .collect();
+    let tokens = |v: &[Value]| v.iter().map(|e| e["token"].clone()).collect::<Vec<_>>();
+    assert_eq!(tokens(&streamed), tokens(&content));
 }

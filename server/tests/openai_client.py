@@ -169,6 +169,34 @@ class OpenAIClient(unittest.TestCase):
         ids = c.completions.create(model=MODEL, prompt=[504, 1125, 314], max_tokens=3)
         self.assertEqual(ids.usage.prompt_tokens, 3)
 
+    def test_logprobs_for_chat_and_completions_and_echo_as_lm_eval_sends_it(self):
+        c = client()
+        a = chat(c, "Name a fruit.", "lp", max_tokens=5, logprobs=True, top_logprobs=3,
+                 extra={"ignore_eos": True})
+        content = a.choices[0].logprobs.content
+        self.assertEqual(len(content), a.usage.completion_tokens)
+        for e in content:
+            self.assertLessEqual(e.logprob, 0.0)
+            self.assertEqual(len(e.top_logprobs), 3)
+            # Greedy: the chosen token is the most likely one.
+            self.assertAlmostEqual(e.logprob, e.top_logprobs[0].logprob, places=5)
+        text = bytes(b for e in content for b in e.bytes).decode()
+        self.assertEqual(text, a.choices[0].message.content)
+        # lm-evaluation-harness's loglikelihood request: token ids,
+        # echo, logprobs 1, max_tokens 1; it sums token_logprobs[ctxlen:-1].
+        ids = [504, 3575, 282, 4649, 314]
+        r = c.completions.create(model=MODEL, prompt=[ids], max_tokens=1, temperature=0,
+                                 logprobs=1, echo=True, seed=1234)
+        lp = r.choices[0].logprobs
+        self.assertEqual(len(lp.token_logprobs), len(ids) + 1)
+        self.assertIsNone(lp.token_logprobs[0])
+        self.assertTrue(all(x <= 0.0 for x in lp.token_logprobs[1:]))
+        self.assertTrue(r.choices[0].text.startswith("".join(lp.tokens[:len(ids)])))
+        self.assertEqual(r.usage.prompt_tokens_details.cached_tokens, 0)
+        with self.assertRaises(openai.BadRequestError) as e:
+            c.completions.create(model=MODEL, prompt="x", logprobs=21)
+        self.assertEqual(e.exception.param, "logprobs")
+
     def test_errors_are_the_clients_exception_types(self):
         c = client()
         with self.assertRaises(openai.AuthenticationError):

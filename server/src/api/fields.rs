@@ -40,7 +40,6 @@ const UNSUPPORTED_FIELDS: &[&str] = &[
     "function_call",
     "response_format",
     "logit_bias",
-    "top_logprobs",
     "metadata",
     "store",
     "service_tier",
@@ -63,7 +62,7 @@ pub fn check_fields(body: &Value, endpoint: Endpoint) -> Result<(), ApiError> {
         return Err(ApiError::invalid("the request body must be a JSON object"));
     };
     let own: &[&str] = match endpoint {
-        Endpoint::Chat => &["messages", "max_completion_tokens"],
+        Endpoint::Chat => &["messages", "max_completion_tokens", "top_logprobs"],
         Endpoint::Completion => &["prompt", "echo", "best_of", "suffix"],
     };
     for (key, value) in obj {
@@ -97,8 +96,7 @@ pub fn check_fields(body: &Value, endpoint: Endpoint) -> Result<(), ApiError> {
 
 /// A value of a field the server does not implement that asks for nothing
 /// (`store: false`, an empty `logit_bias`, `parallel_tool_calls` without
-/// tools, plain-text `response_format`, `top_logprobs: 0`, the default
-/// service tier): accepted, as the default it is.
+/// tools, plain-text `response_format`, the default service tier): accepted, as the default it is.
 fn is_no_op(key: &str, value: &Value) -> bool {
     match key {
         "store" => value == &Value::Bool(false),
@@ -107,7 +105,6 @@ fn is_no_op(key: &str, value: &Value) -> bool {
         "response_format" => {
             value.as_object().is_some_and(|m| m.len() == 1) && value["type"] == "text"
         }
-        "top_logprobs" => value.as_u64() == Some(0),
         "service_tier" => matches!(value.as_str(), Some("auto" | "default")),
         _ => false,
     }
@@ -159,7 +156,7 @@ impl Want {
 fn expected(key: &str, endpoint: Endpoint) -> Option<Want> {
     Some(match key {
         "model" | "user" | "cache_salt" | "suffix" => Want::Text,
-        "max_tokens" | "max_completion_tokens" | "n" | "best_of" => Want::Count,
+        "max_tokens" | "max_completion_tokens" | "n" | "best_of" | "top_logprobs" => Want::Count,
         "temperature" | "top_p" | "frequency_penalty" | "presence_penalty" => Want::Number,
         "top_k" | "seed" => Want::Integer,
         "stream" | "ignore_eos" | "echo" => Want::Bool,

@@ -3,6 +3,7 @@
 //! streaming. Every field of OpenAI's that the server cannot honour is
 //! refused with a 400 naming it, never silently ignored.
 
+use kvforge_engine::logprobs::MAX_TOP_LOGPROBS;
 use kvforge_engine::{Message, SamplingParams, Tokenizer};
 use serde::Deserialize;
 use serde_json::Value;
@@ -42,6 +43,7 @@ pub struct ChatRequest {
     common: Common,
     max_completion_tokens: Option<u64>,
     logprobs: Option<bool>,
+    top_logprobs: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -61,7 +63,7 @@ pub struct CompletionRequest {
     #[serde(flatten)]
     common: Common,
     echo: Option<bool>,
-    logprobs: Option<u32>,
+    logprobs: Option<u64>,
     best_of: Option<u32>,
     suffix: Option<String>,
 }
@@ -123,6 +125,11 @@ pub struct Parsed {
     pub cache_salt: Option<String>,
     /// `user`, if given.
     pub user: Option<String>,
+    /// Log-probabilities wanted: with this many alternatives per token.
+    pub logprobs: Option<usize>,
+    /// Completions' `echo`: the reply starts with the prompt (and its
+    /// tokens' log-probabilities, when `logprobs` asks for them).
+    pub echo: bool,
 }
 
 /// The first line of a serde error, with the field it names as `param`.
@@ -151,9 +158,14 @@ impl ChatRequest {
     /// Checks the request and applies the chat template.
     pub fn parse(self, limits: &Limits, tok: &Tokenizer) -> Result<Parsed, ApiError> {
         check_model(&self.model, limits)?;
-        if self.logprobs == Some(true) {
-            return Err(bad("logprobs", "logprobs are not supported by this server"));
-        }
+        let top = alternatives("top_logprobs", self.top_logprobs)?;
+        let logprobs = match (self.logprobs.unwrap_or(false), top) {
+            (true, top) => Some(top.unwrap_or(0)),
+            (false, Some(n)) if n > 0 => {
+                return Err(bad("top_logprobs", "top_logprobs needs logprobs: true"));
+            }
+            (false, _) => None,
+        };
         if self.messages.is_empty() {
             return Err(bad("messages", "messages must hold at least one message"));
         }
@@ -190,8 +202,11 @@ impl ChatRequest {
         } else {
             "max_tokens"
         };
-        self.common
-            .finish(Endpoint::Chat, prompt, max, param, limits)
+        let mut p = self
+            .common
+            .finish(Endpoint::Chat, prompt, max, param, limits)?;
+        p.logprobs = logprobs;
+        Ok(p)
     }
 }
 
@@ -229,12 +244,7 @@ impl CompletionRequest {
     /// Checks the request and reads its prompt (text or token ids).
     pub fn parse(self, limits: &Limits, tok: &Tokenizer) -> Result<Parsed, ApiError> {
         check_model(&self.model, limits)?;
-        if self.echo == Some(true) {
-            return Err(bad("echo", "echo is not supported by this server"));
-        }
-        if self.logprobs.is_some_and(|n| n > 0) {
-            return Err(bad("logprobs", "logprobs are not supported by this server"));
-        }
+        let logprobs = alternatives("logprobs", self.logprobs)?;
         if self.best_of.is_some_and(|n| n != 1) {
             return Err(bad("best_of", "best_of must be 1"));
         }
@@ -244,8 +254,24 @@ impl CompletionRequest {
         let prompt = prompt_ids(&self.prompt, limits, tok)?;
         // OpenAI's default for completions.
         let max = self.common.max_tokens.or(Some(16));
-        self.common
-            .finish(Endpoint::Completion, prompt, max, "max_tokens", limits)
+        let mut p = self
+            .common
+            .finish(Endpoint::Completion, prompt, max, "max_tokens", limits)?;
+        p.logprobs = logprobs;
+        p.echo = self.echo.unwrap_or(false);
+        Ok(p)
+    }
+}
+
+/// A count of alternatives per token (`top_logprobs`, completions'
+/// `logprobs`), at most [`MAX_TOP_LOGPROBS`].
+fn alternatives(param: &str, n: Option<u64>) -> Result<Option<usize>, ApiError> {
+    match n {
+        Some(n) if n > MAX_TOP_LOGPROBS as u64 => Err(bad(
+            param,
+            format!("{param} must be at most {MAX_TOP_LOGPROBS}, got {n}"),
+        )),
+        n => Ok(n.map(|n| n as usize)),
     }
 }
 

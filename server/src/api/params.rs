@@ -90,6 +90,8 @@ impl Common {
                 .unwrap_or(false),
             cache_salt: self.cache_salt,
             user: self.user,
+            logprobs: None,
+            echo: false,
         })
     }
 

@@ -252,6 +252,8 @@ async fn generate(
             user: p.user.clone(),
             events: tx,
             arrived,
+            logprobs: p.logprobs,
+            echo: p.echo,
         };
         if app.tx.send(Msg::Submit(job)).is_err() {
             app.shared.queued.fetch_sub(1, Ordering::SeqCst);
@@ -274,6 +276,7 @@ async fn generate(
             created: now_secs(),
             model: app.limits.model_id.clone(),
             endpoint: ep,
+            logprobs: p.logprobs.is_some(),
         };
         if p.stream {
             Ok(stream_reply(meta, p.include_usage, first, rx).into_response())

@@ -11,7 +11,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::api::Endpoint;
 use crate::error::ApiError;
-use crate::sched::{Event, Outcome};
+use crate::sched::{Event, Outcome, Scored, Text};
 
 /// What every chunk of a reply names.
 pub(super) struct Meta {
@@ -19,6 +19,60 @@ pub(super) struct Meta {
     pub(super) created: u64,
     pub(super) model: String,
     pub(super) endpoint: Endpoint,
+    /// The request asked for log-probabilities.
+    pub(super) logprobs: bool,
+}
+
+/// Characters of text before the next token, for completions'
+/// `text_offset` (a token holding part of a character counts from the
+/// character's first byte).
+#[derive(Default)]
+struct Offset(usize);
+
+impl Offset {
+    /// Completions' `logprobs` object for `tokens`; the tokens that come
+    /// before them counted in `self`.
+    fn completion(&mut self, tokens: &[Scored]) -> Value {
+        let mut text_offset = Vec::with_capacity(tokens.len());
+        for t in tokens {
+            text_offset.push(self.0);
+            self.0 += t.bytes.iter().filter(|&&b| b & 0xc0 != 0x80).count();
+        }
+        let top = |t: &Scored| {
+            t.logprob.map(|lp| {
+                // The chosen token is always listed (OpenAI's "up to
+                // logprobs + 1" entries).
+                let mut m = serde_json::Map::new();
+                for a in &t.top {
+                    m.insert(a.text.clone(), json!(a.logprob));
+                }
+                m.entry(t.text.clone()).or_insert(json!(lp));
+                m
+            })
+        };
+        json!({
+            "tokens": tokens.iter().map(|t| &t.text).collect::<Vec<_>>(),
+            "token_logprobs": tokens.iter().map(|t| t.logprob).collect::<Vec<_>>(),
+            "top_logprobs": tokens.iter().map(top).collect::<Vec<_>>(),
+            "text_offset": text_offset,
+        })
+    }
+}
+
+/// Chat's `logprobs` object for `tokens`.
+fn chat_logprobs(tokens: &[Scored]) -> Value {
+    let content: Vec<Value> = tokens
+        .iter()
+        .map(|t| {
+            let top: Vec<Value> = t
+                .top
+                .iter()
+                .map(|a| json!({"token": a.text, "logprob": a.logprob, "bytes": a.bytes}))
+                .collect();
+            json!({"token": t.text, "logprob": t.logprob, "bytes": t.bytes, "top_logprobs": top})
+        })
+        .collect();
+    json!({"content": content, "refusal": null})
 }
 
 fn usage(o: &Outcome) -> Value {
@@ -35,6 +89,15 @@ fn finish_reason(o: &Outcome) -> &'static str {
 }
 
 impl Meta {
+    /// The `logprobs` of a choice holding `tokens`.
+    fn logprobs(&self, tokens: &[Scored], offset: &mut Offset) -> Value {
+        match (self.logprobs, self.endpoint) {
+            (false, _) => Value::Null,
+            (true, Endpoint::Chat) => chat_logprobs(tokens),
+            (true, Endpoint::Completion) => offset.completion(tokens),
+        }
+    }
+
     fn body(&self, choice: Value, usage: Option<Value>, chunk: bool) -> Value {
         let object = match (self.endpoint, chunk) {
             (Endpoint::Chat, false) => "chat.completion",
@@ -55,8 +118,19 @@ impl Meta {
         v
     }
 
-    /// A streamed choice: text (or a chat delta) and the finish reason.
-    fn delta(&self, text: Option<&str>, first: bool, finish: Option<&str>) -> Value {
+    /// A streamed choice: text (or a chat delta), its tokens' scores and
+    /// the finish reason.
+    fn delta(
+        &self,
+        text: Option<&Text>,
+        first: bool,
+        finish: Option<&str>,
+        offset: &mut Offset,
+    ) -> Value {
+        let logprobs = match text {
+            Some(t) => self.logprobs(&t.logprobs, offset),
+            None => Value::Null,
+        };
         match self.endpoint {
             Endpoint::Chat => {
                 let mut delta = json!({});
@@ -64,12 +138,13 @@ impl Meta {
                     delta["role"] = json!("assistant");
                 }
                 if let Some(t) = text {
-                    delta["content"] = json!(t);
+                    delta["content"] = json!(t.text);
                 }
-                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+                json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
             }
             Endpoint::Completion => {
-                json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish})
+                let text = text.map_or("", |t| t.text.as_str());
+                json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish})
             }
         }
     }
@@ -82,6 +157,7 @@ pub(super) async fn whole_reply(
     mut rx: UnboundedReceiver<Event>,
 ) -> Result<Response, ApiError> {
     let mut text = String::new();
+    let mut scores = Vec::new();
     let mut ev = Some(first);
     loop {
         let e = match ev.take() {
@@ -92,18 +168,22 @@ pub(super) async fn whole_reply(
             },
         };
         match e {
-            Event::Token(t) => text.push_str(&t),
+            Event::Echo(t) | Event::Token(t) => {
+                text.push_str(&t.text);
+                scores.extend(t.logprobs);
+            }
             Event::Failed(e) => return Err(e),
             Event::Done(o) => {
+                let logprobs = meta.logprobs(&scores, &mut Offset::default());
                 let choice = match meta.endpoint {
                     Endpoint::Chat => json!({
                         "index": 0,
                         "message": {"role": "assistant", "content": text},
-                        "logprobs": null,
+                        "logprobs": logprobs,
                         "finish_reason": finish_reason(&o),
                     }),
                     Endpoint::Completion => json!({
-                        "index": 0, "text": text, "logprobs": null,
+                        "index": 0, "text": text, "logprobs": logprobs,
                         "finish_reason": finish_reason(&o),
                     }),
                 };
@@ -131,6 +211,7 @@ pub(super) fn stream_reply(
         started: bool,
         out: std::collections::VecDeque<String>,
         done: bool,
+        offset: Offset,
     }
     let st = St {
         meta,
@@ -140,6 +221,7 @@ pub(super) fn stream_reply(
         started: false,
         out: Default::default(),
         done: false,
+        offset: Offset::default(),
     };
     let s = stream::unfold(st, |mut st| async move {
         loop {
@@ -155,14 +237,16 @@ pub(super) fn stream_reply(
             };
             let usage_null = st.include_usage.then_some(Value::Null);
             match ev {
-                Event::Token(t) => {
-                    let c = st.meta.delta(Some(&t), !st.started, None);
+                Event::Echo(t) | Event::Token(t) => {
+                    let c = st.meta.delta(Some(&t), !st.started, None, &mut st.offset);
                     st.started = true;
                     st.out
                         .push_back(st.meta.body(c, usage_null, true).to_string());
                 }
                 Event::Done(o) => {
-                    let c = st.meta.delta(None, !st.started, Some(finish_reason(&o)));
+                    let c =
+                        st.meta
+                            .delta(None, !st.started, Some(finish_reason(&o)), &mut st.offset);
                     st.out
                         .push_back(st.meta.body(c, usage_null, true).to_string());
                     if st.include_usage {

@@ -33,7 +33,12 @@ impl Scheduler {
                 _ => continue,
             }
             let extra = ExtraKeys::namespace(&r.job.namespace);
-            let Some(l) = self.engine.cache().remote_lookup(&r.context, &extra) else {
+            let lookup = if r.scores_prompt() {
+                None
+            } else {
+                self.engine.cache().remote_lookup(&r.context, &extra)
+            };
+            let Some(l) = lookup else {
                 self.waiting[i].lookup = Lookup::Ready(None);
                 continue;
             };
@@ -78,7 +83,13 @@ impl Scheduler {
                 Lookup::Ready(f) => f,
                 _ => None,
             };
-            match self.engine.cache().open_with(&r.context, &extra, fetched) {
+            // A prompt to score runs whole: nothing is taken from the cache.
+            let reuse = if r.scores_prompt() {
+                &[][..]
+            } else {
+                &r.context
+            };
+            match self.engine.cache().open_with(reuse, &extra, fetched) {
                 Ok(seq) => r.seq = seq,
                 Err(e) => {
                     let _ = r

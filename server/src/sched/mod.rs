@@ -40,7 +40,7 @@ use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
 use kvforge_engine::cache::{CacheStats, RemoteFetched};
-use kvforge_engine::{Engine, Sampler, SamplingParams, Sequence};
+use kvforge_engine::{Engine, Sampler, SamplingParams, Sequence, TokenLogprob, Tokenizer};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::error::ApiError;
@@ -94,13 +94,89 @@ pub struct Job {
     pub events: UnboundedSender<Event>,
     /// When it arrived.
     pub arrived: Instant,
+    /// Log-probabilities of its tokens, with this many alternatives each.
+    pub logprobs: Option<usize>,
+    /// The reply starts with the prompt ([`Event::Echo`]), scored when
+    /// `logprobs` asks for scores.
+    pub echo: bool,
 }
 
-/// What a request receives, in order: tokens, then one `Done` or `Failed`.
+/// Text for the reply, and the scores of the tokens that made it (when
+/// the request asked for them).
+#[derive(Debug, Default)]
+pub struct Text {
+    /// The text (may be empty).
+    pub text: String,
+    /// One per token.
+    pub logprobs: Vec<Scored>,
+}
+
+/// A token's log-probability as the API shows it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Scored {
+    /// Its text alone (U+FFFD for part of a character).
+    pub text: String,
+    /// Its bytes.
+    pub bytes: Vec<u8>,
+    /// `ln p`; `None` for a prompt's first token (nothing before it
+    /// predicts it).
+    pub logprob: Option<f32>,
+    /// The most likely tokens at its place, most likely first.
+    pub top: Vec<Alt>,
+}
+
+/// A token, its bytes and its log-probability.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Alt {
+    /// Its text alone (U+FFFD for part of a character).
+    pub text: String,
+    /// Its bytes.
+    pub bytes: Vec<u8>,
+    /// `ln p`.
+    pub logprob: f32,
+}
+
+impl Alt {
+    fn new(tok: &Tokenizer, id: u32, logprob: f32) -> Alt {
+        Alt {
+            text: tok.pieces().get(id as usize).cloned().unwrap_or_default(),
+            bytes: tok.token_bytes(id),
+            logprob,
+        }
+    }
+}
+
+impl Scored {
+    /// `t` in words: each id's text and bytes from `tok`.
+    pub fn new(tok: &Tokenizer, t: &TokenLogprob) -> Scored {
+        Scored::of(tok, t.token, Some(t.logprob), &t.top)
+    }
+
+    /// Token `id` with no score (a prompt's first token).
+    pub fn unscored(tok: &Tokenizer, id: u32) -> Scored {
+        Scored::of(tok, id, None, &[])
+    }
+
+    fn of(tok: &Tokenizer, id: u32, logprob: Option<f32>, top: &[(u32, f32)]) -> Scored {
+        let Alt { text, bytes, .. } = Alt::new(tok, id, 0.0);
+        Scored {
+            text,
+            bytes,
+            logprob,
+            top: top.iter().map(|&(id, lp)| Alt::new(tok, id, lp)).collect(),
+        }
+    }
+}
+
+/// What a request receives, in order: the echo when asked for, tokens,
+/// then one `Done` or `Failed`.
 #[derive(Debug)]
 pub enum Event {
-    /// A token was generated; the text it adds (may be empty).
-    Token(String),
+    /// The prompt, before the first token (completions' `echo`).
+    Echo(Text),
+    /// A token was generated; the text it adds (may be empty) and the
+    /// scores of the tokens since the last event.
+    Token(Text),
     /// The request ended.
     Done(Outcome),
     /// The request failed or was refused.
@@ -167,6 +243,23 @@ struct Req {
     last_token: Option<Instant>,
     /// Set when the request has ended in this step.
     end: Option<End>,
+    /// With `echo` and `logprobs`: the prompt's scores by position, until
+    /// the echo goes out.
+    prompt_scores: Vec<Option<TokenLogprob>>,
+    /// The echo went out (a preempted request's prompt is not scored
+    /// again).
+    echoed: bool,
+    /// Scores of generated tokens not sent yet.
+    unsent: Vec<Scored>,
+}
+
+impl Req {
+    /// Whether its prompt must run (and be scored) whole: an echo with
+    /// scores not sent yet. Such a request takes nothing from the prefix
+    /// cache or the remote tier.
+    fn scores_prompt(&self) -> bool {
+        self.job.echo && self.job.logprobs.is_some() && !self.echoed
+    }
 }
 
 /// Where a waiting request's remote lookup stands.
@@ -348,6 +441,9 @@ impl Scheduler {
                     lookup: Lookup::New,
                     last_token: None,
                     end: None,
+                    prompt_scores: Vec::new(),
+                    echoed: false,
+                    unsent: Vec::new(),
                 };
                 self.waiting.push_back(r);
                 self.start_lookups();

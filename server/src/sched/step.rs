@@ -10,10 +10,11 @@ use std::time::Instant;
 
 pub(super) use kvforge_engine::batch::panic_text;
 use kvforge_engine::batch::{Batch, Failure, Stepped};
-use kvforge_engine::{Engine, EngineError, Sequence};
+use kvforge_engine::logprobs::{TokenLogprob, token_logprob};
+use kvforge_engine::{Engine, EngineError, Sequence, Tokenizer};
 use kvforge_prefix::ExtraKeys;
 
-use super::{End, Event, Fault, Outcome, Req, Scheduler, Shared, lock};
+use super::{End, Event, Fault, Outcome, Req, Scheduler, Scored, Shared, Text, lock};
 use crate::error::ApiError;
 use crate::metrics::Ended;
 
@@ -76,6 +77,20 @@ impl Batch for Running<'_> {
             other => ApiError::internal(other.to_string()),
         };
         self.reqs[i].end = Some(End::Failed(e));
+    }
+
+    fn prompt_logprobs(&self, i: usize) -> Option<usize> {
+        let r = &self.reqs[i];
+        r.job.logprobs.filter(|_| r.scores_prompt())
+    }
+
+    fn scored(&mut self, i: usize, from: usize, scores: Vec<TokenLogprob>) {
+        let r = &mut self.reqs[i];
+        let n = r.job.prompt.len();
+        r.prompt_scores.resize(n, None);
+        for (at, s) in (from..n).zip(scores) {
+            r.prompt_scores[at] = Some(s);
+        }
     }
 }
 
@@ -174,9 +189,13 @@ impl Scheduler {
                     // character goes out now (a reply the budget ended).
                     let tok = self.engine.tokenizer();
                     if let Ok(p) = r.reply.piece(tok, None, &r.job.stop, true)
-                        && !p.text.is_empty()
+                        && (!p.text.is_empty() || !r.unsent.is_empty())
                     {
-                        let _ = r.job.events.send(Event::Token(p.text));
+                        let logprobs = std::mem::take(&mut r.unsent);
+                        let _ = r.job.events.send(Event::Token(Text {
+                            text: p.text,
+                            logprobs,
+                        }));
                     }
                     self.release(&mut r, true);
                     let _ = r.job.events.send(Event::Done(Outcome {
@@ -233,6 +252,18 @@ fn sample(engine: &Engine, shared: &Shared, fault: Option<&Fault>, r: &mut Req, 
         m.generation_tokens += 1;
     }
     r.last_token = Some(now);
+    let tok = engine.tokenizer();
+    if r.generated.is_empty() && r.job.echo && !r.echoed {
+        r.echoed = true;
+        if echo(tok, r).is_err() {
+            r.end = Some(End::Aborted);
+            return;
+        }
+    }
+    if let Some(top) = r.job.logprobs {
+        r.unsent
+            .push(Scored::new(tok, &token_logprob(logits, next, top)));
+    }
     r.generated.push(next);
     r.context.push(next);
     let eos = next == engine.tokenizer().eos && !r.job.params.ignore_eos;
@@ -248,13 +279,42 @@ fn sample(engine: &Engine, shared: &Shared, fault: Option<&Fault>, r: &mut Req, 
             return;
         }
     };
-    if (!piece.text.is_empty() || r.generated.len() == 1)
-        && r.job.events.send(Event::Token(piece.text)).is_err()
-    {
-        r.end = Some(End::Aborted);
-    } else if piece.stopped || eos {
+    if !piece.text.is_empty() || r.generated.len() == 1 {
+        let logprobs = std::mem::take(&mut r.unsent);
+        let t = Text {
+            text: piece.text,
+            logprobs,
+        };
+        if r.job.events.send(Event::Token(t)).is_err() {
+            r.end = Some(End::Aborted);
+            return;
+        }
+    }
+    if piece.stopped || eos {
         r.end = Some(End::Finished { stopped: true });
     } else if full {
         r.end = Some(End::Finished { stopped: false });
     }
+}
+
+/// Sends `r`'s prompt as its reply's start: its text (special tokens
+/// included, as a prompt of token ids holds them) and, when asked for,
+/// its tokens' scores (the first one has none). `Err`: the client is gone.
+fn echo(tok: &Tokenizer, r: &mut Req) -> Result<(), ()> {
+    let text = tok.decode(&r.job.prompt).unwrap_or_default();
+    let logprobs = if r.job.logprobs.is_some() {
+        let mut scores = std::mem::take(&mut r.prompt_scores);
+        scores.resize(r.job.prompt.len(), None);
+        let ids = r.job.prompt.iter();
+        ids.zip(&scores)
+            .map(|(&id, s)| match s {
+                Some(s) => Scored::new(tok, s),
+                None => Scored::unscored(tok, id),
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let e = Event::Echo(Text { text, logprobs });
+    r.job.events.send(e).map_err(|_| ())
 }

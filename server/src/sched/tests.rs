@@ -76,6 +76,8 @@ fn submit_for(s: &mut Scheduler, prompt_len: usize, max_tokens: usize) -> Unboun
         user: None,
         events: tx,
         arrived: Instant::now(),
+        logprobs: None,
+        echo: false,
     }));
     rx
 }
@@ -140,7 +142,7 @@ fn lookups_of_waiting_requests_are_capped_and_every_request_ends() {
                 match e {
                     Event::Done(_) => *d = true,
                     Event::Failed(e) => panic!("{e:?}"),
-                    Event::Token(_) => {}
+                    Event::Echo(_) | Event::Token(_) => {}
                 }
             }
         }
