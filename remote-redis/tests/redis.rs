@@ -210,7 +210,9 @@ fn a_paused_server_times_out_within_the_deadline_then_recovers() {
     let t0 = Instant::now();
     assert!(c.fetch(&links, &tok).is_empty());
     let waited = t0.elapsed();
-    assert!(waited < Duration::from_millis(800), "{waited:?}");
+    // The call is capped at the deadline (300 ms) plus 50; five times the
+    // deadline leaves room for a busy machine's late wake-ups.
+    assert!(waited < Duration::from_millis(1500), "{waited:?}");
     assert_eq!(
         t.get_many(&[links[0].key]).unwrap_err().kind,
         ErrorKind::Timeout
@@ -366,7 +368,7 @@ fn a_store_that_is_down_at_start_is_a_miss_per_call_within_the_deadline() {
     let t0 = Instant::now();
     assert!(c.fetch(&links, &tok).is_empty());
     assert!(
-        t0.elapsed() < Duration::from_millis(800),
+        t0.elapsed() < Duration::from_millis(1500),
         "{:?}",
         t0.elapsed()
     );

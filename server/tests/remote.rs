@@ -121,8 +121,11 @@ impl Drop for Instance {
     }
 }
 
+/// A deadline no lookup of these tests' documents (about 7 MB each, a
+/// debug build, other tests on the same 2 cores) comes near: one that
+/// ran past it would count as a miss.
 fn config(dir: &Path, remote: &str) -> PathBuf {
-    config_with(dir, remote, 300)
+    config_with(dir, remote, 2000)
 }
 
 /// A mechanisms file with prefix reuse and the remote tier `remote`, its
@@ -283,9 +286,13 @@ fn a_stalled_lookup_holds_no_batch_slot() {
     // Warm: the engine's first step is not what this measures.
     assert_eq!(ask(a.addr.clone(), "Hi".into()).join().unwrap().0, 200);
     redis.pause().unwrap();
+    let t0 = Instant::now();
     let stalled = ask(a.addr.clone(), document("lanterns"));
-    std::thread::sleep(Duration::from_millis(300));
+    // The stalled request waits for its lookup before the short one is
+    // sent.
+    a.wait_metric("kvforge:num_requests_waiting", 1.0);
     let (status, short) = ask(a.addr.clone(), "Hi".into()).join().unwrap();
+    let short_ended = t0.elapsed();
     let (stalled_status, took) = stalled.join().unwrap();
     redis.resume().unwrap();
     eprintln!("the short request took {short:?}; the stalled one {took:?}");
@@ -294,9 +301,11 @@ fn a_stalled_lookup_holds_no_batch_slot() {
         took >= deadline - Duration::from_millis(500),
         "the lookup did stall: {took:?}"
     );
+    // Were the slot held, the short request could only end after the
+    // stalled one; how fast it runs is the machine's business.
     assert!(
-        short < deadline / 2,
-        "the short request waited {short:?} behind a {deadline:?} stall"
+        short_ended < took,
+        "the short request ended at {short_ended:?}, after the stalled one ({took:?})"
     );
     let _ = std::fs::remove_dir_all(&d);
 }
@@ -343,7 +352,9 @@ fn a_paused_redis_slows_only_the_request_that_asks_it() {
     // end count as stamps, so a stream that stopped shows as one gap.
     let t0 = Instant::now();
     stamps.push(t0);
-    while t0.elapsed() < deadline - Duration::from_millis(300) {
+    // The window ends a second before the lookup gives up, so that the
+    // asking request's own prefill, after it, falls outside any gap.
+    while t0.elapsed() < deadline - Duration::from_millis(1000) {
         match events.next() {
             Some(Ok(e)) if e != "[DONE]" => stamps.push(Instant::now()),
             _ => break,
@@ -365,8 +376,8 @@ fn a_paused_redis_slows_only_the_request_that_asks_it() {
         "{tokens} tokens during the stall, largest gap {worst:?}; the stalled request took {took:?}"
     );
     // How many tokens fit in the window is the machine's speed (a debug
-    // build on 2 cores made 20 in 2.7 s); that none waited for the stall
-    // is the largest gap, the window's edges included.
+    // build on CI's 2 cores made 20 in 2.7 s); that none waited for the
+    // stall is the largest gap, the window's edges included.
     assert!(tokens >= 5, "the stream went on: {tokens} tokens");
     assert!(
         worst < deadline / 3,
