@@ -326,9 +326,9 @@ fn bad_requests_get_a_400_in_openais_shape_naming_the_field() {
             "top_p",
         ),
         (
-            json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}),
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 17}),
             "n",
-            "n must be 1",
+            "n must be between 1 and 16",
         ),
         (
             json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}),
@@ -428,6 +428,10 @@ fn bad_requests_get_a_400_in_openais_shape_naming_the_field() {
         (
             json!({"model": MODEL, "prompt": "x", "logprobs": 21}),
             "logprobs",
+        ),
+        (
+            json!({"model": MODEL, "prompt": "x", "echo": true, "n": 2}),
+            "echo",
         ),
         (json!({"model": MODEL, "prompt": {"a": 1}}), "prompt"),
         // Chat's field on completions: unknown there, not mistyped.
@@ -948,4 +952,86 @@ fn logprobs_and_echo_score_prompts_and_replies_as_harnesses_read_them() {
         .collect();
     let tokens = |v: &[Value]| v.iter().map(|e| e["token"].clone()).collect::<Vec<_>>();
     assert_eq!(tokens(&streamed), tokens(&content));
+}
+
+/// `n` > 1: one prompt, `n` choices. The prompt runs once and the other
+/// choices fork its sequence (its blocks shared, none recomputed), so a
+/// KV budget that holds the prompt once plus every choice's tokens is
+/// enough: 4 choices of a 60-token prompt in 128 tokens of KV, where four
+/// separate requests would need 4 × 68 and be preempted. Each choice
+/// samples on its own (seeded: the same seed gives the same choices); the
+/// usage counts the prompt once; a stream carries every choice's chunks
+/// and finish, then one usage.
+#[test]
+fn n_choices_fork_one_prompt_and_share_its_blocks() {
+    let cfg = EngineConfig {
+        block_size: 4,
+        kv_tokens: 128,
+        ..EngineConfig::default()
+    };
+    let s = TestServer::start(tiny_engine(&cfg, 1024), ServerConfig::default());
+    let prompt: Vec<u32> = (0..60).map(|i| 100 + (i * 37) % 500).collect();
+    let ask = |salt: &str, stream: bool| {
+        let mut body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 8, "n": 4,
+            "temperature": 1.0, "seed": 7, "ignore_eos": true, "cache_salt": salt});
+        if stream {
+            body["stream"] = json!(true);
+            body["stream_options"] = json!({"include_usage": true});
+        }
+        let r = s.post(COMPLETIONS, &body);
+        assert_eq!(r.status, 200);
+        r
+    };
+    let whole = ask("a", false).json().unwrap();
+    let texts: Vec<String> = (0..4)
+        .map(|i| {
+            let c = &whole["choices"][i];
+            assert_eq!(c["index"], i);
+            assert_eq!(c["finish_reason"], "length");
+            c["text"].as_str().unwrap().to_string()
+        })
+        .collect();
+    assert!(
+        texts.iter().any(|t| t != &texts[0]),
+        "each choice samples on its own: {texts:?}"
+    );
+    assert_eq!(whole["usage"]["prompt_tokens"], 60);
+    assert_eq!(whole["usage"]["completion_tokens"], 32);
+    let m = s.metrics();
+    assert_eq!(
+        metric(&m, "kvforge:num_preemptions_total"),
+        0.0,
+        "the prompt's blocks are shared"
+    );
+    assert_eq!(metric(&m, "kvforge:forked_prompt_tokens_total"), 180.0);
+    // The same seed, streamed (another salt: computed afresh).
+    let events: Vec<String> = ask("b", true).events().map(Result::unwrap).collect();
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let mut streamed = vec![String::new(); 4];
+    let mut finished = 0;
+    let mut usage = Value::Null;
+    for e in &events[..events.len() - 1] {
+        let v: Value = serde_json::from_str(e).unwrap();
+        if !v["usage"].is_null() {
+            usage = v["usage"].clone();
+        }
+        for c in v["choices"].as_array().unwrap() {
+            let i = c["index"].as_u64().unwrap() as usize;
+            streamed[i].push_str(c["text"].as_str().unwrap());
+            finished += usize::from(!c["finish_reason"].is_null());
+        }
+    }
+    assert_eq!(streamed, texts, "the same seed, the same choices");
+    assert_eq!(finished, 4);
+    assert_eq!(usage["completion_tokens"], 32);
+    // Greedy choices are one reply n times.
+    let greedy = s
+        .post(
+            COMPLETIONS,
+            &json!({"model": MODEL, "prompt": "Once", "max_tokens": 5, "n": 3, "temperature": 0}),
+        )
+        .json()
+        .unwrap();
+    let g: Vec<&Value> = (0..3).map(|i| &greedy["choices"][i]["text"]).collect();
+    assert!(g.iter().all(|t| *t == g[0]), "{g:?}");
 }

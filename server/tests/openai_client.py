@@ -197,6 +197,26 @@ class OpenAIClient(unittest.TestCase):
             c.completions.create(model=MODEL, prompt="x", logprobs=21)
         self.assertEqual(e.exception.param, "logprobs")
 
+    def test_n_choices_share_the_prompt_and_sample_on_their_own(self):
+        c = client()
+        before = metric("kvforge:forked_prompt_tokens_total")
+        ask = lambda salt, **kw: c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Write a word."}],
+            max_tokens=6, n=3, temperature=1.0, seed=5,
+            extra_body={"cache_salt": salt, "ignore_eos": True}, **kw)
+        a = ask("n")
+        self.assertEqual([ch.index for ch in a.choices], [0, 1, 2])
+        self.assertEqual(a.usage.completion_tokens, 18)
+        forked = metric("kvforge:forked_prompt_tokens_total") - before
+        self.assertEqual(forked, 2 * a.usage.prompt_tokens)
+        # Streamed, the same seed: the same three choices.
+        s = ask("n2", stream=True)
+        texts = ["", "", ""]
+        for chunk in s:
+            for ch in chunk.choices:
+                texts[ch.index] += ch.delta.content or ""
+        self.assertEqual(texts, [ch.message.content for ch in a.choices])
+
     def test_errors_are_the_clients_exception_types(self):
         c = client()
         with self.assertRaises(openai.AuthenticationError):
@@ -205,7 +225,7 @@ class OpenAIClient(unittest.TestCase):
             c.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
         self.assertEqual(e.exception.code, "model_not_found")
         with self.assertRaises(openai.BadRequestError) as e:
-            chat(c, "x", "e", n=2)
+            chat(c, "x", "e", n=17)
         self.assertEqual(e.exception.param, "n")
         with self.assertRaises(openai.BadRequestError) as e:
             c.chat.completions.create(model=MODEL, messages=[])

@@ -18,6 +18,10 @@ pub use fields::check_fields;
 /// Most stop strings per request (OpenAI's limit).
 pub const MAX_STOP: usize = 4;
 
+/// `n` at most. A request's choices run together once its prompt is in,
+/// whatever `--max-batch` says (it bounds requests, not their choices).
+pub const MAX_CHOICES: usize = 16;
+
 /// What requests are checked against.
 #[derive(Clone, Debug)]
 pub struct Limits {
@@ -130,6 +134,8 @@ pub struct Parsed {
     /// Completions' `echo`: the reply starts with the prompt (and its
     /// tokens' log-probabilities, when `logprobs` asks for them).
     pub echo: bool,
+    /// Choices: forks of one prompt, each sampled on its own.
+    pub n: usize,
 }
 
 /// The first line of a serde error, with the field it names as `param`.
@@ -259,6 +265,9 @@ impl CompletionRequest {
             .finish(Endpoint::Completion, prompt, max, "max_tokens", limits)?;
         p.logprobs = logprobs;
         p.echo = self.echo.unwrap_or(false);
+        if p.echo && p.n > 1 {
+            return Err(bad("echo", "echo with n > 1 is not supported"));
+        }
         Ok(p)
     }
 }

@@ -4,7 +4,7 @@
 use kvforge_engine::SamplingParams;
 use serde_json::Value;
 
-use super::{Common, Endpoint, Limits, MAX_STOP, Parsed, bad};
+use super::{Common, Endpoint, Limits, MAX_CHOICES, MAX_STOP, Parsed, bad};
 use crate::error::ApiError;
 
 impl Common {
@@ -17,8 +17,12 @@ impl Common {
         max_param: &str,
         limits: &Limits,
     ) -> Result<Parsed, ApiError> {
-        if self.n.is_some_and(|n| n != 1) {
-            return Err(bad("n", "n must be 1: send several requests instead"));
+        let n = self.n.unwrap_or(1);
+        if n == 0 || n as usize > MAX_CHOICES {
+            return Err(bad(
+                "n",
+                format!("n must be between 1 and {MAX_CHOICES}, got {n}"),
+            ));
         }
         for (name, v) in [
             ("frequency_penalty", self.frequency_penalty),
@@ -92,6 +96,7 @@ impl Common {
             user: self.user,
             logprobs: None,
             echo: false,
+            n: n as usize,
         })
     }
 

@@ -254,6 +254,8 @@ async fn generate(
             arrived,
             logprobs: p.logprobs,
             echo: p.echo,
+            n: p.n,
+            index: 0,
         };
         if app.tx.send(Msg::Submit(job)).is_err() {
             app.shared.queued.fetch_sub(1, Ordering::SeqCst);
@@ -277,6 +279,7 @@ async fn generate(
             model: app.limits.model_id.clone(),
             endpoint: ep,
             logprobs: p.logprobs.is_some(),
+            n: p.n,
         };
         if p.stream {
             Ok(stream_reply(meta, p.include_usage, first, rx).into_response())

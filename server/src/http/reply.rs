@@ -21,6 +21,8 @@ pub(super) struct Meta {
     pub(super) endpoint: Endpoint,
     /// The request asked for log-probabilities.
     pub(super) logprobs: bool,
+    /// Its choices.
+    pub(super) n: usize,
 }
 
 /// Characters of text before the next token, for completions'
@@ -98,7 +100,7 @@ impl Meta {
         }
     }
 
-    fn body(&self, choice: Value, usage: Option<Value>, chunk: bool) -> Value {
+    fn body(&self, choices: Vec<Value>, usage: Option<Value>, chunk: bool) -> Value {
         let object = match (self.endpoint, chunk) {
             (Endpoint::Chat, false) => "chat.completion",
             (Endpoint::Chat, true) => "chat.completion.chunk",
@@ -110,7 +112,7 @@ impl Meta {
             "created": self.created,
             "model": self.model,
             "system_fingerprint": concat!("kvforge-", env!("CARGO_PKG_VERSION")),
-            "choices": if choice.is_null() { json!([]) } else { json!([choice]) },
+            "choices": choices,
         });
         if let Some(u) = usage {
             v["usage"] = u;
@@ -122,6 +124,7 @@ impl Meta {
     /// the finish reason.
     fn delta(
         &self,
+        index: usize,
         text: Option<&Text>,
         first: bool,
         finish: Option<&str>,
@@ -140,63 +143,102 @@ impl Meta {
                 if let Some(t) = text {
                     delta["content"] = json!(t.text);
                 }
-                json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
+                json!({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
             }
             Endpoint::Completion => {
                 let text = text.map_or("", |t| t.text.as_str());
-                json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish})
+                json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish})
             }
         }
     }
 }
 
-/// Collects the whole reply (non-streaming).
+/// The usage of a request whose choices ended with `outcomes`: the
+/// prompt once, the completions summed.
+fn usage_of(outcomes: &[Outcome]) -> Value {
+    let first = outcomes.iter().find(|o| o.index == 0).or(outcomes.first());
+    let total = Outcome {
+        index: 0,
+        stopped: false,
+        prompt_tokens: first.map_or(0, |o| o.prompt_tokens),
+        completion_tokens: outcomes.iter().map(|o| o.completion_tokens).sum(),
+        cached_tokens: first.map_or(0, |o| o.cached_tokens),
+    };
+    usage(&total)
+}
+
+/// One choice of a whole reply as it arrives.
+#[derive(Default)]
+struct Choice {
+    text: String,
+    scores: Vec<Scored>,
+    outcome: Option<Outcome>,
+}
+
+/// Collects the whole reply (non-streaming): every choice's text, until
+/// all `n` have ended.
 pub(super) async fn whole_reply(
     meta: Meta,
     first: Event,
     mut rx: UnboundedReceiver<Event>,
 ) -> Result<Response, ApiError> {
-    let mut text = String::new();
-    let mut scores = Vec::new();
+    let mut choices: Vec<Choice> = (0..meta.n).map(|_| Choice::default()).collect();
     let mut ev = Some(first);
-    loop {
+    let mut ended = 0;
+    while ended < meta.n {
         let e = match ev.take() {
             Some(e) => e,
             None => match rx.recv().await {
                 Some(e) => e,
-                None => break,
+                None => return Err(ApiError::internal("the engine loop stopped")),
             },
         };
         match e {
             Event::Echo(t) | Event::Token(t) => {
-                text.push_str(&t.text);
-                scores.extend(t.logprobs);
+                if let Some(c) = choices.get_mut(t.index) {
+                    c.text.push_str(&t.text);
+                    c.scores.extend(t.logprobs);
+                }
             }
             Event::Failed(e) => return Err(e),
             Event::Done(o) => {
-                let logprobs = meta.logprobs(&scores, &mut Offset::default());
-                let choice = match meta.endpoint {
-                    Endpoint::Chat => json!({
-                        "index": 0,
-                        "message": {"role": "assistant", "content": text},
-                        "logprobs": logprobs,
-                        "finish_reason": finish_reason(&o),
-                    }),
-                    Endpoint::Completion => json!({
-                        "index": 0, "text": text, "logprobs": logprobs,
-                        "finish_reason": finish_reason(&o),
-                    }),
-                };
-                return Ok(axum::Json(meta.body(choice, Some(usage(&o)), false)).into_response());
+                if let Some(c) = choices.get_mut(o.index)
+                    && c.outcome.replace(o).is_none()
+                {
+                    ended += 1;
+                }
             }
         }
     }
-    Err(ApiError::internal("the engine loop stopped"))
+    let outcomes: Vec<Outcome> = choices.iter().filter_map(|c| c.outcome).collect();
+    let body: Vec<Value> = choices
+        .into_iter()
+        .enumerate()
+        .map(|(index, c)| {
+            let logprobs = meta.logprobs(&c.scores, &mut Offset::default());
+            let finish = c.outcome.as_ref().map(finish_reason);
+            match meta.endpoint {
+                Endpoint::Chat => json!({
+                    "index": index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": logprobs,
+                    "finish_reason": finish,
+                }),
+                Endpoint::Completion => json!({
+                    "index": index, "text": c.text, "logprobs": logprobs,
+                    "finish_reason": finish,
+                }),
+            }
+        })
+        .collect();
+    let reply = meta.body(body, Some(usage_of(&outcomes)), false);
+    Ok(axum::Json(reply).into_response())
 }
 
-/// Server-sent events: one chunk per token, the finish reason, the usage
-/// if asked for, then `[DONE]`. A failure after the first token is one
-/// `{"error": …}` event and the end of the stream.
+/// Server-sent events: one chunk per token of each choice, each choice's
+/// finish reason, the usage if asked for once all have ended, then
+/// `[DONE]`. A failure after the first token is one `{"error": …}` event
+/// and the end of the stream.
 pub(super) fn stream_reply(
     meta: Meta,
     include_usage: bool,
@@ -208,20 +250,24 @@ pub(super) fn stream_reply(
         include_usage: bool,
         rx: UnboundedReceiver<Event>,
         next: Option<Event>,
-        started: bool,
+        /// Per choice: whether its first chunk went out, its text offset.
+        started: Vec<bool>,
+        offsets: Vec<Offset>,
+        outcomes: Vec<Outcome>,
         out: std::collections::VecDeque<String>,
         done: bool,
-        offset: Offset,
     }
+    let n = meta.n;
     let st = St {
         meta,
         include_usage,
         rx,
         next: Some(first),
-        started: false,
+        started: vec![false; n],
+        offsets: (0..n).map(|_| Offset::default()).collect(),
+        outcomes: Vec::new(),
         out: Default::default(),
         done: false,
-        offset: Offset::default(),
     };
     let s = stream::unfold(st, |mut st| async move {
         loop {
@@ -236,30 +282,34 @@ pub(super) fn stream_reply(
                 None => st.rx.recv().await?,
             };
             let usage_null = st.include_usage.then_some(Value::Null);
-            match ev {
-                Event::Echo(t) | Event::Token(t) => {
-                    let c = st.meta.delta(Some(&t), !st.started, None, &mut st.offset);
-                    st.started = true;
-                    st.out
-                        .push_back(st.meta.body(c, usage_null, true).to_string());
-                }
-                Event::Done(o) => {
-                    let c =
-                        st.meta
-                            .delta(None, !st.started, Some(finish_reason(&o)), &mut st.offset);
-                    st.out
-                        .push_back(st.meta.body(c, usage_null, true).to_string());
-                    if st.include_usage {
-                        let u = st.meta.body(Value::Null, Some(usage(&o)), true);
-                        st.out.push_back(u.to_string());
-                    }
-                    st.out.push_back("[DONE]".into());
-                    st.done = true;
-                }
+            let (index, text, finish) = match &ev {
+                Event::Echo(t) | Event::Token(t) => (t.index, Some(t), None),
+                Event::Done(o) => (o.index, None, Some(finish_reason(o))),
                 Event::Failed(e) => {
                     st.out.push_back(e.body().to_string());
                     st.done = true;
+                    continue;
                 }
+            };
+            if index >= st.started.len() {
+                continue;
+            }
+            let first = !std::mem::replace(&mut st.started[index], true);
+            let c = st
+                .meta
+                .delta(index, text, first, finish, &mut st.offsets[index]);
+            st.out
+                .push_back(st.meta.body(vec![c], usage_null, true).to_string());
+            if let Event::Done(o) = ev {
+                st.outcomes.push(o);
+            }
+            if st.outcomes.len() == st.meta.n {
+                if st.include_usage {
+                    let u = st.meta.body(Vec::new(), Some(usage_of(&st.outcomes)), true);
+                    st.out.push_back(u.to_string());
+                }
+                st.out.push_back("[DONE]".into());
+                st.done = true;
             }
         }
     });

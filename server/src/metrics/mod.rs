@@ -102,6 +102,9 @@ pub struct ServeMetrics {
     pub prefix_hits: u64,
     /// Running requests released to make room (recomputed later).
     pub preemptions: u64,
+    /// Tokens the forked choices of `n` > 1 requests read from their
+    /// request's blocks instead of computing them.
+    pub forked_tokens: u64,
     /// Finished with `stop`.
     pub finished_stop: u64,
     /// Finished with `length`.
@@ -127,6 +130,7 @@ impl Default for ServeMetrics {
             prefix_queries: 0,
             prefix_hits: 0,
             preemptions: 0,
+            forked_tokens: 0,
             finished_stop: 0,
             finished_length: 0,
             aborted: 0,
@@ -252,6 +256,11 @@ const SERVER: &[Series<ServeMetrics>] = &[
         "num_preemptions_total",
         "Running requests released for room, recomputed later.",
         |m| n(m.preemptions),
+    ),
+    (
+        "forked_prompt_tokens_total",
+        "Prompt tokens the other choices of n > 1 requests share with the first (KV not recomputed).",
+        |m| n(m.forked_tokens),
     ),
     (
         "request_success_total",

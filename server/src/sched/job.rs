@@ -9,6 +9,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use crate::error::ApiError;
 
 /// One request for the loop.
+#[derive(Clone)]
 pub struct Job {
     /// The prompt's token ids.
     pub prompt: Vec<u32>,
@@ -29,12 +30,19 @@ pub struct Job {
     /// The reply starts with the prompt ([`Event::Echo`]), scored when
     /// `logprobs` asks for scores.
     pub echo: bool,
+    /// Choices: the request runs its prompt once, then forks `n - 1`
+    /// sequences from it (sharing its blocks), each sampled on its own.
+    pub n: usize,
+    /// Which choice this is (0 for the request itself, the forks after).
+    pub index: usize,
 }
 
 /// Text for the reply, and the scores of the tokens that made it (when
 /// the request asked for them).
 #[derive(Debug, Default)]
 pub struct Text {
+    /// The choice it belongs to.
+    pub index: usize,
     /// The text (may be empty).
     pub text: String,
     /// One per token.
@@ -107,15 +115,17 @@ pub enum Event {
     /// A token was generated; the text it adds (may be empty) and the
     /// scores of the tokens since the last event.
     Token(Text),
-    /// The request ended.
+    /// A choice of the request ended (all `n` of them end the request).
     Done(Outcome),
     /// The request failed or was refused.
     Failed(ApiError),
 }
 
-/// How a request ended.
+/// How a choice of a request ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Outcome {
+    /// The choice.
+    pub index: usize,
     /// `true`: `finish_reason: stop` (eos or a stop string); else `length`.
     pub stopped: bool,
     /// Prompt tokens.

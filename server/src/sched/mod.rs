@@ -135,9 +135,38 @@ struct Req {
     echoed: bool,
     /// Scores of generated tokens not sent yet.
     unsent: Vec<Scored>,
+    /// With `n` > 1: the logits its prompt ended with, until the other
+    /// choices are forked from it (after the step).
+    fork_logits: Option<Vec<f32>>,
 }
 
 impl Req {
+    fn new(job: Job, sampler: Sampler) -> Req {
+        Req {
+            context: job.prompt.clone(),
+            job,
+            generated: Vec::new(),
+            seq: Sequence::default(),
+            sampler,
+            reply: text::Reply::default(),
+            cached: None,
+            admitted: 0,
+            lookup: Lookup::New,
+            last_token: None,
+            end: None,
+            prompt_scores: Vec::new(),
+            echoed: false,
+            unsent: Vec::new(),
+            fork_logits: None,
+        }
+    }
+
+    /// Whether the request's counters are kept by this choice (the first:
+    /// a request of `n` choices counts once).
+    fn counts(&self) -> bool {
+        self.job.index == 0
+    }
+
     /// Whether its prompt must run (and be scored) whole: an echo with
     /// scores not sent yet. Such a request takes nothing from the prefix
     /// cache or the remote tier.
@@ -313,23 +342,7 @@ impl Scheduler {
                         return;
                     }
                 };
-                let r = Req {
-                    context: job.prompt.clone(),
-                    job,
-                    generated: Vec::new(),
-                    seq: Sequence::default(),
-                    sampler,
-                    reply: text::Reply::default(),
-                    cached: None,
-                    admitted: 0,
-                    lookup: Lookup::New,
-                    last_token: None,
-                    end: None,
-                    prompt_scores: Vec::new(),
-                    echoed: false,
-                    unsent: Vec::new(),
-                };
-                self.waiting.push_back(r);
+                self.waiting.push_back(Req::new(job, sampler));
                 self.start_lookups();
             }
             Msg::Shutdown(at) => self.deadline = Some(at),

@@ -17,6 +17,7 @@ use kvforge_prefix::ExtraKeys;
 use super::{End, Event, Fault, Outcome, Req, Scheduler, Scored, Shared, Text, lock};
 use crate::error::ApiError;
 use crate::metrics::Ended;
+use kvforge_engine::Sampler;
 
 fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     format!("the generation failed inside the server: {}", panic_text(p))
@@ -111,7 +112,43 @@ impl Scheduler {
             Stepped::Ran => {}
             Stepped::Full(_) => self.make_room(),
         }
+        self.fork_choices();
         lock(&self.shared.metrics).steps += 1;
+    }
+
+    /// The other choices of each request whose prompt ended in this step
+    /// (`n` > 1): each a fork of its sequence (the prompt's blocks shared,
+    /// nothing copied or recomputed) that samples its first token from
+    /// the same logits with a sampler of its own, then runs on its own.
+    fn fork_choices(&mut self) {
+        let engine = Arc::clone(&self.engine);
+        let mut forks = Vec::new();
+        for r in &mut self.running {
+            let Some(logits) = r.fork_logits.take() else {
+                continue;
+            };
+            for index in 1..r.job.n {
+                let mut job = r.job.clone();
+                job.index = index;
+                job.params.seed ^= (index as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+                let forked = engine.cache().fork(&r.seq);
+                let (Ok(seq), Ok(sampler)) = (forked, Sampler::new(job.params.clone())) else {
+                    r.end = Some(End::Failed(ApiError::internal(
+                        "forking a choice's sequence failed",
+                    )));
+                    break;
+                };
+                let mut c = Req::new(job, sampler);
+                lock(&self.shared.metrics).forked_tokens += seq.len() as u64;
+                c.seq = seq;
+                c.cached = r.cached;
+                self.admissions += 1;
+                c.admitted = self.admissions;
+                sample(&engine, &self.shared, self.fault.as_ref(), &mut c, &logits);
+                forks.push(c);
+            }
+        }
+        self.running.extend(forks);
     }
 
     /// A step did not fit: preempt the newest running request, or, if one
@@ -193,29 +230,37 @@ impl Scheduler {
                     {
                         let logprobs = std::mem::take(&mut r.unsent);
                         let _ = r.job.events.send(Event::Token(Text {
+                            index: r.job.index,
                             text: p.text,
                             logprobs,
                         }));
                     }
                     self.release(&mut r, true);
                     let _ = r.job.events.send(Event::Done(Outcome {
+                        index: r.job.index,
                         stopped,
                         prompt_tokens: r.job.prompt.len(),
                         completion_tokens: r.generated.len(),
                         cached_tokens: r.cached.unwrap_or(0),
                     }));
-                    let mut m = lock(&self.shared.metrics);
-                    m.ended(if stopped { Ended::Stop } else { Ended::Length });
-                    m.e2e.observe(r.job.arrived.elapsed().as_secs_f64());
+                    if r.counts() {
+                        let mut m = lock(&self.shared.metrics);
+                        m.ended(if stopped { Ended::Stop } else { Ended::Length });
+                        m.e2e.observe(r.job.arrived.elapsed().as_secs_f64());
+                    }
                 }
                 End::Aborted => {
                     self.release(&mut r, true);
-                    lock(&self.shared.metrics).ended(Ended::Aborted);
+                    if r.counts() {
+                        lock(&self.shared.metrics).ended(Ended::Aborted);
+                    }
                 }
                 End::Failed(e) => {
                     self.release(&mut r, false);
                     let _ = r.job.events.send(Event::Failed(e));
-                    lock(&self.shared.metrics).ended(Ended::Failed);
+                    if r.counts() {
+                        lock(&self.shared.metrics).ended(Ended::Failed);
+                    }
                 }
             }
             self.pressure = false;
@@ -246,7 +291,8 @@ fn sample(engine: &Engine, shared: &Shared, fault: Option<&Fault>, r: &mut Req, 
     {
         let mut m = lock(&shared.metrics);
         match r.last_token {
-            None => m.ttft.observe((now - r.job.arrived).as_secs_f64()),
+            None if r.counts() => m.ttft.observe((now - r.job.arrived).as_secs_f64()),
+            None => {}
             Some(t) => m.itl.observe((now - t).as_secs_f64()),
         }
         m.generation_tokens += 1;
@@ -259,6 +305,9 @@ fn sample(engine: &Engine, shared: &Shared, fault: Option<&Fault>, r: &mut Req, 
             r.end = Some(End::Aborted);
             return;
         }
+    }
+    if r.generated.is_empty() && r.job.n > 1 && r.counts() && r.fork_logits.is_none() {
+        r.fork_logits = Some(logits.to_vec());
     }
     if let Some(top) = r.job.logprobs {
         r.unsent
@@ -282,6 +331,7 @@ fn sample(engine: &Engine, shared: &Shared, fault: Option<&Fault>, r: &mut Req, 
     if !piece.text.is_empty() || r.generated.len() == 1 {
         let logprobs = std::mem::take(&mut r.unsent);
         let t = Text {
+            index: r.job.index,
             text: piece.text,
             logprobs,
         };
@@ -315,6 +365,10 @@ fn echo(tok: &Tokenizer, r: &mut Req) -> Result<(), ()> {
     } else {
         Vec::new()
     };
-    let e = Event::Echo(Text { text, logprobs });
+    let e = Event::Echo(Text {
+        index: r.job.index,
+        text,
+        logprobs,
+    });
     r.job.events.send(e).map_err(|_| ())
 }

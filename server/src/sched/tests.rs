@@ -78,6 +78,8 @@ fn submit_for(s: &mut Scheduler, prompt_len: usize, max_tokens: usize) -> Unboun
         arrived: Instant::now(),
         logprobs: None,
         echo: false,
+        n: 1,
+        index: 0,
     }));
     rx
 }
