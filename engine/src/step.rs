@@ -10,12 +10,55 @@ use crate::cache::Sequence;
 use crate::engine::Engine;
 use crate::error::{EngineError, Result};
 use crate::kv::KvStore;
-use crate::logprobs::{TokenLogprob, token_logprob};
+use crate::logprobs::{MAX_TOP_LOGPROBS, TokenLogprob};
 
 /// Row `i` of `logits` (`[rows, vocab]`) as f32.
 fn logits_row(logits: &Tensor, i: i64) -> Result<Vec<f32>> {
     let row = logits.f_get(i)?.f_to_kind(Kind::Float)?;
     Vec::<f32>::try_from(row).map_err(EngineError::from)
+}
+
+/// The scores of `targets[i]` under row `i` of `logits` (`[rows, vocab]`,
+/// at least as many rows): a log-softmax over the vocabulary where the
+/// logits are (one pass over all rows on the device), then only each
+/// target's value and the `top` largest come back — not `rows × vocab`
+/// values.
+fn scores(logits: &Tensor, targets: &[u32], top: usize) -> Result<Vec<TokenLogprob>> {
+    let k = targets.len() as i64;
+    if k == 0 {
+        return Ok(Vec::new());
+    }
+    let lp = logits
+        .f_narrow(0, 0, k)?
+        .f_to_kind(Kind::Float)?
+        .f_log_softmax(-1, Kind::Float)?;
+    let ids: Vec<i64> = targets.iter().map(|&t| i64::from(t)).collect();
+    let index = Tensor::from_slice(&ids)
+        .f_to_device(lp.device())?
+        .f_view([k, 1])?;
+    let chosen = Vec::<f32>::try_from(lp.f_gather(1, &index, false)?.f_view([-1])?)?;
+    let top = top.min(MAX_TOP_LOGPROBS).min(lp.size()[1] as usize);
+    let (values, which) = if top > 0 {
+        let (v, i) = lp.f_topk(top as i64, -1, true, true)?;
+        (
+            Vec::<f32>::try_from(v.f_view([-1])?)?,
+            Vec::<i64>::try_from(i.f_view([-1])?)?,
+        )
+    } else {
+        (Vec::new(), Vec::new())
+    };
+    Ok(targets
+        .iter()
+        .zip(chosen)
+        .enumerate()
+        .map(|(r, (&token, logprob))| TokenLogprob {
+            token,
+            logprob,
+            top: (r * top..(r + 1) * top)
+                .map(|j| (which[j] as u32, values[j]))
+                .collect(),
+        })
+        .collect())
 }
 
 impl Engine {
@@ -44,13 +87,9 @@ impl Engine {
         let out = self
             .model
             .forward(tokens, &mut self.cache.view(seq), true)?;
-        let rows = tokens.len() as i64;
-        let targets = tokens.iter().skip(1).copied().chain(next);
-        let scores = targets
-            .enumerate()
-            .map(|(i, t)| Ok(token_logprob(&logits_row(&out, i as i64)?, t, top)))
-            .collect::<Result<Vec<_>>>()?;
-        Ok((logits_row(&out, rows - 1)?, scores))
+        let targets: Vec<u32> = tokens.iter().skip(1).copied().chain(next).collect();
+        let scores = scores(&out, &targets, top)?;
+        Ok((logits_row(&out, tokens.len() as i64 - 1)?, scores))
     }
 
     /// One decode step: `tokens[i]` appended to `seqs[i]`, for all of them

@@ -418,8 +418,9 @@ fn prompt_scores_cover_every_token_once_whatever_the_chunking() {
         std::mem::take(&mut b.scores[0])
     };
     let (chunked, whole) = (run(3), run(64));
-    let positions: Vec<usize> = chunked.iter().map(|(p, _)| *p).collect();
-    assert_eq!(positions, (1..19).collect::<Vec<_>>());
+    let positions = |s: &[(usize, TokenLogprob)]| s.iter().map(|(p, _)| *p).collect::<Vec<_>>();
+    assert_eq!(positions(&chunked), (1..19).collect::<Vec<_>>());
+    assert_eq!(positions(&whole), positions(&chunked));
     let mut worst = 0f32;
     for ((p, a), (q, b)) in chunked.iter().zip(&whole) {
         assert_eq!((p, a.token), (q, b.token));

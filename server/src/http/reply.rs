@@ -44,9 +44,11 @@ impl Offset {
             t.logprob.map(|lp| {
                 // The chosen token is always listed (OpenAI's "up to
                 // logprobs + 1" entries).
+                // Tokens holding parts of characters share one text
+                // (U+FFFD): the most likely keeps it.
                 let mut m = serde_json::Map::new();
                 for a in &t.top {
-                    m.insert(a.text.clone(), json!(a.logprob));
+                    m.entry(a.text.clone()).or_insert(json!(a.logprob));
                 }
                 m.entry(t.text.clone()).or_insert(json!(lp));
                 m

@@ -96,7 +96,9 @@ impl Scheduler {
                         .job
                         .events
                         .send(Event::Failed(ApiError::internal(e.to_string())));
-                    lock(&self.shared.metrics).ended(Ended::Failed);
+                    if r.counts() {
+                        lock(&self.shared.metrics).ended(Ended::Failed);
+                    }
                     continue;
                 }
             }

@@ -306,7 +306,9 @@ impl Scheduler {
         for r in self.waiting.drain(..) {
             self.shared.queued.fetch_sub(1, Ordering::SeqCst);
             let _ = r.job.events.send(Event::Failed(e.clone()));
-            lock(&self.shared.metrics).ended(Ended::Failed);
+            if r.counts() {
+                lock(&self.shared.metrics).ended(Ended::Failed);
+            }
         }
         for r in &mut self.running {
             r.end = Some(End::Failed(e.clone()));
@@ -351,12 +353,16 @@ impl Scheduler {
 
     /// Requests whose client went away end now, waiting or running.
     fn drop_gone(&mut self) {
-        let before = self.waiting.len();
-        self.waiting.retain(|r| !r.job.events.is_closed());
-        let gone = before - self.waiting.len();
+        let (mut gone, mut requests) = (0, 0);
+        self.waiting.retain(|r| {
+            let keep = !r.job.events.is_closed();
+            gone += usize::from(!keep);
+            requests += u64::from(!keep && r.counts());
+            keep
+        });
         if gone > 0 {
             self.shared.queued.fetch_sub(gone, Ordering::SeqCst);
-            lock(&self.shared.metrics).aborted += gone as u64;
+            lock(&self.shared.metrics).aborted += requests;
         }
         for r in &mut self.running {
             if r.job.events.is_closed() && r.end.is_none() {

@@ -130,9 +130,9 @@ impl Scheduler {
             for index in 1..r.job.n {
                 let mut job = r.job.clone();
                 job.index = index;
-                job.params.seed ^= (index as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-                let forked = engine.cache().fork(&r.seq);
-                let (Ok(seq), Ok(sampler)) = (forked, Sampler::new(job.params.clone())) else {
+                job.params.seed = mix(job.params.seed ^ mix(index as u64));
+                let sampler = Sampler::new(job.params.clone());
+                let (Ok(sampler), Ok(seq)) = (sampler, engine.cache().fork(&r.seq)) else {
                     r.end = Some(End::Failed(ApiError::internal(
                         "forking a choice's sequence failed",
                     )));
@@ -345,6 +345,16 @@ fn sample(engine: &Engine, shared: &Shared, fault: Option<&Fault>, r: &mut Req, 
     } else if full {
         r.end = Some(End::Finished { stopped: false });
     }
+}
+
+/// SplitMix64's finalizer: a choice's seed is its request's mixed with its
+/// index, so no two choices' random streams are shifts of one another (the
+/// sampler's own stream steps by the same constant).
+fn mix(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 /// Sends `r`'s prompt as its reply's start: its text (special tokens
