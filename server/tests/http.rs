@@ -834,7 +834,8 @@ fn nulls_signed_seeds_model_retrieval_and_405s_as_openai_answers() {
 #[test]
 fn logprobs_and_echo_score_prompts_and_replies_as_harnesses_read_them() {
     let s = TestServer::tiny(ServerConfig::default());
-    let context: Vec<u32> = vec![5, 17, 29, 41, 53];
+    // Longer than a block, so that a prefix hit could happen.
+    let context: Vec<u32> = (0..40).map(|i| 5 + (i * 12) % 300).collect();
     let post = |body: Value| {
         let r = s.post(COMPLETIONS, &body);
         assert_eq!(r.status, 200);
@@ -902,10 +903,25 @@ fn logprobs_and_echo_score_prompts_and_replies_as_harnesses_read_them() {
         .map(|t| t.as_str().unwrap())
         .collect();
     assert_eq!(text, tokens, "the echo's text is its tokens'");
+    // Again, in the same namespace (the first echo's blocks are in the
+    // prefix cache now): scored afresh, the same scores.
+    let again = post(json!({"model": MODEL, "prompt": [context], "max_tokens": 1,
+        "temperature": 0, "logprobs": 1, "echo": true}));
     assert_eq!(
-        echo["usage"]["prompt_tokens_details"]["cached_tokens"], 0,
+        again["usage"]["prompt_tokens_details"]["cached_tokens"], 0,
         "scored afresh"
     );
+    assert_eq!(again["choices"][0]["logprobs"]["tokens"], lp["tokens"]);
+    let same = again["choices"][0]["logprobs"]["token_logprobs"]
+        .as_array()
+        .unwrap();
+    assert_eq!(same.len(), scores.len());
+    for (a, b) in same.iter().zip(scores).skip(1) {
+        assert!(
+            (a.as_f64().unwrap() - b.as_f64().unwrap()).abs() < 1e-4,
+            "{a} vs {b}"
+        );
+    }
     // logprobs 0: each token's own score only.
     let zero = post(json!({"model": MODEL, "prompt": context, "max_tokens": 3,
         "temperature": 0, "logprobs": 0, "cache_salt": "z"}));
@@ -1034,4 +1050,42 @@ fn n_choices_fork_one_prompt_and_share_its_blocks() {
         .unwrap();
     let g: Vec<&Value> = (0..3).map(|i| &greedy["choices"][i]["text"]).collect();
     assert!(g.iter().all(|t| *t == g[0]), "{g:?}");
+}
+
+/// vLLM's tokenizer endpoints, which lm-evaluation-harness detects and
+/// uses instead of a tokenizer of its own: `/tokenize` and `/detokenize`
+/// round-trip a text, the end-of-turn token written in text is that token
+/// (the harness takes `encode(eos_token)[0]` as its id), and a bad body or
+/// token id is a 400 naming it.
+#[test]
+fn the_tokenizer_endpoints_round_trip_as_lm_eval_uses_them() {
+    let s = TestServer::tiny(ServerConfig::default());
+    let info = s.get("/tokenizer_info").json().unwrap();
+    assert_eq!(info["eos_token"], "<|im_end|>");
+    let text = "Hello, KV cache 🦀";
+    let t = s.post(
+        "/tokenize",
+        &json!({"prompt": text, "add_special_tokens": false}),
+    );
+    assert_eq!(t.status, 200);
+    let t = t.json().unwrap();
+    let ids = t["tokens"].clone();
+    assert_eq!(t["count"], ids.as_array().unwrap().len());
+    let d = s
+        .post("/detokenize", &json!({"tokens": ids}))
+        .json()
+        .unwrap();
+    assert_eq!(d["prompt"], text);
+    let eos = s
+        .post("/tokenize", &json!({"prompt": "<|im_end|>"}))
+        .json()
+        .unwrap();
+    assert_eq!(eos["tokens"].as_array().unwrap().len(), 1, "{eos}");
+    let (msg, p, _) = error_of(
+        s.post("/detokenize", &json!({"tokens": [1, 99999999]})),
+        400,
+    );
+    assert_eq!(p.as_deref(), Some("tokens[1]"), "{msg}");
+    let (msg, _, _) = error_of(s.post("/tokenize", &json!({"text": "x"})), 400);
+    assert!(msg.contains("text"), "{msg}");
 }

@@ -80,6 +80,9 @@ pub(crate) fn ci(root: &Path) -> Result<()> {
         .env("KVFORGE_NUMERICS_LOG", &py_baseline)
         .arg("python/tests");
     step("pytest python/tests", pytest)?;
+    // lm-evaluation-harness against the server (the tests' build) and
+    // transformers on 10 questions.
+    crate::lm_eval::ci(root)?;
     // The same comparisons under every other kernel setting of this CPU.
     let base = numerics::Baselines {
         engine: Some(&baseline),

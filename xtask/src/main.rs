@@ -58,6 +58,7 @@
 mod ablate;
 mod bench;
 mod checks;
+mod lm_eval;
 mod numerics;
 mod setup;
 mod tidy;
@@ -68,7 +69,7 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 
 const USAGE: &str = "usage: cargo xtask <setup [--reference] | ci | ablate [--quick | --full | --config FILE] [--resume] | \
-                     bench [FILTER] | fuzz [RUNS] | kvforge ARGS... | serve ARGS... | serve-load ARGS... | prefix-bench ARGS... | remote-bench ARGS... | route-sim ARGS... | pressure ARGS... | lifecycle ARGS... | quant-sweep ARGS... | decode-ab ARGS... | gpu-check | model-check [CASES] | numerics | cross-test | kv-stats ARGS... | engine-bench [CONTEXT] [DECODE] | tidy>";
+                     bench [FILTER] | fuzz [RUNS] | kvforge ARGS... | serve ARGS... | serve-load ARGS... | prefix-bench ARGS... | remote-bench ARGS... | route-sim ARGS... | pressure ARGS... | lifecycle ARGS... | quant-sweep ARGS... | decode-ab ARGS... | gpu-check | model-check [CASES] | numerics | cross-test | kv-stats ARGS... | engine-bench [CONTEXT] [DECODE] | lm-eval [QUESTIONS] | tidy>";
 
 fn main() {
     if let Err(e) = run() {
@@ -132,6 +133,7 @@ fn run() -> Result<()> {
             };
             bench::engine_bench(&root, num(1, 1024)?, num(2, 64)?)
         }
+        Some("lm-eval") => lm_eval::run(&root, &args[1..]),
         Some("gpu-check") if args.len() == 1 => checks::gpu_check(&root),
         Some("model-check") if args.len() <= 2 => {
             let cases = match args.get(1) {

@@ -26,6 +26,7 @@ use crate::sched::{Event, Job, Msg, Shared, lock};
 mod auth;
 mod listen;
 mod reply;
+mod tokenize;
 pub use auth::{ANONYMOUS, Auth};
 pub use listen::Connections;
 use reply::{Meta, stream_reply, whole_reply};
@@ -90,6 +91,9 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/v1/models/{*id}", get(model))
+        .route("/tokenizer_info", get(tokenize::info))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .fallback(not_found)
@@ -149,7 +153,7 @@ async fn not_found() -> ApiError {
 /// 405 in OpenAI's error shape (axum's own has an empty body).
 async fn method_not_allowed(method: axum::http::Method) -> ApiError {
     let mut e = ApiError::invalid(format!(
-        "method {method} is not allowed here; the endpoints take POST (chat, completions) or GET (models, health, metrics)"
+        "method {method} is not allowed here; the endpoints take POST (chat, completions, tokenize, detokenize) or GET (models, health, metrics, tokenizer_info)"
     ));
     e.status = 405;
     e
