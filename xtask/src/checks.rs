@@ -36,6 +36,11 @@ pub(crate) fn model_check(root: &Path, cases: u64) -> Result<()> {
 }
 
 pub(crate) fn ci(root: &Path) -> Result<()> {
+    // A fresh clone builds everything once: incremental state (~2 GB of
+    // target/debug/incremental) buys nothing and costs disk a CI machine
+    // may not have. Every cargo below inherits it.
+    // SAFETY: set before this process starts a thread or a child.
+    unsafe { std::env::set_var("CARGO_INCREMENTAL", "0") };
     let env = setup::setup(root, false)?;
     let mut fmt = cargo();
     fmt.current_dir(root).args(["fmt", "--all", "--check"]);

@@ -70,8 +70,15 @@ fn harness_venv(root: &Path) -> Result<PathBuf> {
     std::fs::write(ours.join("kvforge-venv.pth"), format!("{theirs}\n"))
         .with_context(|| format!("writing {}", ours.display()))?;
     let mut pip = Command::new(&py);
-    pip.args(["-m", "pip", "install", "-q", "--disable-pip-version-check"])
-        .args(PACKAGES);
+    pip.args([
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--disable-pip-version-check",
+        "--no-cache-dir",
+    ])
+    .args(PACKAGES);
     step(&format!("pip install {}", PACKAGES.join(" ")), pip)?;
     Ok(py)
 }

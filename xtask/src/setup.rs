@@ -348,7 +348,8 @@ fn redis_server(root: &Path, py: &Path) -> Result<PathBuf> {
 }
 
 /// Runs `check` in the venv's python; when it fails, pip-installs
-/// `packages` (announced as `what`).
+/// `packages` (announced as `what`), without pip's cache: it would keep a
+/// second copy of the torch and CUDA wheels (~4 GB) on the disk.
 fn ensure(py: &Path, check: &str, what: &str, packages: &[&str]) -> Result<()> {
     let ok = Command::new(py)
         .args(["-c", check])
@@ -358,7 +359,14 @@ fn ensure(py: &Path, check: &str, what: &str, packages: &[&str]) -> Result<()> {
     if !ok {
         say(&format!("setup: pip install {what}"));
         let mut cmd = Command::new(py);
-        cmd.args(["-m", "pip", "install", "-q", "--disable-pip-version-check"]);
+        cmd.args([
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            "--no-cache-dir",
+        ]);
         cmd.args(packages);
         run(&format!("pip install {}", packages.join(" ")), &mut cmd)?;
     }
