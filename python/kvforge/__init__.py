@@ -20,7 +20,7 @@ import numpy as np
 import torch  # noqa: F401  (loads the libtorch the native module links: one libtorch per process)
 
 from ._native import Block, ColdStore, Quantizer, __version__
-from . import testing
+from . import assets, testing
 from .ablation import ablate
 from .engine import DEFAULT_MODEL, Engine, Session
 from .policy import EvictionPolicy, Pressure, Table, TierPolicy
@@ -38,6 +38,7 @@ __all__ = [
     "TierPolicy",
     "__version__",
     "ablate",
+    "assets",
     "roundtrip",
     "testing",
 ]

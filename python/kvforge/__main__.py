@@ -2,7 +2,7 @@
 [--resume] [--no-progress]``: the ablation in a Python process, so that an
 experiment file can name policies written in Python (``cargo xtask
 ablate`` runs such a file this way). Exit status 1 on a bad file or a
-failed item, 2 on bad arguments."""
+failed item, 2 on bad arguments, 0 for --help."""
 
 import sys
 
@@ -10,6 +10,9 @@ USAGE = "usage: python -m kvforge ablate [--quick | --full | --config FILE] [--o
 
 
 def main(argv: list[str]) -> int:
+    if argv and argv[0] in ("-h", "--help") or argv[1:2] in (["-h"], ["--help"]):
+        print(__doc__.replace("``", ""))
+        return 0
     if not argv or argv[0] != "ablate":
         print(USAGE, file=sys.stderr)
         return 2

@@ -26,7 +26,11 @@ class Quantizer:
 
 class ColdStore:
     """One layer's cold tier: whole blocks past the sink, older than the
-    hot window, keys (``keys`` axis) and values (per token), in order."""
+    hot window, keys (``keys`` axis) and values (per token), in order.
+
+    One thread at a time: a call that overlaps another thread's on the
+    same store raises ``RuntimeError: Already borrowed`` and changes
+    nothing (give each thread its own store, or hold a lock)."""
 
     def __init__(
         self,
@@ -72,6 +76,7 @@ class Engine:
         dtype: str = "f32",
         kv_dtype: str = "f16",
         block_size: int = 16,
+        kv_tokens: int = 0,
     ) -> None: ...
     def encode(self, text: str, special: bool = False) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...

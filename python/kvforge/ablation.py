@@ -7,8 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from . import _native
-from .engine import ROOT
+from . import _native, assets
 
 
 def ablate(
@@ -23,7 +22,8 @@ def ablate(
     workload, item by item — and writes the report (``report.md``,
     ``results.csv``, ``iso.csv``, ``intervals.csv``, plots) to ``out``
     (default ``target/ablate/<name>/``). Relative paths in the file are
-    relative to ``root`` (default: the kvforge checkout). An eviction or
+    relative to ``root`` (default: :func:`kvforge.assets.home`, the kvforge
+    checkout or the folder the data sets are fetched into on first use). An eviction or
     tier policy named ``"module:Class"`` in the file is the Python class.
 
     Returns the results table (``results.csv``), one row per configuration
@@ -34,7 +34,11 @@ def ablate(
     of the last run either way. Raises ``ValueError`` for a bad file and
     ``RuntimeError`` when items failed (after the report is written).
     """
-    root = Path(root) if root is not None else ROOT
+    # The default root is the home folder (the checkout, or where the
+    # data is fetched to on first use).
+    if root is None:
+        assets.model()
+    root = Path(root) if root is not None else assets.ensure_data()
     cfg = Path(config)
     if not cfg.is_absolute():
         cfg = (Path.cwd() / cfg) if (Path.cwd() / cfg).exists() else root / cfg

@@ -12,16 +12,52 @@ eviction, sharing, the lifecycle), as the ``kvforge`` CLI runs them.
 from __future__ import annotations
 
 import json
+import operator
 import os
 from pathlib import Path
 from typing import Any
 
-from . import _native
+import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
-"""The kvforge checkout this package was built from (``maturin develop``)."""
-DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-"""The model ``cargo xtask setup`` fetches: SmolLM2-135M-Instruct, Q4_1 GGUF."""
+from . import _native, assets
+
+ROOT = assets.home()
+"""Where the model and data are (:func:`kvforge.assets.home`): the kvforge
+checkout this package was built from, ``$KVFORGE_HOME``, or a cache folder."""
+DEFAULT_MODEL = ROOT / "models" / assets.MODEL_FILE
+"""Where the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) is looked for
+and fetched to on first use (``$KVFORGE_MODEL`` overrides it)."""
+
+
+def _int(name: str, v: Any, low: int, high: int = 2**64) -> int:
+    """``v`` as an int in ``low .. high`` (a Python int or a numpy integer,
+    not a bool), else a ``ValueError`` naming ``name``."""
+    if isinstance(v, (bool, np.bool_)):
+        raise ValueError(f"kvforge: {name} must be an int ≥ {low}, not {v!r}")
+    try:
+        i = operator.index(v)
+    except TypeError:
+        raise ValueError(f"kvforge: {name} must be an int ≥ {low}, not {v!r}") from None
+    if not low <= i < high:
+        raise ValueError(f"kvforge: {name} must be an int ≥ {low} and < {high}, not {i}")
+    return i
+
+
+def _ids(prompt: Any) -> list[int]:
+    """Token ids from a list (or array) of ints; bytes are refused, not read
+    as ids."""
+    if isinstance(prompt, (bytes, bytearray, memoryview)):
+        raise ValueError("kvforge: a prompt is a str or a list of token ids, not bytes: decode it first")
+    try:
+        return [_int("a token id", i, 0, 2**32) for i in prompt]
+    except TypeError:
+        raise ValueError(f"kvforge: a prompt is a str or a list of token ids, not {type(prompt).__name__}") from None
+
+
+def _instance(name: str, policy: Any) -> Any:
+    if isinstance(policy, type):
+        raise TypeError(f"kvforge: {name} must be an instance, not the class {policy.__name__}: pass {policy.__name__}(...)")
+    return policy
 
 
 class _Sampling:
@@ -30,18 +66,17 @@ class _Sampling:
     __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos")
 
     def __init__(self, max_tokens, temperature, top_k, top_p, seed, ignore_eos):
-        for name, v, low in (("max_tokens", max_tokens, 1), ("top_k", top_k, 0), ("seed", seed, 0)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < low or v >= 2**64:
-                raise ValueError(f"kvforge: {name} must be an int ≥ {low}, not {v!r}")
-        self.max_tokens, self.temperature, self.top_k = max_tokens, float(temperature), top_k
-        self.top_p, self.seed, self.ignore_eos = float(top_p), seed, ignore_eos
+        self.max_tokens = _int("max_tokens", max_tokens, 1)
+        self.top_k, self.seed = _int("top_k", top_k, 0), _int("seed", seed, 0)
+        self.temperature, self.top_p, self.ignore_eos = float(temperature), float(top_p), bool(ignore_eos)
 
 
 class Engine:
     """A model, its tokenizer and a paged KV cache with kvforge's mechanisms.
 
-    ``model``: a GGUF file or a Hugging Face directory (default: the
-    SmolLM2 model setup fetched). ``mechanisms``: a mechanisms table as a
+    ``model``: a GGUF file or a Hugging Face directory (default:
+    :func:`kvforge.assets.model`, SmolLM2-135M-Instruct: ``$KVFORGE_MODEL``,
+    else the copy under the home folder, fetched on first use). ``mechanisms``: a mechanisms table as a
     dict (the TOML file's keys: ``prefix``, ``cold``, ``tier``,
     ``eviction``, ``share``, ``lifecycle``, ``budget_mib``,
     ``block_size``) or the path of a TOML file; absent, every mechanism is
@@ -55,7 +90,10 @@ class Engine:
     the table's ``tier``). ``random``:
     the dimensions of a random-weight model (``d_model``, ``layers``,
     ``heads``, ``kv_heads``, ``ffn``, ``max_ctx``) with ``model``'s
-    tokenizer, for tests.
+    tokenizer, for tests. ``kv_tokens``: the hot tier's capacity in tokens
+    (default 0: one sequence of the model's context); requests and
+    sessions of several threads share it, and one that does not fit fails
+    with ``RuntimeError`` ("KV cache full") — raise it for concurrent use.
 
     Bad input raises ``ValueError``; a step that fails (a policy that
     raised, a full cache) raises ``RuntimeError`` — each with the engine's
@@ -75,11 +113,11 @@ class Engine:
         dtype: str = "f32",
         kv_dtype: str = "f16",
         block_size: int = 16,
+        kv_tokens: int = 0,
     ):
-        path = Path(model) if model is not None else DEFAULT_MODEL
+        path = Path(model) if model is not None else assets.model()
         if not path.exists():
-            hint = "; run `cargo xtask setup`" if model is None else ""
-            raise ValueError(f"kvforge: model {path} not found{hint}")
+            raise ValueError(f"kvforge: model {path} not found")
         table = path_ = None
         if isinstance(mechanisms, dict):
             try:
@@ -95,6 +133,9 @@ class Engine:
             if unknown or len(random) != len(keys):
                 raise ValueError(f"kvforge: random needs exactly {', '.join(keys)}")
             dims = tuple(random[k] for k in keys)
+        policy, tier_policy = _instance("policy", policy), _instance("tier_policy", tier_policy)
+        block_size, seed = _int("block_size", block_size, 1), _int("seed", seed, 0)
+        kv_tokens = _int("kv_tokens", kv_tokens, 0)
         self._native = _native.Engine(
             os.fspath(path),
             mechanisms_json=table,
@@ -107,6 +148,7 @@ class Engine:
             dtype=dtype,
             kv_dtype=kv_dtype,
             block_size=block_size,
+            kv_tokens=kv_tokens,
         )
 
     def encode(self, text: str, special: bool = False) -> list[int]:
@@ -133,11 +175,13 @@ class Engine:
         """The reply to ``prompt``: a user message in the chat template
         (``chat=False``: raw text), or token ids as they are. Greedy unless
         ``temperature > 0``. With ``report``, ``(text, report)`` where the
-        report has the tokens, timings, reused prefix and KV bytes."""
+        report has the tokens, timings, reused prefix and KV bytes.
+        Ctrl-C stops the generation within one decode step
+        (``KeyboardInterrupt``), the engine left as before the call."""
         if isinstance(prompt, str):
             ids = self._native.chat_ids([("user", prompt)]) if chat else self.encode(prompt)
         else:
-            ids = list(prompt)
+            ids = _ids(prompt)
         s = _Sampling(max_tokens, temperature, top_k, top_p, seed, ignore_eos)
         text, r = self._native.complete(ids, s)
         return (text, r) if report else text
@@ -160,7 +204,7 @@ class Engine:
         the cold tier act as the context grows), or with ``window``,
         windows from an empty cache. A dict: ``ppl``, ``scored``, KV bytes
         at the peak, tokens/s, per-chunk ``(tokens, nll)``."""
-        ids = self.encode(text) if isinstance(text, str) else list(text)
+        ids = self.encode(text) if isinstance(text, str) else _ids(text)
         return self._native.ppl(ids, prefix, chunk, decode, window)
 
     def stats(self) -> dict[str, Any]:
@@ -192,12 +236,17 @@ class Session:
         max_tokens: int = 64,
         *,
         temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
         seed: int = 0,
+        ignore_eos: bool = False,
         report: bool = False,
     ):
         """The assistant's reply to ``message`` (``(text, report)`` with
         ``report``; the report's ``reused_tokens`` counts the session's
-        cached tokens)."""
+        cached tokens). Sampling as in :meth:`Engine.generate`. A turn
+        that fails or is interrupted (Ctrl-C) leaves the session as it
+        was before it."""
         n = self._engine._native
         if self._id is None:
             raise ValueError("kvforge: this session is closed")
@@ -206,7 +255,7 @@ class Session:
             ids = n.chat_ids(msgs + [("user", message)])
         else:
             ids = n.user_turn_ids(self._closed_reply, message)
-        s = _Sampling(max_tokens, temperature, 0, 1.0, seed, False)
+        s = _Sampling(max_tokens, temperature, top_k, top_p, seed, ignore_eos)
         text, r = n.turn(self._id, ids, s)
         self._turns += 1
         self._closed_reply = r["stopped_at_eos"]

@@ -54,10 +54,16 @@ class QuantizedLayer(CacheLayerMixin):
         self.sink_values: Optional[torch.Tensor] = None
 
     def lazy_initialization(self, key_states: torch.Tensor):
-        if key_states.dim() != 4 or key_states.shape[0] != 1:
+        if key_states.dim() != 4:
             raise ValueError(
-                f"kvforge.hf: a QuantizedCache holds one sequence (batch × heads × tokens × head_dim with batch 1); "
-                f"got shape {tuple(key_states.shape)}"
+                f"kvforge.hf: a QuantizedCache holds batch × heads × tokens × head_dim; got shape {tuple(key_states.shape)}"
+            )
+        if key_states.shape[0] != 1:
+            # What generate(num_beams=2) or num_return_sequences=2 looks
+            # like on arrival: the batch is expanded before any reorder.
+            raise NotImplementedError(
+                f"kvforge.hf: a QuantizedCache holds one sequence (batch 1), so batches, beam search and "
+                f"num_return_sequences > 1 are not supported; got shape {tuple(key_states.shape)}"
             )
         if key_states.device.type != "cpu":
             raise ValueError(f"kvforge.hf: the cold tier runs on the CPU; got a tensor on {key_states.device}")

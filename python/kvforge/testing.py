@@ -3,6 +3,7 @@ own suites, run on the Python object."""
 
 from ._native import check_eviction_policy as _check
 from ._native import check_tier_policy as _check_tier
+from .engine import _instance
 
 
 def check_eviction_policy(policy, block_size: int = 16) -> None:
@@ -18,7 +19,7 @@ def check_eviction_policy(policy, block_size: int = 16) -> None:
     when a method of the policy raised (its words), ``TypeError`` when the
     object is not a policy.
     """
-    _check(policy, block_size)
+    _check(_instance("policy", policy), block_size)
 
 
 def check_tier_policy(policy, block_size: int = 16) -> None:
@@ -33,4 +34,4 @@ def check_tier_policy(policy, block_size: int = 16) -> None:
     when ``demote`` raised (its words), ``TypeError`` when the object is
     not a tier policy.
     """
-    _check_tier(policy, block_size)
+    _check_tier(_instance("policy", policy), block_size)

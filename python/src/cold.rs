@@ -5,11 +5,15 @@ use kvforge_quant::{Axis, QuantizedBlock, TierPlan};
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 
+use crate::errors::size;
 use crate::{Out, Qz, axis, build, err, read, shape};
 
 /// One layer's cold tier: the whole blocks a tier plan (sink and hot
 /// window in full precision, whole blocks of `block` tokens) sends there,
-/// keys and values, in position order.
+/// keys and values, in position order. One thread at a time: a call that
+/// overlaps another thread's on the same store raises `RuntimeError:
+/// Already borrowed` and changes nothing (give each thread its own store,
+/// or hold a lock).
 #[pyclass(module = "kvforge._native")]
 pub(crate) struct ColdStore {
     keys: Box<dyn Qz>,
@@ -28,13 +32,19 @@ impl ColdStore {
     #[pyo3(signature = (format, window = 128, sink = 32, block = 32, group = 32, keys = "channel", rotate = false))]
     fn new(
         format: &str,
-        window: usize,
-        sink: usize,
-        block: usize,
-        group: usize,
+        window: i64,
+        sink: i64,
+        block: i64,
+        group: i64,
         keys: &str,
         rotate: bool,
     ) -> PyResult<Self> {
+        let (window, sink, block, group) = (
+            size("window", window)?,
+            size("sink", sink)?,
+            size("block", block)?,
+            size("group", group)?,
+        );
         let plan = TierPlan::new(block, window)
             .and_then(|p| p.with_sink(sink))
             .map_err(err)?;
@@ -85,8 +95,8 @@ impl ColdStore {
 
     /// Blocks of a `positions`-token sequence that belong in the cold
     /// tier (after the sink, entirely older than the hot window).
-    fn cold_blocks(&self, positions: usize) -> usize {
-        self.plan.cold_blocks(positions)
+    fn cold_blocks(&self, positions: i64) -> PyResult<usize> {
+        Ok(self.plan.cold_blocks(size("positions", positions)?))
     }
 
     /// Quantizes one block of keys and one of values (C-contiguous
@@ -97,9 +107,10 @@ impl ColdStore {
         py: Python<'_>,
         k: &Bound<'_, PyAny>,
         v: &Bound<'_, PyAny>,
-        heads: usize,
-        head_dim: usize,
+        heads: i64,
+        head_dim: i64,
     ) -> PyResult<()> {
+        let (heads, head_dim) = (size("heads", heads)?, size("head_dim", head_dim)?);
         if let Some(d) = self.dims
             && d != (heads, head_dim)
         {
@@ -166,12 +177,14 @@ impl ColdStore {
 
     /// Keeps the first `blocks` blocks (an undo for a caller whose step
     /// failed after some appends).
-    fn truncate(&mut self, blocks: usize) {
+    fn truncate(&mut self, blocks: i64) -> PyResult<()> {
+        let blocks = size("blocks", blocks)?;
         self.k.truncate(blocks);
         self.v.truncate(blocks);
         if self.k.is_empty() {
             self.dims = None;
         }
+        Ok(())
     }
 
     /// Drops every block.

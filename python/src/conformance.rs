@@ -1,8 +1,13 @@
 //! `kvforge.testing`'s checks: the Rust traits' conformance suites run on
-//! a Python policy object. A violation panics in the suite (its message
-//! also reaches stderr through the panic hook) and comes back as a
-//! one-line `AssertionError`; a method that raised, as `RuntimeError`
-//! with its words; an interrupt, as itself.
+//! a Python policy object. A violation panics in the suite and comes back
+//! as a one-line `AssertionError` (the panic hook stays quiet for the
+//! suite's thread while it runs: no Rust message or backtrace on stderr);
+//! a method that raised, as `RuntimeError` with its words; an interrupt,
+//! as itself.
+
+use std::cell::Cell;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Once;
 
 use kvforge_evict::EvictionPolicy;
 use kvforge_quant::TierPolicy;
@@ -19,10 +24,32 @@ use crate::tier::PyTier;
 pub(crate) fn check_eviction_policy(policy: &Bound<'_, PyAny>, block_size: u32) -> PyResult<()> {
     block(block_size)?;
     let mut p = PyPolicy::wrap(policy)?;
-    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        kvforge_evict::testing::check_policy(&mut p, block_size)
-    }));
-    checked(r, p.take_error(), &p.name)
+    let r = quietly(|| kvforge_evict::testing::check_policy(&mut p, block_size));
+    let broke = p.broke_contract;
+    checked(r, p.take_error(), broke, &p.name)
+}
+
+thread_local! {
+    /// Set while a suite runs on this thread: its panics are its verdict.
+    static QUIET: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `suite`, catching its panic, with the panic hook silent for this
+/// thread (other threads' panics are reported as before).
+fn quietly(suite: impl FnOnce()) -> std::thread::Result<()> {
+    static HOOK: Once = Once::new();
+    HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if !QUIET.with(Cell::get) {
+                previous(info);
+            }
+        }));
+    });
+    QUIET.with(|q| q.set(true));
+    let r = catch_unwind(AssertUnwindSafe(suite));
+    QUIET.with(|q| q.set(false));
+    r
 }
 
 fn block(block_size: u32) -> PyResult<()> {
@@ -35,12 +62,22 @@ fn block(block_size: u32) -> PyResult<()> {
 }
 
 /// A conformance suite's outcome: an interrupt the policy raised as
-/// itself, else its failure, else the suite's violation.
-fn checked(r: std::thread::Result<()>, failed: Option<String>, name: &str) -> PyResult<()> {
+/// itself, else its failure (an answer the binding refused as breaking the
+/// contract is the suite's `AssertionError`, in the binding's words), else
+/// the suite's violation.
+fn checked(
+    r: std::thread::Result<()>,
+    failed: Option<String>,
+    broke_contract: bool,
+    name: &str,
+) -> PyResult<()> {
     if let Some(interrupt) = take_interrupt() {
         return Err(interrupt);
     }
     if let Some(e) = failed {
+        if broke_contract {
+            return Err(PyAssertionError::new_err(format!("{name}: {e}")));
+        }
         return Err(PyRuntimeError::new_err(format!("the policy failed: {e}")));
     }
     r.map_err(|payload| broken(name, payload.as_ref()))
@@ -65,8 +102,6 @@ fn broken(name: &str, payload: &(dyn std::any::Any + Send)) -> PyErr {
 pub(crate) fn check_tier_policy(policy: &Bound<'_, PyAny>, block_size: u32) -> PyResult<()> {
     block(block_size)?;
     let p = PyTier::wrap(policy)?;
-    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        kvforge_quant::testing::check_tier_policy(&p, block_size)
-    }));
-    checked(r, p.take_error(), &p.name)
+    let r = quietly(|| kvforge_quant::testing::check_tier_policy(&p, block_size));
+    checked(r, p.take_error(), false, &p.name)
 }

@@ -103,7 +103,8 @@ fn load(
 impl Engine {
     #[new]
     #[pyo3(signature = (model, *, mechanisms_json = None, mechanisms_path = None, policy = None,
-        tier_policy = None, random = None, seed = 0, device = "cpu", dtype = "f32", kv_dtype = "f16", block_size = 16))]
+        tier_policy = None, random = None, seed = 0, device = "cpu", dtype = "f32", kv_dtype = "f16", block_size = 16,
+        kv_tokens = 0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -118,6 +119,7 @@ impl Engine {
         dtype: &str,
         kv_dtype: &str,
         block_size: usize,
+        kv_tokens: usize,
     ) -> PyResult<Self> {
         if block_size == 0 {
             return Err(bad("kvforge: block_size must be at least 1"));
@@ -127,6 +129,7 @@ impl Engine {
             kind: parse_dtype(dtype).map_err(raise)?,
             kv_kind: Some(parse_dtype(kv_dtype).map_err(raise)?),
             block_size,
+            kv_tokens,
             ..EngineConfig::default()
         };
         let mut reuse = ReuseConfig {

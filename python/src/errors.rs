@@ -21,6 +21,9 @@ pub(crate) fn raise(e: EngineError) -> PyErr {
         | EngineError::Sampling(_)
         | EngineError::Device(_)
         | EngineError::Quant(_) => PyValueError::new_err(e.to_string()),
+        EngineError::CacheFull(_) => PyRuntimeError::new_err(format!(
+            "{e} (the hot tier holds Engine(kv_tokens=...) tokens, default the model's context: raise it, or let eviction make room)"
+        )),
         _ => PyRuntimeError::new_err(e.to_string()),
     }
 }
@@ -39,4 +42,11 @@ pub(crate) fn done<T>(r: Result<T, EngineError>) -> PyResult<T> {
 /// raised while the input was checked, as itself.
 pub(crate) fn bad(msg: impl Into<String>) -> PyErr {
     take_interrupt().unwrap_or_else(|| PyValueError::new_err(msg.into()))
+}
+
+/// `v` as a size, or a `ValueError` naming `name`: sizes arrive as `i64`
+/// (any Python int or numpy integer) so that a negative one is refused by
+/// name rather than as pyo3's unnamed `OverflowError`.
+pub(crate) fn size(name: &str, v: i64) -> PyResult<usize> {
+    usize::try_from(v).map_err(|_| bad(format!("kvforge: {name} must be ≥ 0, not {v}")))
 }

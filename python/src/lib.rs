@@ -22,6 +22,7 @@ mod reply;
 mod resolve;
 mod tier;
 
+use crate::errors::size;
 use kvforge_quant::{Axis, BlockShape, GroupQuantizer, QuantConfig, QuantizedBlock, Rotated};
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::PyValueError;
@@ -193,9 +194,9 @@ struct Quantizer {
 impl Quantizer {
     #[new]
     #[pyo3(signature = (format, group = 32, axis = "token", rotate = false))]
-    fn new(format: &str, group: usize, axis: &str, rotate: bool) -> PyResult<Self> {
+    fn new(format: &str, group: i64, axis: &str, rotate: bool) -> PyResult<Self> {
         Ok(Quantizer {
-            q: build(format, group, self::axis(axis)?, rotate)?,
+            q: build(format, size("group", group)?, self::axis(axis)?, rotate)?,
         })
     }
 
@@ -211,10 +212,15 @@ impl Quantizer {
         &self,
         py: Python<'_>,
         x: &Bound<'_, PyAny>,
-        tokens: usize,
-        heads: usize,
-        head_dim: usize,
+        tokens: i64,
+        heads: i64,
+        head_dim: i64,
     ) -> PyResult<Block> {
+        let (tokens, heads, head_dim) = (
+            size("tokens", tokens)?,
+            size("heads", heads)?,
+            size("head_dim", head_dim)?,
+        );
         let s = shape(tokens, heads, head_dim)?;
         let v = read(py, x, [tokens, heads, head_dim], "x")?;
         let inner = py.detach(|| self.q.quantize(s, &v)).map_err(err)?;

@@ -23,7 +23,7 @@ use pyo3::exceptions::{
     PyAttributeError, PyException, PyOverflowError, PyRuntimeError, PyTypeError, PyValueError,
 };
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyByteArray, PyBytes, PyDict, PyInt, PyString};
+use pyo3::types::{PyBool, PyByteArray, PyBytes, PyDict, PyFrozenSet, PyInt, PySet, PyString};
 
 /// A Python object as the coordinator's eviction policy.
 pub(crate) struct PyPolicy {
@@ -34,6 +34,9 @@ pub(crate) struct PyPolicy {
     wants_keys: bool,
     /// The first failure since the coordinator last asked.
     error: Option<String>,
+    /// Whether that failure is an answer that breaks the trait's contract
+    /// (the conformance suite reports it as its `AssertionError`).
+    pub(crate) broke_contract: bool,
     /// An `observe` / `observe_keys` that raised, per sequence: it fails
     /// that sequence's next step.
     observed: HashMap<SeqKey, String>,
@@ -144,6 +147,7 @@ impl PyPolicy {
             observation_window,
             wants_keys: flag("wants_keys")?,
             error: None,
+            broke_contract: false,
             observed: HashMap::new(),
         })
     }
@@ -267,6 +271,39 @@ pub(crate) fn indexes(ans: &Bound<'_, PyAny>, method: &str) -> PyResult<Vec<usiz
     Ok(out)
 }
 
+/// The rule the conformance suite checks of every answer, said plainly:
+/// indexes of live entries, ascending, each once, never the newest entry
+/// (the open block being written, or the one the next step attends from).
+fn contract(named: &[usize], t: &BlockTable) -> Result<(), String> {
+    let entries = t.entries();
+    for (k, &i) in named.iter().enumerate() {
+        if k > 0 && named[k - 1] == i {
+            return Err(format!("victims() named entry {i} twice"));
+        }
+        if k > 0 && named[k - 1] > i {
+            return Err(format!(
+                "victims() answers must ascend: entry {} before entry {i}",
+                named[k - 1]
+            ));
+        }
+        let Some(e) = entries.get(i) else {
+            return Err(format!(
+                "victims() named entry {i}, out of range (the table has {})",
+                entries.len()
+            ));
+        };
+        if matches!(e.slot(), Slot::Dropped) {
+            return Err(format!("victims() named entry {i}, already dropped"));
+        }
+        if i + 1 == entries.len() {
+            return Err(format!(
+                "victims() named entry {i}, the newest: it cannot be evicted"
+            ));
+        }
+    }
+    Ok(())
+}
+
 impl EvictionPolicy for PyPolicy {
     fn name(&self) -> String {
         self.name.clone()
@@ -307,10 +344,19 @@ impl EvictionPolicy for PyPolicy {
                 p.cold_block_bytes,
             ))?;
             let ans = obj.call_method1("victims", (seq, table_object(py, table)?, pressure))?;
+            if ans.is_instance_of::<PySet>() || ans.is_instance_of::<PyFrozenSet>() {
+                return Err(PyTypeError::new_err(
+                    "victims() returned a set: answer entry indexes in ascending order (a list)",
+                ));
+            }
             indexes(&ans, "victims")
         });
-        match named {
-            Ok(v) => out.extend(v),
+        match named.map(|v| contract(&v, table).map(|()| v)) {
+            Ok(Ok(v)) => out.extend(v),
+            Ok(Err(why)) => {
+                self.broke_contract |= self.error.is_none();
+                self.error.get_or_insert(why);
+            }
             Err(why) => {
                 self.error.get_or_insert(why);
             }
@@ -327,6 +373,7 @@ impl EvictionPolicy for PyPolicy {
     }
 
     fn take_error(&mut self) -> Option<String> {
+        self.broke_contract = false;
         self.error.take()
     }
 }

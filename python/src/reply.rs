@@ -1,6 +1,8 @@
 //! One reply from Python: the sampling a call asks for, the generation run
 //! with the GIL released, and its report as a `dict`.
 
+use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
+
 use kvforge_engine::{Generation, SamplingParams, TurnReport};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -53,8 +55,17 @@ fn generation<'py>(py: Python<'py>, g: &Generation) -> PyResult<Bound<'py, PyDic
     Ok(d)
 }
 
+/// The unwind payload of a reply that a signal handler interrupted
+/// (Ctrl-C between two decode steps): the manager gives back what the
+/// request holds (a session turn is rolled back) and resumes the unwind;
+/// `replied` raises the handler's exception (`KeyboardInterrupt`).
+/// `resume_unwind` does not run the panic hook: nothing is printed.
+struct Interrupted(PyErr);
+
 /// Runs one reply (`run`: a request or a session turn) with the GIL
-/// released, collecting its text: the text and its report.
+/// released, collecting its text: the text and its report. Pending
+/// signals are handled after every new token, so Ctrl-C stops the reply
+/// within one decode step and leaves the engine usable.
 pub(crate) fn replied<'py>(
     py: Python<'py>,
     sampling: Sampling,
@@ -66,13 +77,25 @@ pub(crate) fn replied<'py>(
 ) -> PyResult<(String, Bound<'py, PyDict>)> {
     not_in_policy()?;
     let params = SamplingParams::from(sampling);
-    let (text, r) = done(py.detach(|| {
-        let mut text = String::new();
-        let r = run(&params, &mut |_, piece| {
-            text.push_str(piece);
-            true
-        });
-        r.map(|r| (text, r))
-    }))?;
+    let out = py.detach(|| {
+        catch_unwind(AssertUnwindSafe(|| {
+            let mut text = String::new();
+            let r = run(&params, &mut |_, piece| {
+                if let Err(e) = Python::attach(|py| py.check_signals()) {
+                    resume_unwind(Box::new(Interrupted(e)));
+                }
+                text.push_str(piece);
+                true
+            });
+            r.map(|r| (text, r))
+        }))
+    });
+    let (text, r) = match out {
+        Ok(r) => done(r)?,
+        Err(payload) => match payload.downcast::<Interrupted>() {
+            Ok(interrupted) => return Err(interrupted.0),
+            Err(other) => resume_unwind(other),
+        },
+    };
     Ok((text, report(py, &r)?))
 }

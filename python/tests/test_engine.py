@@ -148,6 +148,8 @@ class Misbehaves(kvforge.EvictionPolicy):
             return []
         if isinstance(self.answer, BaseException):
             raise self.answer
+        if isinstance(self.answer, str) and self.answer == "newest":
+            return [len(table.first) - 1]
         return self.answer
 
 
@@ -161,6 +163,10 @@ class Misbehaves(kvforge.EvictionPolicy):
         ("0", "returned a str"),
         ([0.5], "returned a float among its indexes"),
         (np.array([True, False]), "returned a bool among its indexes"),
+        ([1, 0], "victims() answers must ascend: entry 1 before entry 0"),
+        ([0, 0], "victims() named entry 0 twice"),
+        ({0, 1}, "victims() returned a set"),
+        ("newest", "the newest: it cannot be evicted"),
     ],
 )
 def test_a_misbehaving_policy_fails_the_request_and_leaves_the_cache_unchanged(answer, words):

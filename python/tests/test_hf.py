@@ -81,8 +81,10 @@ def test_bad_input_is_refused_and_a_failed_step_changes_nothing(tiny):
     with pytest.raises(ValueError, match="config or num_layers"):
         kvforge.hf.QuantizedCache()
     cache = kvforge.hf.QuantizedCache(num_layers=1, format="int4", window=32, sink=32)
-    with pytest.raises(ValueError, match="batch 1"):
+    with pytest.raises(NotImplementedError, match="batch 1"):
         cache.update(torch.zeros(2, 2, 8, 32), torch.zeros(2, 2, 8, 32), 0)
+    with pytest.raises(ValueError, match="batch × heads × tokens × head_dim"):
+        cache.update(torch.zeros(2, 8, 32), torch.zeros(2, 8, 32), 0)
     cache = kvforge.hf.QuantizedCache(num_layers=1, format="int4", window=32, sink=32)
     k = torch.randn(1, 2, 96, 32)
     cache.update(k, k.clone(), 0)
@@ -173,3 +175,12 @@ def test_smollm2_int4_keeps_perplexity_within_one_percent():
     change = np.exp(ours - full) - 1
     assert within("perplexity change", abs(change), 0.01, "loss"), change
     assert cache.layers[0].store.blocks == (768 - 32 - 128) // 32
+
+
+def test_beam_search_and_several_sequences_are_not_implemented(tiny):
+    x = ids(40)
+    for kw in (dict(num_beams=2), dict(do_sample=True, num_return_sequences=2)):
+        cache = kvforge.hf.QuantizedCache(tiny.config, format="int4", window=32, sink=32)
+        with pytest.raises(NotImplementedError, match="beam search"):
+            tiny.generate(x, attention_mask=torch.ones_like(x), pad_token_id=0, max_new_tokens=2,
+                          past_key_values=cache, **kw)

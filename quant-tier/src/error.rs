@@ -56,16 +56,19 @@ pub enum QuantError {
         /// The head dimension.
         head_dim: usize,
     },
-    /// A hot window that is not a whole number of blocks.
-    #[error(
-        "quant: hot window of {window} tokens is not a multiple of the block size {block_size}"
-    )]
+    /// A hot window or sink that is not a whole number of blocks.
+    #[error("quant: {what} of {tokens} tokens is not a multiple of the block size {block_size}")]
     Window {
-        /// Requested window.
-        window: usize,
+        /// What is not: "hot window" or "sink".
+        what: &'static str,
+        /// Its length.
+        tokens: usize,
         /// Block size.
         block_size: usize,
     },
+    /// A block size of 0 tokens.
+    #[error("quant: the block size must be at least 1 token")]
+    BlockSize,
     /// An unknown format name.
     #[error("quant: unknown format {0:?}; use int8, int4 or int2")]
     UnknownFormat(String),

@@ -40,8 +40,15 @@ impl TierPlan {
     /// A plan with no sink; errors if `block_size` is 0 or `window` not a
     /// multiple of it.
     pub fn new(block_size: usize, window: usize) -> Result<Self> {
-        if block_size == 0 || window % block_size != 0 {
-            return Err(QuantError::Window { window, block_size });
+        if block_size == 0 {
+            return Err(QuantError::BlockSize);
+        }
+        if window % block_size != 0 {
+            return Err(QuantError::Window {
+                what: "hot window",
+                tokens: window,
+                block_size,
+            });
         }
         Ok(TierPlan {
             block_size,
@@ -55,7 +62,8 @@ impl TierPlan {
     pub fn with_sink(self, sink: usize) -> Result<Self> {
         if sink % self.block_size != 0 {
             return Err(QuantError::Window {
-                window: sink,
+                what: "sink",
+                tokens: sink,
                 block_size: self.block_size,
             });
         }

@@ -445,17 +445,22 @@ fn tier_plan_keeps_the_window_hot_in_whole_blocks() {
     assert_eq!(
         TierPlan::new(16, 100),
         Err(QuantError::Window {
-            window: 100,
+            what: "hot window",
+            tokens: 100,
             block_size: 16
         })
     );
-    assert!(TierPlan::new(0, 0).is_err());
+    assert_eq!(TierPlan::new(0, 0), Err(QuantError::BlockSize));
     let s = TierPlan::new(16, 32).unwrap().with_sink(32).unwrap();
     assert_eq!(s.cold_blocks(32 + 32 + 15), 0);
     assert_eq!(s.cold_blocks(32 + 32 + 16), 1);
     assert!(!s.is_cold(16, 1000), "in the sink");
     assert!(s.is_cold(32, 80) && !s.is_cold(32, 79));
-    assert!(TierPlan::new(16, 32).unwrap().with_sink(8).is_err());
+    let sink = TierPlan::new(16, 32).unwrap().with_sink(8).unwrap_err();
+    assert_eq!(
+        sink.to_string(),
+        "quant: sink of 8 tokens is not a multiple of the block size 16"
+    );
 }
 
 #[test]

@@ -42,6 +42,9 @@ pub(crate) fn ci(root: &Path) -> Result<()> {
     // SAFETY: set before this process starts a thread or a child.
     unsafe { std::env::set_var("CARGO_INCREMENTAL", "0") };
     let env = setup::setup(root, false)?;
+    // The wheel as a user installs it, in a fresh venv (first, while the
+    // disk holds least: its torch is removed after).
+    crate::wheel::run(root)?;
     let mut fmt = cargo();
     fmt.current_dir(root).args(["fmt", "--all", "--check"]);
     step("cargo fmt --check", fmt)?;

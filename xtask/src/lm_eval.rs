@@ -69,16 +69,8 @@ fn harness_venv(root: &Path) -> Result<PathBuf> {
     let ours = PathBuf::from(python_says(&py, PURELIB)?);
     std::fs::write(ours.join("kvforge-venv.pth"), format!("{theirs}\n"))
         .with_context(|| format!("writing {}", ours.display()))?;
-    let mut pip = Command::new(&py);
-    pip.args([
-        "-m",
-        "pip",
-        "install",
-        "-q",
-        "--disable-pip-version-check",
-        "--no-cache-dir",
-    ])
-    .args(PACKAGES);
+    let mut pip = crate::pip_install(&py);
+    pip.args(PACKAGES);
     step(&format!("pip install {}", PACKAGES.join(" ")), pip)?;
     Ok(py)
 }

@@ -62,6 +62,7 @@ mod lm_eval;
 mod numerics;
 mod setup;
 mod tidy;
+mod wheel;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -69,7 +70,7 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 
 const USAGE: &str = "usage: cargo xtask <setup [--reference] | ci | ablate [--quick | --full | --config FILE] [--resume] | \
-                     bench [FILTER] | fuzz [RUNS] | kvforge ARGS... | serve ARGS... | serve-load ARGS... | prefix-bench ARGS... | remote-bench ARGS... | route-sim ARGS... | pressure ARGS... | lifecycle ARGS... | quant-sweep ARGS... | decode-ab ARGS... | gpu-check | model-check [CASES] | numerics | cross-test | kv-stats ARGS... | engine-bench [CONTEXT] [DECODE] | lm-eval [QUESTIONS] | tidy>";
+                     bench [FILTER] | fuzz [RUNS] | kvforge ARGS... | serve ARGS... | serve-load ARGS... | prefix-bench ARGS... | remote-bench ARGS... | route-sim ARGS... | pressure ARGS... | lifecycle ARGS... | quant-sweep ARGS... | decode-ab ARGS... | gpu-check | model-check [CASES] | numerics | cross-test | kv-stats ARGS... | engine-bench [CONTEXT] [DECODE] | lm-eval [QUESTIONS] | wheel | tidy>";
 
 fn main() {
     if let Err(e) = run() {
@@ -87,6 +88,10 @@ fn run() -> Result<()> {
             setup::setup(&root, true).map(|_| ())
         }
         Some("ci") if args.len() == 1 => checks::ci(&root),
+        Some("wheel") if args.len() == 1 => {
+            setup::setup(&root, false)?;
+            wheel::run(&root)
+        }
         Some("ablate") if ablate::names_python_policy(&root, &args[1..]) => {
             ablate::python_ablate(&root, &args[1..])
         }
@@ -208,6 +213,21 @@ fn say(msg: &str) {
 
 fn cargo() -> Command {
     Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
+}
+
+/// `PY -m pip install` quietly and without pip's cache (which would keep a
+/// second copy of the torch and CUDA wheels, ~4 GB, on the disk).
+fn pip_install(py: &Path) -> Command {
+    let mut cmd = Command::new(py);
+    cmd.args([
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--disable-pip-version-check",
+        "--no-cache-dir",
+    ]);
+    cmd
 }
 
 fn step(name: &str, mut cmd: Command) -> Result<()> {

