@@ -12,11 +12,7 @@ use crate::{cargo, say, setup, step};
 /// the same text and model, and prints one Markdown table.
 pub(crate) fn engine_bench(root: &Path, context: usize, decode: usize) -> Result<()> {
     let env = setup::setup(root, true)?;
-    let mut build = cargo();
-    build
-        .current_dir(root)
-        .args(["build", "--quiet", "--release", "-p", "kvforge-engine"]);
-    step("cargo build --release -p kvforge-engine", build)?;
+    crate::build_release(root, &["-p", "kvforge-engine"])?;
     let text = root.join("data/exllamav2/wiki.utf8");
     let model = root.join("models").join(setup::MODEL_FILE);
     let (ctx, dec) = (context.to_string(), decode.to_string());

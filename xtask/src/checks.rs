@@ -136,17 +136,7 @@ fn nvrtc_dir(root: &Path) -> Result<PathBuf> {
 /// carry limit is 64 MiB).
 pub(crate) fn gpu_check(root: &Path) -> Result<()> {
     setup::setup(root, false)?;
-    let mut build = cargo();
-    build.current_dir(root).args([
-        "build",
-        "--quiet",
-        "--release",
-        "-p",
-        "kvforge-bench",
-        "--bin",
-        "gpu_check",
-    ]);
-    step("cargo build --release --bin gpu_check", build)?;
+    crate::build_release(root, &["-p", "kvforge-bench", "--bin", "gpu_check"])?;
     let stage = root.join("target/gpu-check");
     std::fs::create_dir_all(&stage).with_context(|| format!("creating {}", stage.display()))?;
     let mut strip = Command::new("strip");

@@ -14,7 +14,7 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 
-use crate::{cargo, say, setup, step};
+use crate::{say, setup, step};
 
 /// The harness, and the versions of what it would otherwise upgrade
 /// beyond what the project's transformers takes.
@@ -88,17 +88,7 @@ pub(crate) fn run(root: &Path, args: &[String]) -> Result<()> {
         _ => bail!("usage: cargo xtask lm-eval [QUESTIONS]"),
     };
     setup::setup(root, false)?;
-    let mut build = cargo();
-    build.current_dir(root).args([
-        "build",
-        "--quiet",
-        "--release",
-        "-p",
-        "kvforge-server",
-        "--bin",
-        "kvforge-serve",
-    ]);
-    step("cargo build --release -p kvforge-server", build)?;
+    crate::build_release(root, &["-p", "kvforge-server", "--bin", "kvforge-serve"])?;
     compare(
         root,
         questions,

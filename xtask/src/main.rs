@@ -102,20 +102,9 @@ fn run() -> Result<()> {
             // The load generator starts the release server (and, for
             // `single`, the release CLI) itself.
             setup::setup(&root, false)?;
-            let mut build = cargo();
-            build.current_dir(&root).args([
-                "build",
-                "--quiet",
-                "--release",
-                "-p",
-                "kvforge-server",
-                "-p",
-                "kvforge-engine",
-                "--bins",
-            ]);
-            step(
-                "cargo build --release -p kvforge-server -p kvforge-engine",
-                build,
+            build_release(
+                &root,
+                &["-p", "kvforge-server", "-p", "kvforge-engine", "--bins"],
             )?;
             run_after_setup(&root, "kvforge-bench", "serve_load", &args[1..])
         }
@@ -228,6 +217,16 @@ fn pip_install(py: &Path) -> Command {
         "--no-cache-dir",
     ]);
     cmd
+}
+
+/// `cargo build --quiet --release ARGS` in the workspace, as a step.
+fn build_release(root: &Path, args: &[&str]) -> Result<()> {
+    let mut build = cargo();
+    build
+        .current_dir(root)
+        .args(["build", "--quiet", "--release"])
+        .args(args);
+    step(&format!("cargo build --release {}", args.join(" ")), build)
 }
 
 fn step(name: &str, mut cmd: Command) -> Result<()> {
