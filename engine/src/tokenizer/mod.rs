@@ -250,12 +250,23 @@ impl Tokenizer {
         })
     }
 
-    /// The bytes token `id` stands for: through GPT-2's byte-level
-    /// alphabet (every byte one character) when its vocabulary entry is
-    /// written in it, else the UTF-8 of its text alone. Unlike
-    /// [`pieces`](Self::pieces), a token holding part of a character
-    /// keeps its bytes (OpenAI's `bytes` field).
+    /// The bytes token `id` stands for: the byte of a byte-fallback token
+    /// (`<0x0A>` in a SentencePiece-style BPE with `byte_fallback`), else
+    /// through GPT-2's byte-level alphabet (every byte one character) when
+    /// its vocabulary entry is written in it, else the UTF-8 of its text
+    /// alone. Unlike [`pieces`](Self::pieces), a token holding part of a
+    /// character keeps its bytes (OpenAI's `bytes` field).
     pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        let fallback = matches!(self.inner.get_model(),
+            tokenizers::ModelWrapper::BPE(bpe) if bpe.byte_fallback);
+        if let Some(b) = self
+            .inner
+            .id_to_token(id)
+            .filter(|_| fallback)
+            .and_then(|t| fallback_byte(&t))
+        {
+            return vec![b];
+        }
         let text = || {
             self.pieces()
                 .get(id as usize)
@@ -293,5 +304,34 @@ impl Tokenizer {
         }
         s.push_str("<|im_start|>assistant\n");
         s
+    }
+}
+
+/// The byte a byte-fallback token such as `<0x0A>` stands for.
+fn fallback_byte(token: &str) -> Option<u8> {
+    let hex = token.strip_prefix("<0x")?.strip_suffix('>')?;
+    (hex.len() == 2).then(|| u8::from_str_radix(hex, 16).ok())?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A SentencePiece-style BPE with byte fallback: `<0xNN>` tokens are
+    /// their byte, not the six characters of their name.
+    #[test]
+    fn a_byte_fallback_token_is_its_byte() {
+        let json = r#"{"version": "1.0", "added_tokens": [],
+            "model": {"type": "BPE", "dropout": null, "unk_token": null,
+                "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                "fuse_unk": false, "byte_fallback": true,
+                "vocab": {"<0x0A>": 0, "<0xE2>": 1, "a": 2, "</s>": 3}, "merges": []}}"#;
+        let inner: tokenizers::Tokenizer = json.parse().expect("a tokenizer");
+        let t = Tokenizer::with_plain(inner, 3, 4);
+        assert_eq!(t.token_bytes(0), vec![0x0a]);
+        assert_eq!(t.token_bytes(1), vec![0xe2]);
+        assert_eq!(t.token_bytes(2), b"a".to_vec());
+        assert_eq!(fallback_byte("<0xZZ>"), None);
+        assert_eq!(fallback_byte("<0x0AB>"), None);
     }
 }

@@ -38,7 +38,9 @@ impl Offset {
         let mut text_offset = Vec::with_capacity(tokens.len());
         for t in tokens {
             text_offset.push(self.0);
-            self.0 += t.bytes.iter().filter(|&&b| b & 0xc0 != 0x80).count();
+            if t.shown {
+                self.0 += t.bytes.iter().filter(|&&b| b & 0xc0 != 0x80).count();
+            }
         }
         let top = |t: &Scored| {
             t.logprob.map(|lp| {
@@ -316,4 +318,33 @@ pub(super) fn stream_reply(
         }
     });
     SseBody::new(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scored(text: &str, shown: bool) -> Scored {
+        Scored {
+            text: text.into(),
+            bytes: text.as_bytes().to_vec(),
+            logprob: Some(-1.0),
+            top: Vec::new(),
+            shown,
+        }
+    }
+
+    /// A special token the reply's text drops takes no place in it: the
+    /// offsets after it are where their text starts.
+    #[test]
+    fn text_offsets_skip_what_the_text_drops() {
+        let mut at = Offset(3);
+        let v = at.completion(&[
+            scored("Hé", true),
+            scored("<|im_end|>", false),
+            scored("llo", true),
+        ]);
+        assert_eq!(v["text_offset"], json!([3, 5, 5]));
+        assert_eq!(at.0, 8);
+    }
 }

@@ -14,7 +14,7 @@ use axum::extract::rejection::BytesRejection;
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
-use serde_json::json;
+use serde_json::{Value, json};
 
 use super::App;
 use crate::api;
@@ -38,9 +38,23 @@ struct DetokenizeRequest {
     model: Option<String>,
 }
 
-fn body<T: serde::de::DeserializeOwned>(b: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
-    let b = b.map_err(|r| ApiError::invalid(r.body_text()))?;
-    serde_json::from_slice(&b).map_err(|e| api::json_error(&e))
+/// `handle`'s JSON answer to the request's JSON body, once the caller is
+/// authorized; a failure as its OpenAI-shaped error.
+fn answer<T: serde::de::DeserializeOwned>(
+    app: &App,
+    headers: &HeaderMap,
+    b: Result<Bytes, BytesRejection>,
+    handle: impl FnOnce(T) -> Result<Value, ApiError>,
+) -> Response {
+    let run = || -> Result<Value, ApiError> {
+        app.auth.authorize(headers)?;
+        let b = b.map_err(|r| ApiError::invalid(r.body_text()))?;
+        handle(serde_json::from_slice(&b).map_err(|e| api::json_error(&e))?)
+    };
+    match run() {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 /// `GET /tokenizer_info`.
@@ -66,21 +80,17 @@ pub(super) async fn tokenize(
     headers: HeaderMap,
     b: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let run = || -> Result<Response, ApiError> {
-        app.auth.authorize(&headers)?;
-        let r: TokenizeRequest = body(b)?;
+    answer(&app, &headers, b, |r: TokenizeRequest| {
         let tokens = app
             .tokenizer
             .encode(&r.prompt)
             .map_err(|e| ApiError::invalid_param("prompt", format!("cannot tokenize: {e}")))?;
-        Ok(axum::Json(json!({
+        Ok(json!({
             "count": tokens.len(),
             "max_model_len": app.limits.max_ctx,
             "tokens": tokens,
         }))
-        .into_response())
-    };
-    run().unwrap_or_else(IntoResponse::into_response)
+    })
 }
 
 /// `POST /detokenize`.
@@ -89,9 +99,7 @@ pub(super) async fn detokenize(
     headers: HeaderMap,
     b: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let run = || -> Result<Response, ApiError> {
-        app.auth.authorize(&headers)?;
-        let r: DetokenizeRequest = body(b)?;
+    answer(&app, &headers, b, |r: DetokenizeRequest| {
         let vocab = app.tokenizer.vocab as u64;
         let mut ids = Vec::with_capacity(r.tokens.len());
         for (i, &t) in r.tokens.iter().enumerate() {
@@ -107,7 +115,6 @@ pub(super) async fn detokenize(
             .tokenizer
             .decode(&ids)
             .map_err(|e| ApiError::invalid(format!("cannot detokenize: {e}")))?;
-        Ok(axum::Json(json!({"prompt": prompt})).into_response())
-    };
-    run().unwrap_or_else(IntoResponse::into_response)
+        Ok(json!({"prompt": prompt}))
+    })
 }

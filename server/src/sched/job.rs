@@ -61,6 +61,10 @@ pub struct Scored {
     pub logprob: Option<f32>,
     /// The most likely tokens at its place, most likely first.
     pub top: Vec<Alt>,
+    /// Whether its text is part of the choice's text: a generated special
+    /// token is not (the reply's text drops it; an echoed prompt keeps
+    /// every token's).
+    pub shown: bool,
 }
 
 /// A token, its bytes and its log-probability.
@@ -90,6 +94,13 @@ impl Scored {
         Scored::of(tok, t.token, Some(t.logprob), &t.top)
     }
 
+    /// Generated token `t`: not shown when the reply's text drops it.
+    pub fn generated(tok: &Tokenizer, t: &TokenLogprob) -> Scored {
+        let mut s = Scored::new(tok, t);
+        s.shown = !tok.decode_text(&[t.token]).is_ok_and(|x| x.is_empty());
+        s
+    }
+
     /// Token `id` with no score (a prompt's first token).
     pub fn unscored(tok: &Tokenizer, id: u32) -> Scored {
         Scored::of(tok, id, None, &[])
@@ -102,6 +113,7 @@ impl Scored {
             bytes,
             logprob,
             top: top.iter().map(|&(id, lp)| Alt::new(tok, id, lp)).collect(),
+            shown: true,
         }
     }
 }

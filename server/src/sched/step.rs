@@ -122,7 +122,9 @@ impl Scheduler {
     /// the same logits with a sampler of its own, then runs on its own.
     fn fork_choices(&mut self) {
         let engine = Arc::clone(&self.engine);
-        let mut forks = Vec::new();
+        let (mut forks, mut waits) = (Vec::new(), Vec::new());
+        let cap = self.cfg.max_batch.max(1);
+        let (running, pressure) = (self.running.len(), self.pressure);
         for r in &mut self.running {
             let Some(logits) = r.fork_logits.take() else {
                 continue;
@@ -131,24 +133,48 @@ impl Scheduler {
                 let mut job = r.job.clone();
                 job.index = index;
                 job.params.seed = mix(job.params.seed ^ mix(index as u64));
-                let sampler = Sampler::new(job.params.clone());
-                let (Ok(sampler), Ok(seq)) = (sampler, engine.cache().fork(&r.seq)) else {
+                let Ok(sampler) = Sampler::new(job.params.clone()) else {
                     r.end = Some(End::Failed(ApiError::internal(
-                        "forking a choice's sequence failed",
+                        "a choice's sampler could not be made",
                     )));
                     break;
                 };
                 let mut c = Req::new(job, sampler);
-                lock(&self.shared.metrics).forked_tokens += seq.len() as u64;
-                c.seq = seq;
                 c.cached = r.cached;
-                self.admissions += 1;
-                c.admitted = self.admissions;
+                // Inside the batch and without memory pressure a choice
+                // shares the prompt's blocks; beyond, it samples its first
+                // token now and waits, admitted later as a preempted
+                // request is (its prompt found through the prefix cache).
+                let shares = !pressure && running + forks.len() < cap;
+                if shares {
+                    let Ok(seq) = engine.cache().fork(&r.seq) else {
+                        r.end = Some(End::Failed(ApiError::internal(
+                            "forking a choice's sequence failed",
+                        )));
+                        break;
+                    };
+                    lock(&self.shared.metrics).forked_tokens += seq.len() as u64;
+                    c.seq = seq;
+                    self.admissions += 1;
+                    c.admitted = self.admissions;
+                }
                 sample(&engine, &self.shared, self.fault.as_ref(), &mut c, &logits);
-                forks.push(c);
+                // A choice that ended at its first token is swept now.
+                if shares || c.end.is_some() {
+                    forks.push(c);
+                } else {
+                    waits.push(c);
+                }
             }
         }
         self.running.extend(forks);
+        if !waits.is_empty() {
+            for c in waits.into_iter().rev() {
+                self.shared.queued.fetch_add(1, Ordering::SeqCst);
+                self.waiting.push_front(c);
+            }
+            self.start_lookups();
+        }
     }
 
     /// A step did not fit: preempt the newest running request, or, if one
@@ -311,7 +337,7 @@ fn sample(engine: &Engine, shared: &Shared, fault: Option<&Fault>, r: &mut Req, 
     }
     if let Some(top) = r.job.logprobs {
         r.unsent
-            .push(Scored::new(tok, &token_logprob(logits, next, top)));
+            .push(Scored::generated(tok, &token_logprob(logits, next, top)));
     }
     r.generated.push(next);
     r.context.push(next);

@@ -60,6 +60,15 @@ fn submit(s: &mut Scheduler, prompt_len: usize) -> UnboundedReceiver<Event> {
 }
 
 fn submit_for(s: &mut Scheduler, prompt_len: usize, max_tokens: usize) -> UnboundedReceiver<Event> {
+    submit_choices(s, prompt_len, max_tokens, 1)
+}
+
+fn submit_choices(
+    s: &mut Scheduler,
+    prompt_len: usize,
+    max_tokens: usize,
+    n: usize,
+) -> UnboundedReceiver<Event> {
     let (tx, rx) = unbounded_channel();
     s.shared
         .queued
@@ -78,7 +87,7 @@ fn submit_for(s: &mut Scheduler, prompt_len: usize, max_tokens: usize) -> Unboun
         arrived: Instant::now(),
         logprobs: None,
         echo: false,
-        n: 1,
+        n,
         index: 0,
     }));
     rx
@@ -154,4 +163,36 @@ fn lookups_of_waiting_requests_are_capped_and_every_request_ends() {
     }
     assert!(done.iter().all(|&d| d), "{done:?}");
     assert_eq!(hot_in_use(&s), 0);
+}
+
+/// `n` choices beyond `max_batch`: the ones that do not fit the batch
+/// wait (their first token sampled from the prompt's logits) and run when
+/// a slot frees; the batch never passes `max_batch` and every choice ends.
+#[test]
+fn choices_beyond_the_batch_wait_their_turn() {
+    let mut s = scheduler(2);
+    let mut rx = submit_choices(&mut s, 40, 6, 5);
+    let (mut done, mut tokens) = (vec![false; 5], vec![0usize; 5]);
+    for _ in 0..500 {
+        s.tick();
+        assert!(s.running.len() <= 2, "{} running", s.running.len());
+        while let Ok(e) = rx.try_recv() {
+            match e {
+                Event::Done(o) => {
+                    assert_eq!(o.completion_tokens, 6);
+                    done[o.index] = true;
+                }
+                Event::Token(t) => tokens[t.index] += 1,
+                Event::Failed(e) => panic!("{e:?}"),
+                Event::Echo(_) => {}
+            }
+        }
+        if done.iter().all(|&d| d) {
+            break;
+        }
+    }
+    assert!(done.iter().all(|&d| d), "{done:?}");
+    assert!(tokens.iter().all(|&t| t > 0), "{tokens:?}");
+    assert_eq!(hot_in_use(&s), 0);
+    assert_eq!(s.shared.queued.load(std::sync::atomic::Ordering::SeqCst), 0);
 }
