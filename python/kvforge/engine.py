@@ -175,7 +175,11 @@ class Engine:
         """The reply to ``prompt``: a user message in the chat template
         (``chat=False``: raw text), or token ids as they are. Greedy unless
         ``temperature > 0``. With ``report``, ``(text, report)`` where the
-        report has the tokens, timings, reused prefix and KV bytes.
+        report has the tokens, timings, reused prefix, ``kv_bytes_in_use``
+        after the call (0 once a stateless request gave its blocks back)
+        and ``kv_bytes_peak``, the most KV bytes the cache held inside any
+        step of the call (every request's: this one's alone when no other
+        thread generates).
         Ctrl-C stops the generation within one decode step
         (``KeyboardInterrupt``), the engine left as before the call."""
         if isinstance(prompt, str):

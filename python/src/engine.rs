@@ -222,9 +222,12 @@ impl Engine {
         ids: Vec<u32>,
         sampling: Sampling,
     ) -> PyResult<(String, Bound<'py, PyDict>)> {
-        replied(py, sampling, |params, on_token| {
-            self.manager.complete(&ids, "", params, on_token)
-        })
+        replied(
+            py,
+            self.manager.engine().cache(),
+            sampling,
+            |params, on_token| self.manager.complete(&ids, "", params, on_token),
+        )
     }
 
     /// Opens a chat session; its id.
@@ -241,9 +244,12 @@ impl Engine {
         ids: Vec<u32>,
         sampling: Sampling,
     ) -> PyResult<(String, Bound<'py, PyDict>)> {
-        replied(py, sampling, |params, on_token| {
-            self.manager.turn(id, &ids, params, on_token)
-        })
+        replied(
+            py,
+            self.manager.engine().cache(),
+            sampling,
+            |params, on_token| self.manager.turn(id, &ids, params, on_token),
+        )
     }
 
     /// Closes session `id`, releasing its blocks.

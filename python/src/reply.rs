@@ -3,7 +3,7 @@
 
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 
-use kvforge_engine::{Generation, SamplingParams, TurnReport};
+use kvforge_engine::{Generation, PagedKvCache, SamplingParams, TurnReport};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -34,8 +34,9 @@ impl From<Sampling> for SamplingParams {
     }
 }
 
-fn report<'py>(py: Python<'py>, r: &TurnReport) -> PyResult<Bound<'py, PyDict>> {
+fn report<'py>(py: Python<'py>, r: &TurnReport, peak: u64) -> PyResult<Bound<'py, PyDict>> {
     let d = generation(py, &r.generation)?;
+    d.set_item("kv_bytes_peak", peak)?;
     d.set_item("prompt_tokens", r.prompt_tokens)?;
     d.set_item("reused_tokens", r.reused_tokens)?;
     d.set_item("prefilled_tokens", r.prefilled_tokens)?;
@@ -63,11 +64,13 @@ fn generation<'py>(py: Python<'py>, g: &Generation) -> PyResult<Bound<'py, PyDic
 struct Interrupted(PyErr);
 
 /// Runs one reply (`run`: a request or a session turn) with the GIL
-/// released, collecting its text: the text and its report. Pending
-/// signals are handled after every new token, so Ctrl-C stops the reply
-/// within one decode step and leaves the engine usable.
+/// released, collecting its text: the text and its report (with
+/// `kv_bytes_peak`, the most KV bytes `cache` held inside any step of the
+/// call). Pending signals are handled after every new token, so Ctrl-C
+/// stops the reply within one decode step and leaves the engine usable.
 pub(crate) fn replied<'py>(
     py: Python<'py>,
+    cache: &PagedKvCache,
     sampling: Sampling,
     run: impl FnOnce(
         &SamplingParams,
@@ -78,6 +81,7 @@ pub(crate) fn replied<'py>(
     not_in_policy()?;
     let params = SamplingParams::from(sampling);
     let out = py.detach(|| {
+        cache.take_step_peak_bytes();
         catch_unwind(AssertUnwindSafe(|| {
             let mut text = String::new();
             let r = run(&params, &mut |_, piece| {
@@ -87,15 +91,15 @@ pub(crate) fn replied<'py>(
                 text.push_str(piece);
                 true
             });
-            r.map(|r| (text, r))
+            r.map(|r| (text, r, cache.take_step_peak_bytes()))
         }))
     });
-    let (text, r) = match out {
+    let (text, r, peak) = match out {
         Ok(r) => done(r)?,
         Err(payload) => match payload.downcast::<Interrupted>() {
             Ok(interrupted) => return Err(interrupted.0),
             Err(other) => resume_unwind(other),
         },
     };
-    Ok((text, report(py, &r)?))
+    Ok((text, report(py, &r, peak)?))
 }

@@ -221,3 +221,14 @@ def test_the_conformance_suite_and_the_engine_refuse_an_answer_in_the_same_words
     # A set is the wrong type of answer (as None or a str is): a TypeError.
     with pytest.raises(RuntimeError, match="victims\\(\\) returned a set"):
         kvforge.testing.check_eviction_policy(Unordered())
+
+
+def test_a_report_has_the_peak_kv_bytes_of_the_call():
+    e = tiny()
+    _, short = e.generate(IDS[:20], max_tokens=2, report=True)
+    _, long = e.generate(IDS * 4, max_tokens=2, report=True)
+    assert short["kv_bytes_in_use"] == long["kv_bytes_in_use"] == 0
+    assert 0 < short["kv_bytes_peak"] < long["kv_bytes_peak"]
+    with e.chat() as chat:
+        _, turn = chat.send("Hi", max_tokens=2, report=True)
+        assert 0 < turn["kv_bytes_in_use"] <= turn["kv_bytes_peak"]
