@@ -71,6 +71,28 @@ class _Sampling:
         self.temperature, self.top_p, self.ignore_eos = float(temperature), float(top_p), bool(ignore_eos)
 
 
+MECHANISMS_EXAMPLE = {
+    "prefix": {"index": "hash-chain", "tail": "copy"},  # index: hash-chain | radix; tail: copy | seal | skip
+    "cold": {"format": "int4", "window": 128, "sink": 32, "group": 32, "keys": "channel", "rotate": False},
+    "eviction": {"policy": "keydiff", "sink": 32, "window": 256, "budget_tokens": 544},
+    "share": {"policy": "exact"},
+    "lifecycle": {"policy": "recent-turns", "keep": 4},
+    "budget_mib": 0,
+    "block_size": 16,
+}
+"""Every mechanism on, each with its keys (a dict ``Engine(mechanisms=…)``
+takes; the TOML file's keys are the same). ``cold.format``: int8 | int4 |
+int2, ``keys``: channel | token. ``eviction.policy``: sink-window (sink,
+window), h2o / lfu / keydiff / snapkv / hybrid (sink, window,
+budget_tokens — or high and low, watermarks over ``budget_mib``; keydiff
+and snapkv also per_head or per_token; h2o decay, snapkv observe, hybrid
+alpha / beta / gamma), or ``"module:Class"`` for a Python class (the
+other keys its keyword arguments). ``tier``: a tier policy beside
+``cold`` (``{"policy": "module:Class", …}``). ``budget_mib``: bytes all
+tiers may hold (0: the hot tier's capacity). Each key is explained in
+``ablate/README.md`` (the experiment file's ``[[config]]``)."""
+
+
 class Engine:
     """A model, its tokenizer and a paged KV cache with kvforge's mechanisms.
 
@@ -79,8 +101,8 @@ class Engine:
     else the copy under the home folder, fetched on first use). ``mechanisms``: a mechanisms table as a
     dict (the TOML file's keys: ``prefix``, ``cold``, ``tier``,
     ``eviction``, ``share``, ``lifecycle``, ``budget_mib``,
-    ``block_size``) or the path of a TOML file; absent, every mechanism is
-    off. An eviction policy is
+    ``block_size``; every key of each: ``kvforge.engine.MECHANISMS_EXAMPLE``)
+    or the path of a TOML file; absent, every mechanism is off. An eviction policy is
     named there (``"keydiff"``, or ``"module:Class"`` for one written in
     Python) or handed as an object with ``policy`` (a
     :class:`kvforge.EvictionPolicy`; it replaces the table's). A

@@ -232,3 +232,12 @@ def test_a_report_has_the_peak_kv_bytes_of_the_call():
     with e.chat() as chat:
         _, turn = chat.send("Hi", max_tokens=2, report=True)
         assert 0 < turn["kv_bytes_in_use"] <= turn["kv_bytes_peak"]
+
+
+def test_the_documented_mechanisms_example_builds_an_engine_and_a_misspelt_key_is_named():
+    e = tiny(mechanisms=kvforge.engine.MECHANISMS_EXAMPLE)
+    assert e.generate(IDS, max_tokens=2)
+    assert "MECHANISMS_EXAMPLE" in kvforge.Engine.__doc__
+    bad = dict(kvforge.engine.MECHANISMS_EXAMPLE, cold={"format": "int4", "windw": 128})
+    with pytest.raises(ValueError, match="windw"):
+        tiny(mechanisms=bad)
