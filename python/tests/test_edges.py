@@ -241,3 +241,13 @@ def test_the_documented_mechanisms_example_builds_an_engine_and_a_misspelt_key_i
     bad = dict(kvforge.engine.MECHANISMS_EXAMPLE, cold={"format": "int4", "windw": 128})
     with pytest.raises(ValueError, match="windw"):
         tiny(mechanisms=bad)
+
+
+def test_a_session_turn_samples_as_generate_does():
+    e = tiny()
+    with e.chat() as a, e.chat() as b:
+        greedy = a.send("Hi", max_tokens=5)
+        # top_k = 1 at any temperature is greedy; top_p and ignore_eos pass.
+        assert b.send("Hi", max_tokens=5, temperature=1.5, top_k=1, top_p=0.9, seed=7, ignore_eos=True) == greedy
+    with pytest.raises(ValueError, match="top_k must be an int ≥ 0"):
+        e.chat().send("Hi", top_k=-1)
