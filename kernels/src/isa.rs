@@ -11,20 +11,34 @@ pub enum Isa {
     Scalar,
     /// x86-64 AVX2 with FMA and F16C.
     Avx2,
+    /// x86-64 AVX-512 (F, BW) beside AVX2, FMA and F16C: the quantized
+    /// matmul's 512-bit kernel; the attention kernel runs its AVX2 path.
+    Avx512,
     /// AArch64 Advanced SIMD (NEON).
     Neon,
 }
 
 impl Isa {
     /// Every instruction set, the scalar twin first.
-    pub const ALL: [Isa; 3] = [Isa::Scalar, Isa::Avx2, Isa::Neon];
+    pub const ALL: [Isa; 4] = [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Neon];
 
-    /// The fastest set this CPU supports.
+    /// The fastest set this CPU supports, or the one `KVFORGE_ISA` names
+    /// (`scalar`, `avx2`, `avx512`, `neon`) when this CPU has it: for
+    /// side-by-side measurements and for ruling a kernel out.
     pub fn detect() -> Isa {
-        [Isa::Avx2, Isa::Neon]
-            .into_iter()
-            .find(|i| i.supported())
-            .unwrap_or(Isa::Scalar)
+        static CHOSEN: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+        *CHOSEN.get_or_init(|| {
+            let named = std::env::var("KVFORGE_ISA").ok();
+            let forced = Isa::ALL
+                .into_iter()
+                .find(|i| named.as_deref() == Some(i.name()) && i.supported());
+            forced.unwrap_or_else(|| {
+                [Isa::Avx512, Isa::Avx2, Isa::Neon]
+                    .into_iter()
+                    .find(|i| i.supported())
+                    .unwrap_or(Isa::Scalar)
+            })
+        })
     }
 
     /// Whether this CPU runs it.
@@ -32,6 +46,7 @@ impl Isa {
         match self {
             Isa::Scalar => true,
             Isa::Avx2 => avx2_supported(),
+            Isa::Avx512 => avx512_supported(),
             Isa::Neon => cfg!(target_arch = "aarch64"),
         }
     }
@@ -48,11 +63,12 @@ impl Isa {
         }
     }
 
-    /// `scalar`, `avx2` or `neon`.
+    /// `scalar`, `avx2`, `avx512` or `neon`.
     pub fn name(self) -> &'static str {
         match self {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
             Isa::Neon => "neon",
         }
     }
@@ -67,5 +83,17 @@ fn avx2_supported() -> bool {
 
 #[cfg(not(target_arch = "x86_64"))]
 fn avx2_supported() -> bool {
+    false
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx512_supported() -> bool {
+    avx2_supported()
+        && std::is_x86_feature_detected!("avx512f")
+        && std::is_x86_feature_detected!("avx512bw")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn avx512_supported() -> bool {
     false
 }

@@ -21,7 +21,8 @@
 //!   weight summed over query heads), from the same pass: every page
 //!   keeps its own maximum and sum, rescaled by the final ones at the end.
 //! * [`Isa::Scalar`] is the plain-Rust twin every fast path is tested
-//!   against; [`Isa::Avx2`] (AVX2 + FMA + F16C, detected at run time) and
+//!   against; [`Isa::Avx2`] (AVX2 + FMA + F16C, detected at run time; also
+//!   what [`Isa::Avx512`] runs here) and
 //!   [`Isa::Neon`] (AArch64) use `std::arch` for dot products, the
 //!   weighted value sums, f16 widening (AVX2) and a polynomial `exp`.
 //!
@@ -86,7 +87,7 @@ impl Dims {
                 "heads, KV heads and head dim must be positive: {self:?}"
             )));
         }
-        if self.heads % self.kv_heads != 0 {
+        if !self.heads.is_multiple_of(self.kv_heads) {
             return Err(KernelError::Shape(format!(
                 "{} query heads are not a multiple of {} KV heads",
                 self.heads, self.kv_heads
@@ -279,13 +280,16 @@ impl PagedDecode {
         match self.isa {
             Isa::Scalar => cpu::run::<cpu::Scalar>(self, q, spans, out, mass, key_novelty),
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => {
-                // SAFETY: `with_isa` and `Isa::detect` only select AVX2 on a
-                // CPU that has AVX2, FMA and F16C.
+            Isa::Avx2 | Isa::Avx512 => {
+                // SAFETY: `with_isa` and `Isa::detect` only select AVX2 or
+                // AVX-512 on a CPU that has AVX2, FMA and F16C.
                 unsafe { cpu::run_avx2(self, q, spans, out, mass, key_novelty) }
             }
             #[cfg(not(target_arch = "x86_64"))]
-            Isa::Avx2 => Err(KernelError::Unsupported("avx2 on a non-x86 CPU".into())),
+            Isa::Avx2 | Isa::Avx512 => Err(KernelError::Unsupported(format!(
+                "{} on a non-x86 CPU",
+                self.isa.name()
+            ))),
             #[cfg(target_arch = "aarch64")]
             Isa::Neon => {
                 // SAFETY: every AArch64 CPU has NEON.
@@ -300,7 +304,7 @@ impl PagedDecode {
     /// with [`with_per_head`](Self::with_per_head)).
     fn check_entries(&self, spans: &[Span<'_>], len: usize, what: &str) -> Result<()> {
         let h = self.dims.kv_heads;
-        if self.per_head && len % h != 0 {
+        if self.per_head && !len.is_multiple_of(h) {
             return Err(KernelError::Shape(format!(
                 "a {what} buffer of {len} slots does not hold {h} KV heads per entry"
             )));

@@ -166,13 +166,13 @@ fn work(s: &Shared, me: usize) {
             return;
         }
         seen = epoch;
-        if let Some((f, parts)) = job {
-            if me < parts {
-                if catch_unwind(AssertUnwindSafe(|| f(me))).is_err() {
-                    s.panicked.store(true, Ordering::Relaxed);
-                }
-                s.busy.fetch_sub(1, Ordering::AcqRel);
+        if let Some((f, parts)) = job
+            && me < parts
+        {
+            if catch_unwind(AssertUnwindSafe(|| f(me))).is_err() {
+                s.panicked.store(true, Ordering::Relaxed);
             }
+            s.busy.fetch_sub(1, Ordering::AcqRel);
         }
     }
 }

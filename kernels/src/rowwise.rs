@@ -16,7 +16,7 @@ fn shape(msg: String) -> KernelError {
 /// `x` (rows of `w.len()` values; the sum of squares in f64).
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f64, out: &mut [f32]) -> Result<()> {
     let d = w.len();
-    if d == 0 || x.len() % d != 0 || out.len() != x.len() {
+    if d == 0 || !x.len().is_multiple_of(d) || out.len() != x.len() {
         return Err(shape(format!(
             "rms_norm: {} values and {} outputs in rows of {d}",
             x.len(),
@@ -47,7 +47,7 @@ pub fn rope(
 ) -> Result<()> {
     let rows = cos.len() / head_dim.max(1);
     if head_dim == 0
-        || head_dim % 2 != 0
+        || !head_dim.is_multiple_of(2)
         || cos.len() != rows * head_dim
         || sin.len() != cos.len()
         || x.len() != rows * heads * head_dim

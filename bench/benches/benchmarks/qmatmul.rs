@@ -48,11 +48,11 @@ fn qmatmul(c: &mut Criterion) {
             a.quantize(&x, rows, k).unwrap();
             let mut out = vec![0f32; rows * n];
             g.throughput(Throughput::Elements((rows * n * k) as u64));
-            let isas = [Isa::Scalar, Isa::detect()];
-            for isa in isas
-                .iter()
-                .copied()
-                .filter(|i| rows == 1 || *i != Isa::Scalar)
+            // Every set this CPU runs, side by side (the scalar twin at one
+            // row only).
+            for isa in Isa::ALL
+                .into_iter()
+                .filter(|i| i.supported() && (rows == 1 || *i != Isa::Scalar))
             {
                 let id = BenchmarkId::new(format!("{name}_{}", isa.name()), rows);
                 g.bench_function(id, |b| {

@@ -94,8 +94,10 @@ pub(super) fn check_layout(cfg: &QuantConfig, shape: kvforge_quant::BlockShape) 
     let c = shape.heads * shape.head_dim;
     let g = cfg.group_size();
     let ok = match cfg.axis() {
-        Axis::PerChannel => shape.tokens % g == 0 && c * cfg.bits() as usize % 8 == 0,
-        Axis::PerToken => shape.head_dim % g == 0,
+        Axis::PerChannel => {
+            shape.tokens.is_multiple_of(g) && (c * cfg.bits() as usize).is_multiple_of(8)
+        }
+        Axis::PerToken => shape.head_dim.is_multiple_of(g),
     };
     if ok && shape.tokens > 0 {
         Ok(())

@@ -31,7 +31,7 @@ impl Activations {
     /// Quantizes `x`, `rows` rows of `cols` values (`cols` a multiple of
     /// 32), reusing this buffer.
     pub fn quantize(&mut self, x: &[f32], rows: usize, cols: usize) -> Result<()> {
-        if cols == 0 || cols % BLOCK != 0 || Some(x.len()) != rows.checked_mul(cols) {
+        if cols == 0 || !cols.is_multiple_of(BLOCK) || Some(x.len()) != rows.checked_mul(cols) {
             return Err(KernelError::Shape(format!(
                 "{} activations as {rows} rows of {cols} (a multiple of {BLOCK})",
                 x.len()

@@ -21,8 +21,9 @@
 //!   weight instead of 4.5–6.6.
 //!
 //! [`Isa::Scalar`] is the plain-Rust twin; [`Isa::Avx2`] the x86-64 kernel
-//! (codes widened to int16, `madd` integer dots, detected at run time);
-//! other sets (NEON, for now) run the scalar twin. Output columns are
+//! (codes widened to int16, `madd` integer dots, detected at run time) and
+//! [`Isa::Avx512`] the same at 512 bits (a block in one `madd`); NEON, for
+//! now, runs the scalar twin. Output columns are
 //! split over a [`Pool`]'s threads.
 
 use half::f16;
@@ -34,6 +35,8 @@ use crate::{KernelError, Result};
 mod act;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 mod pack;
 mod scalar;
 
@@ -169,7 +172,7 @@ impl QMatrix {
     /// are `bytes`; `cols` a multiple of the format's block (and of 32).
     pub fn from_ggml(format: WeightFormat, rows: usize, cols: usize, bytes: &[u8]) -> Result<Self> {
         let (per, size) = format.block();
-        if rows == 0 || cols == 0 || cols % per != 0 || cols % BLOCK != 0 {
+        if rows == 0 || cols == 0 || !cols.is_multiple_of(per) || !cols.is_multiple_of(BLOCK) {
             return Err(KernelError::Shape(format!(
                 "a {} matrix needs rows of a positive multiple of {per} weights, not {rows} x {cols}",
                 format.name()
@@ -270,7 +273,7 @@ impl QMatrix {
     /// `pool`'s threads (a panel for a dense matmul).
     pub fn dequantize_rows(&self, from: usize, out: &mut [f32], pool: &Pool) -> Result<()> {
         let n = out.len() / self.cols;
-        if out.len() % self.cols != 0 || from + n > self.rows {
+        if !out.len().is_multiple_of(self.cols) || from + n > self.rows {
             return Err(KernelError::Shape(format!(
                 "rows {from}..{} of {} into {} values (rows of {})",
                 from + n,
@@ -346,6 +349,9 @@ impl QMatrix {
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: `isa` was checked against this CPU.
                     Isa::Avx2 => unsafe { avx2::tile(self.packed, w, x, i, t, &mut acc) },
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: `isa` was checked against this CPU.
+                    Isa::Avx512 => unsafe { avx512::tile(self.packed, w, x, i, t, &mut acc) },
                     _ => scalar::tile(self.packed, w, x, i, t, &mut acc),
                 }
                 for (r, v) in acc.iter().take(t).enumerate() {
