@@ -13,6 +13,7 @@ pub enum Isa {
     Avx2,
     /// x86-64 AVX-512 (F, BW) beside AVX2, FMA and F16C: the quantized
     /// matmul's 512-bit kernel; the attention kernel runs its AVX2 path.
+    /// Chosen by name only (see [`Isa::detect`]).
     Avx512,
     /// AArch64 Advanced SIMD (NEON).
     Neon,
@@ -22,9 +23,12 @@ impl Isa {
     /// Every instruction set, the scalar twin first.
     pub const ALL: [Isa; 4] = [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Neon];
 
-    /// The fastest set this CPU supports, or the one `KVFORGE_ISA` names
-    /// (`scalar`, `avx2`, `avx512`, `neon`) when this CPU has it: for
-    /// side-by-side measurements and for ruling a kernel out.
+    /// The set the kernels run with: the one `KVFORGE_ISA` names
+    /// (`scalar`, `avx2`, `avx512`, `neon`) when this CPU has it, else
+    /// AVX2, NEON or the scalar twin. AVX-512 is chosen by name only: on
+    /// the one AVX-512 CPU measured (an AMD EPYC, which splits 512-bit
+    /// operations in two) its quantized matmul was not faster than AVX2's
+    /// (kernels/README.md).
     pub fn detect() -> Isa {
         static CHOSEN: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
         *CHOSEN.get_or_init(|| {
@@ -33,7 +37,7 @@ impl Isa {
                 .into_iter()
                 .find(|i| named.as_deref() == Some(i.name()) && i.supported());
             forced.unwrap_or_else(|| {
-                [Isa::Avx512, Isa::Avx2, Isa::Neon]
+                [Isa::Avx2, Isa::Neon]
                     .into_iter()
                     .find(|i| i.supported())
                     .unwrap_or(Isa::Scalar)

@@ -22,8 +22,8 @@
 //!
 //! [`Isa::Scalar`] is the plain-Rust twin; [`Isa::Avx2`] the x86-64 kernel
 //! (codes widened to int16, `madd` integer dots, detected at run time) and
-//! [`Isa::Avx512`] the same at 512 bits (a block in one `madd`); NEON, for
-//! now, runs the scalar twin. Output columns are
+//! [`Isa::Avx512`] the same at 512 bits (a block in one `madd`; chosen by
+//! name, `KVFORGE_ISA=avx512`); NEON, for now, runs the scalar twin. Output columns are
 //! split over a [`Pool`]'s threads.
 
 use half::f16;
