@@ -24,25 +24,6 @@ const PACKAGES: &[&str] = &[
     "huggingface_hub<1.0",
 ];
 
-/// `python -c CODE`'s trimmed output.
-fn python_says(py: &Path, code: &str) -> Result<String> {
-    let out = Command::new(py)
-        .args(["-c", code])
-        .output()
-        .with_context(|| format!("could not start {}", py.display()))?;
-    if !out.status.success() {
-        bail!(
-            "{} -c {code:?} failed: {}",
-            py.display(),
-            String::from_utf8_lossy(&out.stderr)
-                .lines()
-                .last()
-                .unwrap_or("")
-        );
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
-}
-
 const PURELIB: &str = "import sysconfig; print(sysconfig.get_paths()['purelib'])";
 
 /// `.venv-lmeval`'s python, the venv made and the harness installed when
@@ -51,7 +32,7 @@ fn harness_venv(root: &Path) -> Result<PathBuf> {
     let venv = root.join(".venv-lmeval");
     let py = venv.join("bin/python");
     let ready = "import importlib.metadata as m, tenacity; assert m.version('lm_eval') == '0.4.13'";
-    if py.exists() && python_says(&py, ready).is_ok() {
+    if py.exists() && crate::python_says(&py, ready).is_ok() {
         return Ok(py);
     }
     let base = root.join(".venv/bin/python");
@@ -65,8 +46,8 @@ fn harness_venv(root: &Path) -> Result<PathBuf> {
     }
     // The project's packages, read through a .pth file (after the
     // harness venv's own, which shadow them).
-    let theirs = python_says(&base, PURELIB)?;
-    let ours = PathBuf::from(python_says(&py, PURELIB)?);
+    let theirs = crate::python_says(&base, PURELIB)?;
+    let ours = PathBuf::from(crate::python_says(&py, PURELIB)?);
     std::fs::write(ours.join("kvforge-venv.pth"), format!("{theirs}\n"))
         .with_context(|| format!("writing {}", ours.display()))?;
     let mut pip = crate::pip_install(&py);

@@ -219,6 +219,25 @@ fn pip_install(py: &Path) -> Command {
     cmd
 }
 
+/// `python -c CODE`'s trimmed output.
+pub(crate) fn python_says(py: &Path, code: &str) -> Result<String> {
+    let out = Command::new(py)
+        .args(["-c", code])
+        .output()
+        .with_context(|| format!("could not start {}", py.display()))?;
+    if !out.status.success() {
+        bail!(
+            "{} -c {code:?} failed: {}",
+            py.display(),
+            String::from_utf8_lossy(&out.stderr)
+                .lines()
+                .last()
+                .unwrap_or("")
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
 /// `cargo build --quiet --release ARGS` in the workspace, as a step.
 fn build_release(root: &Path, args: &[&str]) -> Result<()> {
     let mut build = cargo();
