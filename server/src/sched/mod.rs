@@ -46,6 +46,7 @@ use crate::error::ApiError;
 use crate::metrics::{Ended, ServeMetrics};
 
 mod admit;
+mod fork;
 mod job;
 mod step;
 #[cfg(test)]

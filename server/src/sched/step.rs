@@ -17,7 +17,6 @@ use kvforge_prefix::ExtraKeys;
 use super::{End, Event, Fault, Outcome, Req, Scheduler, Scored, Shared, Text, lock};
 use crate::error::ApiError;
 use crate::metrics::Ended;
-use kvforge_engine::Sampler;
 
 fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     format!("the generation failed inside the server: {}", panic_text(p))
@@ -114,67 +113,6 @@ impl Scheduler {
         }
         self.fork_choices();
         lock(&self.shared.metrics).steps += 1;
-    }
-
-    /// The other choices of each request whose prompt ended in this step
-    /// (`n` > 1): each a fork of its sequence (the prompt's blocks shared,
-    /// nothing copied or recomputed) that samples its first token from
-    /// the same logits with a sampler of its own, then runs on its own.
-    fn fork_choices(&mut self) {
-        let engine = Arc::clone(&self.engine);
-        let (mut forks, mut waits) = (Vec::new(), Vec::new());
-        let cap = self.cfg.max_batch.max(1);
-        let (running, pressure) = (self.running.len(), self.pressure);
-        for r in &mut self.running {
-            let Some(logits) = r.fork_logits.take() else {
-                continue;
-            };
-            for index in 1..r.job.n {
-                let mut job = r.job.clone();
-                job.index = index;
-                job.params.seed = mix(job.params.seed ^ mix(index as u64));
-                let Ok(sampler) = Sampler::new(job.params.clone()) else {
-                    r.end = Some(End::Failed(ApiError::internal(
-                        "a choice's sampler could not be made",
-                    )));
-                    break;
-                };
-                let mut c = Req::new(job, sampler);
-                c.cached = r.cached;
-                // Inside the batch and without memory pressure a choice
-                // shares the prompt's blocks; beyond, it samples its first
-                // token now and waits, admitted later as a preempted
-                // request is (its prompt found through the prefix cache).
-                let shares = !pressure && running + forks.len() < cap;
-                if shares {
-                    let Ok(seq) = engine.cache().fork(&r.seq) else {
-                        r.end = Some(End::Failed(ApiError::internal(
-                            "forking a choice's sequence failed",
-                        )));
-                        break;
-                    };
-                    lock(&self.shared.metrics).forked_tokens += seq.len() as u64;
-                    c.seq = seq;
-                    self.admissions += 1;
-                    c.admitted = self.admissions;
-                }
-                sample(&engine, &self.shared, self.fault.as_ref(), &mut c, &logits);
-                // A choice that ended at its first token is swept now.
-                if shares || c.end.is_some() {
-                    forks.push(c);
-                } else {
-                    waits.push(c);
-                }
-            }
-        }
-        self.running.extend(forks);
-        if !waits.is_empty() {
-            for c in waits.into_iter().rev() {
-                self.shared.queued.fetch_add(1, Ordering::SeqCst);
-                self.waiting.push_front(c);
-            }
-            self.start_lookups();
-        }
     }
 
     /// A step did not fit: preempt the newest running request, or, if one
@@ -299,7 +237,13 @@ impl Scheduler {
 
 /// Samples `r`'s next token from `logits`, streams its text and decides
 /// whether it ends.
-fn sample(engine: &Engine, shared: &Shared, fault: Option<&Fault>, r: &mut Req, logits: &[f32]) {
+pub(super) fn sample(
+    engine: &Engine,
+    shared: &Shared,
+    fault: Option<&Fault>,
+    r: &mut Req,
+    logits: &[f32],
+) {
     let picked = catch_unwind(AssertUnwindSafe(|| {
         if let Some(f) = fault {
             f(r.job.user.as_deref());
@@ -371,16 +315,6 @@ fn sample(engine: &Engine, shared: &Shared, fault: Option<&Fault>, r: &mut Req, 
     } else if full {
         r.end = Some(End::Finished { stopped: false });
     }
-}
-
-/// SplitMix64's finalizer: a choice's seed is its request's mixed with its
-/// index, so no two choices' random streams are shifts of one another (the
-/// sampler's own stream steps by the same constant).
-fn mix(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 /// Sends `r`'s prompt as its reply's start: its text (special tokens
