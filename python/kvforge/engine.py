@@ -156,7 +156,7 @@ class Engine:
                 raise ValueError(f"kvforge: random needs exactly {', '.join(keys)}")
             dims = tuple(random[k] for k in keys)
         policy, tier_policy = _instance("policy", policy), _instance("tier_policy", tier_policy)
-        block_size, seed = _int("block_size", block_size, 1), _int("seed", seed, 0)
+        block_size, seed = _int("block_size", block_size, 1), _int("seed", seed, 0, 2**63)
         kv_tokens = _int("kv_tokens", kv_tokens, 0)
         self._native = _native.Engine(
             os.fspath(path),

@@ -86,6 +86,8 @@ def test_negative_ints_name_their_argument_numpy_ints_work_bytes_are_refused():
     e = tiny()
     with pytest.raises(ValueError, match="block_size must be an int ≥ 1"):
         tiny(block_size=-1)
+    with pytest.raises(ValueError, match="seed must be an int ≥ 0 and < 9223372036854775808"):
+        tiny(seed=2**63)
     with pytest.raises(ValueError, match="a token id must be an int ≥ 0"):
         e.generate([-1], max_tokens=2)
     with pytest.raises(ValueError, match="not bytes"):
