@@ -34,6 +34,16 @@ def interrupt_after(seconds):
     return timer
 
 
+@pytest.fixture(autouse=True)
+def python_handles_ctrl_c():
+    """Python's own SIGINT handler (KeyboardInterrupt) for each test: a
+    process started in the background (`cmd &`, `nohup`) inherits SIGINT
+    ignored, and Python then installs none."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
 def test_ctrl_c_stops_a_generation_within_a_step_and_the_engine_goes_on():
     e = tiny()
