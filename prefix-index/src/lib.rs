@@ -50,6 +50,7 @@
 mod chain;
 mod check;
 mod error;
+mod events;
 mod hash;
 mod radix;
 mod slots;
@@ -59,6 +60,7 @@ mod walk;
 pub use chain::HashChainIndex;
 pub use check::MAX_BLOCK_SIZE;
 pub use error::{PrefixError, Result};
+pub use events::{EventSink, KvEvent, Medium, Watched};
 pub use hash::{BlockHash, BlockHasher, Xxh3Hasher, block_key, root_key};
 pub use kvforge_pool::BlockId;
 pub use radix::RadixIndex;

@@ -31,6 +31,7 @@
 pub mod api;
 pub mod client;
 pub mod error;
+pub mod events;
 pub mod http;
 pub mod metrics;
 pub mod remote;
@@ -79,6 +80,9 @@ pub struct ServerConfig {
     pub check_invariants: bool,
     /// A remote tier shared with other instances ([`remote::connect`]).
     pub remote: Option<RemoteSetup>,
+    /// KV events on `/v1/kv_events`, each tenant's last this many batches
+    /// kept ([`events`]; `None`: off).
+    pub kv_events: Option<usize>,
 }
 
 impl Default for ServerConfig {
@@ -96,6 +100,7 @@ impl Default for ServerConfig {
             fault: None,
             check_invariants: false,
             remote: None,
+            kv_events: None,
         }
     }
 }
@@ -124,6 +129,9 @@ impl Server {
                     .into(),
             );
         }
+        if cfg.kv_events == Some(0) {
+            return Err("--kv-events-buffer must be at least 1".into());
+        }
         if cfg.header_timeout.is_zero() || cfg.body_timeout.is_zero() {
             return Err("--header-timeout-secs and --body-timeout-secs must be positive".into());
         }
@@ -135,6 +143,14 @@ impl Server {
             .set_remote(cfg.remote.clone())
             .map_err(|e| e.to_string())?;
         engine.cache().check_every_call(cfg.check_invariants);
+        let kv_events = cfg.kv_events.map(events::EventLog::new);
+        if let Some(log) = &kv_events {
+            let sink = Box::new(events::LogSink(log.clone()));
+            engine
+                .cache()
+                .with_coordinator(|c| c.watch_index(sink, 0))
+                .map_err(|e| format!("--kv-events: {e}"))?;
+        }
         let stats = engine.cache().stats();
         let hot = stats.tiers.first().map(|t| t.pool);
         let max_kv_tokens = (engine.cache().grows_only_hot())
@@ -184,6 +200,7 @@ impl Server {
             cfg.sched.max_waiting,
             tx.clone(),
             shared,
+            kv_events,
         ));
         Ok(Server {
             app,

@@ -3,6 +3,7 @@
 //! lifecycle, bad input, and many threads over one budget. No tensors.
 #![allow(clippy::unwrap_used, clippy::single_range_in_vec_init)]
 
+mod events;
 mod import;
 mod model;
 mod regressions;

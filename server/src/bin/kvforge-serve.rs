@@ -103,6 +103,14 @@ struct Args {
     /// Seconds a client may take to send a request's body.
     #[arg(long, default_value_t = 30)]
     body_timeout_secs: u64,
+    /// Publish KV events (blocks stored in and removed from the prefix
+    /// cache, vLLM's fields) to routers on GET /v1/kv_events, per tenant.
+    #[arg(long)]
+    kv_events: bool,
+    /// Batches of KV events each tenant's buffer keeps for subscribers
+    /// that fall behind.
+    #[arg(long, default_value_t = kvforge_server::events::DEFAULT_BUFFER)]
+    kv_events_buffer: usize,
 }
 
 /// The engine, its reuse, and the remote tier the mechanisms file names.
@@ -190,6 +198,7 @@ fn run(a: Args) -> Result<(), String> {
         fault: None,
         check_invariants: false,
         remote,
+        kv_events: a.kv_events.then_some(a.kv_events_buffer),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)

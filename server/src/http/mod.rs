@@ -24,6 +24,7 @@ use crate::metrics;
 use crate::sched::{Event, Job, Msg, Shared, lock};
 
 mod auth;
+mod events;
 mod listen;
 mod reply;
 mod tokenize;
@@ -51,6 +52,8 @@ pub struct App {
     pub tx: mpsc::Sender<Msg>,
     /// Shared with the loop.
     pub shared: Arc<Shared>,
+    /// The KV events' log, when they are on (`--kv-events`).
+    pub kv_events: Option<Arc<crate::events::EventLog>>,
     next_id: AtomicU64,
 }
 
@@ -67,6 +70,7 @@ impl App {
         max_waiting: usize,
         tx: mpsc::Sender<Msg>,
         shared: Arc<Shared>,
+        kv_events: Option<Arc<crate::events::EventLog>>,
     ) -> Self {
         App {
             limits,
@@ -78,6 +82,7 @@ impl App {
             max_waiting,
             tx,
             shared,
+            kv_events,
             next_id: AtomicU64::new(1),
         }
     }
@@ -96,6 +101,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/detokenize", post(tokenize::detokenize))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
+        .route("/v1/kv_events", get(events::subscribe))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
@@ -153,7 +159,7 @@ async fn not_found() -> ApiError {
 /// 405 in OpenAI's error shape (axum's own has an empty body).
 async fn method_not_allowed(method: axum::http::Method) -> ApiError {
     let mut e = ApiError::invalid(format!(
-        "method {method} is not allowed here; the endpoints take POST (chat, completions, tokenize, detokenize) or GET (models, health, metrics, tokenizer_info)"
+        "method {method} is not allowed here; the endpoints take POST (chat, completions, tokenize, detokenize) or GET (models, health, metrics, tokenizer_info, kv_events)"
     ));
     e.status = 405;
     e

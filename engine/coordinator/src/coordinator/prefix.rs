@@ -2,7 +2,7 @@
 //! blocks registered in the index.
 
 use kvforge_pool::{BlockId, Slot, TieredPool};
-use kvforge_prefix::{BlockRef, ExtraKeys, PrefixMatcher, acquire_prefix};
+use kvforge_prefix::{BlockRef, EventSink, ExtraKeys, PrefixMatcher, Watched, acquire_prefix};
 
 use crate::config::TurnTail;
 use crate::error::{CoordError, Result};
@@ -198,6 +198,22 @@ impl Coordinator {
             self.mark_cached(r)?;
         }
         Ok(Some(chained))
+    }
+
+    /// From now on, reports what enters and leaves the prefix index to
+    /// `sink` ([`KvEvent`](kvforge_prefix::KvEvent)s for a KV-aware
+    /// router; keys hashed with `seed`). Errors, changing nothing, when
+    /// prefix reuse is off or the index holds blocks already. A
+    /// reconfigured cache builds a new coordinator, unwatched.
+    pub fn watch_index(&mut self, sink: Box<dyn EventSink>, seed: u64) -> Result<()> {
+        let Some(index) = self.index.take_if(|i| i.stats().cached_blocks == 0) else {
+            return Err(CoordError::Config(match self.index {
+                None => "KV events need prefix reuse on".into(),
+                Some(_) => "KV events must be watched from an empty prefix index".into(),
+            }));
+        };
+        self.index = Some(Box::new(Watched::new(index, sink, seed)));
+        Ok(())
     }
 
     /// Seals the last block: the next token starts a new one.
