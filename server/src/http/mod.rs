@@ -24,6 +24,7 @@ use crate::metrics;
 use crate::sched::{Event, Job, Msg, Shared, lock};
 
 mod auth;
+mod dashboard;
 mod events;
 mod listen;
 mod reply;
@@ -102,6 +103,8 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .route("/v1/kv_events", get(events::subscribe))
+        .route("/dashboard", get(dashboard::page))
+        .route("/dashboard/stream", get(dashboard::stream))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
@@ -159,7 +162,7 @@ async fn not_found() -> ApiError {
 /// 405 in OpenAI's error shape (axum's own has an empty body).
 async fn method_not_allowed(method: axum::http::Method) -> ApiError {
     let mut e = ApiError::invalid(format!(
-        "method {method} is not allowed here; the endpoints take POST (chat, completions, tokenize, detokenize) or GET (models, health, metrics, tokenizer_info, kv_events)"
+        "method {method} is not allowed here; the endpoints take POST (chat, completions, tokenize, detokenize) or GET (models, health, metrics, tokenizer_info, kv_events, dashboard)"
     ));
     e.status = 405;
     e

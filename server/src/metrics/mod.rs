@@ -59,6 +59,11 @@ impl Histogram {
         self.count
     }
 
+    /// The sum of the observations.
+    pub fn sum(&self) -> f64 {
+        self.sum
+    }
+
     fn render(&self, out: &mut Exposition, name: &str, help: &str) {
         let buckets = self.bounds.iter().copied().zip(self.counts.iter().copied());
         out.histogram(name, help, buckets, self.count, self.sum);

@@ -1,0 +1,95 @@
+//! `GET /dashboard`: one page that draws the cache live, and
+//! `GET /dashboard/stream`, the snapshots it draws (server-sent events,
+//! one a second). Like `/metrics`, both show the server's totals — bytes
+//! per tier, what the policies did, hit rates, latency — and no tenant's
+//! tokens or keys, so they ask for no API key.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::extract::State;
+use axum::http::header;
+use axum::response::sse::{Event as Sse, Sse as SseBody};
+use axum::response::{IntoResponse, Response};
+use futures_util::stream;
+use serde_json::{Value, json};
+
+use super::App;
+use crate::sched::lock;
+
+/// The page: plain HTML, canvas and script, nothing fetched from elsewhere.
+const PAGE: &str = include_str!("dashboard.html");
+
+/// How often a snapshot goes out.
+const EVERY: Duration = Duration::from_secs(1);
+
+pub(super) async fn page() -> Response {
+    ([(header::CONTENT_TYPE, "text/html; charset=utf-8")], PAGE).into_response()
+}
+
+/// The counters whose growth is drawn as a marker, by the marker's name.
+const MARKED: [(&str, &str); 5] = [
+    ("eviction", "evicted_entries"),
+    ("demotion", "demoted_blocks"),
+    ("compaction", "compacted_blocks"),
+    ("reclaim", "lifecycle_reclaimed"),
+    ("preemption", "preemptions"),
+];
+
+/// One snapshot of the server's totals, with what grew since `before`.
+fn snapshot(app: &App, before: Option<&Value>) -> Value {
+    let m = lock(&app.shared.metrics).clone();
+    let cache = lock(&app.shared.cache).clone();
+    let t = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
+    let mut v = json!({
+        "t": t,
+        "model": app.limits.model_id,
+        "serve": {
+            "running": m.running,
+            "waiting": m.waiting,
+            "prompt_tokens": m.prompt_tokens,
+            "generation_tokens": m.generation_tokens,
+            "preemptions": m.preemptions,
+            "ttft_sum": m.ttft.sum(),
+            "ttft_count": m.ttft.count(),
+        },
+        "cache": cache,
+    });
+    let count = |v: &Value, field: &str| -> u64 {
+        let c = &v["cache"]["policies"][field];
+        c.as_u64()
+            .or_else(|| v["serve"][field].as_u64())
+            .unwrap_or(0)
+    };
+    let marks: Vec<Value> = match before {
+        None => Vec::new(),
+        Some(b) => MARKED
+            .iter()
+            .filter_map(|&(kind, field)| {
+                let grew = count(&v, field).saturating_sub(count(b, field));
+                (grew > 0).then(|| json!({"kind": kind, "count": grew, "counter": field}))
+            })
+            .collect(),
+    };
+    v["marks"] = Value::Array(marks);
+    v
+}
+
+pub(super) async fn stream(State(app): State<Arc<App>>) -> Response {
+    let s = stream::unfold((app, None::<Value>), |(app, before)| async move {
+        if before.is_some() {
+            tokio::time::sleep(EVERY).await;
+        }
+        if app.shared.closing.load(Ordering::SeqCst) {
+            return None;
+        }
+        let now = snapshot(&app, before.as_ref());
+        let e = Sse::default().event("snapshot").data(now.to_string());
+        Some((Ok::<_, Infallible>(e), (app, Some(now))))
+    });
+    SseBody::new(s).into_response()
+}
