@@ -74,8 +74,12 @@ pub(crate) fn ci(root: &Path) -> Result<()> {
         .env("LD_LIBRARY_PATH", prepend_path(&nvrtc, "LD_LIBRARY_PATH"))
         .env("KVFORGE_REQUIRE_NVRTC", "1")
         .env("KVFORGE_REDIS_SERVER", &env.redis_server)
+        .env("KVFORGE_REQUIRE_PROMETHEUS", "1")
         .env("KVFORGE_NUMERICS_LOG", &baseline)
         .args(["test", "--workspace"]);
+    if let Some(p) = &env.prometheus {
+        test.env("KVFORGE_PROMETHEUS", p);
+    }
     step("cargo test --workspace", test)?;
 
     // The Python package, rebuilt from these sources, and its pytest suite

