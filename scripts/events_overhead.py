@@ -69,16 +69,16 @@ def start(port, events):
 
 
 def reader(port, path, stop):
-    """A subscriber that reads everything until stopped."""
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    """A subscriber that reads everything until stopped or the server goes
+    (blocking reads: a socket that timed out once cannot be read again)."""
+    c = http.client.HTTPConnection("127.0.0.1", port)
     c.request("GET", path)
     r = c.getresponse()
-    while not stop.is_set():
-        try:
-            if not r.read1(65536):
-                break
-        except (TimeoutError, OSError):
-            continue
+    try:
+        while not stop.is_set() and r.read1(65536):
+            pass
+    except OSError:
+        pass
     c.close()
 
 
@@ -120,12 +120,13 @@ def run(events, a):
     try:
         idle = rss_kib(p.pid)
         if events:
-            for i in range(50):
+            for i in range(a.subscribers):
                 path = "/v1/kv_events" if i % 2 == 0 else "/dashboard/stream"
                 t = threading.Thread(target=reader, args=(port, path, stop), daemon=True)
                 t.start()
                 subs.append(t)
-            quiet = never_reads(port)
+            if a.never_reader:
+                quiet = never_reads(port)
             time.sleep(1.0)
         tokens = []
         t0 = time.monotonic()
@@ -154,6 +155,8 @@ def main():
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--requests", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--subscribers", type=int, default=50, help="reading subscribers in the on arm, half on each stream")
+    ap.add_argument("--never-reader", type=int, default=1, help="1: one subscriber that never reads, in the on arm")
     ap.add_argument("--out", default="target/events-overhead")
     a = ap.parse_args()
     if not os.path.exists(SERVE):
