@@ -10,6 +10,7 @@ criterion::criterion_main!(
     benchmarks::pool::benches,
     benchmarks::hashing::benches,
     benchmarks::matching::benches,
+    benchmarks::events::benches,
     benchmarks::quant::benches,
     benchmarks::lsh::benches,
     benchmarks::evict::benches,

@@ -1,6 +1,7 @@
 //! Benchmark groups.
 
 pub(crate) mod attention;
+pub(crate) mod events;
 pub(crate) mod evict;
 pub(crate) mod hashing;
 pub(crate) mod lsh;
