@@ -179,6 +179,9 @@ impl Server {
         let auth = http::Auth::new(&cfg.api_keys, secret)?;
         let remote = engine.cache().remote_stats_source();
         let shared = Arc::new(sched::Shared::default());
+        // The cache's reading from the start, so that `/metrics` and the
+        // dashboard never answer before the loop's first publish.
+        *sched::lock(&shared.cache) = Some(engine.cache().stats());
         let (tx, rx) = mpsc::channel();
         let sched = sched::Scheduler::new(
             Arc::new(engine),

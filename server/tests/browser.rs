@@ -2,8 +2,9 @@
 //! by `cargo xtask setup`), driven through the DevTools protocol, loads
 //! `/dashboard` from a live server whose small cache demotes and evicts;
 //! requests run, and the page's own state (`window.kv`) must show the
-//! bytes curve risen, eviction and demotion markers, and the prefix hit
-//! rate moved. A screenshot of that state goes to
+//! bytes curve risen, eviction and demotion markers, a running request's
+//! block table with hot, cold and dropped entries, the last requests'
+//! table, and the prefix hit rate moved. A screenshot of that state goes to
 //! `target/dashboard/dashboard.png` (the one in the server's README came
 //! from this test).
 //!
@@ -107,7 +108,7 @@ fn open(bin: &PathBuf, url: &str, dir: &std::path::Path) -> (Browser, Page) {
             "--disable-background-networking",
             "--disable-component-update",
             "--disable-sync",
-            "--window-size=1280,760",
+            "--window-size=1280,1000",
             "--remote-debugging-port=0",
         ])
         .arg(format!("--user-data-dir={}", dir.display()))
@@ -197,7 +198,7 @@ fn the_dashboard_draws_the_cache_live_in_chromium() {
     // the prefix cache (its sink block stays registered).
     let addr = s.addr.clone();
     let long = std::thread::spawn(move || {
-        let mut body = chat(&"word ".repeat(40), 1500);
+        let mut body = chat(&"word ".repeat(40), 3000);
         body["ignore_eos"] = json!(true);
         client::post_json(&addr, "/v1/chat/completions", &[], &body, PATIENCE)
             .unwrap()
@@ -208,6 +209,8 @@ fn the_dashboard_draws_the_cache_live_in_chromium() {
         peak: Math.max(...kv.snapshots.map(s => s.cache ? s.cache.bytes_in_use : 0)),
         kinds: [...new Set(kv.marks.map(m => m.kind))],
         hit: kv.series.hit.filter(p => p.v !== null && p.v > 0).length,
+        entries: [...new Set(kv.snapshots.flatMap(s => (s.sequences || []).flatMap(q => [...q.entries])))],
+        recent: document.querySelectorAll('#recent tr').length,
         status: document.getElementById('status').textContent,
         rows: document.querySelectorAll('#now tr').length })";
     let t = Instant::now();
@@ -217,11 +220,11 @@ fn the_dashboard_draws_the_cache_live_in_chromium() {
         let v: Value = serde_json::from_str(page.eval(state).as_str().unwrap()).unwrap();
         let kinds = v["kinds"].as_array().unwrap();
         let has = |k: &str| kinds.iter().any(|x| x == k);
-        if v["peak"].as_u64().unwrap() > 0
-            && has("eviction")
-            && has("demotion")
-            && v["hit"].as_u64().unwrap() > 0
-        {
+        let entries = v["entries"].as_array().unwrap();
+        let seen = |e: &str| entries.iter().any(|x| x == e);
+        let strips = seen("h") && seen("c") && seen("d");
+        let marks = has("eviction") && has("demotion");
+        if v["peak"].as_u64().unwrap() > 0 && marks && strips && v["hit"].as_u64().unwrap() > 0 {
             break v;
         }
         assert!(t.elapsed() < PATIENCE, "the page never showed it all: {v}");
@@ -229,9 +232,10 @@ fn the_dashboard_draws_the_cache_live_in_chromium() {
     };
     assert_eq!(last["status"], "live");
     assert!(last["rows"].as_u64().unwrap() >= 8, "{last}");
-    assert_eq!(long.join().unwrap(), 200);
-    // One more snapshot after the long request, then the picture.
-    std::thread::sleep(Duration::from_millis(1200));
+    assert!(last["recent"].as_u64().unwrap() >= 2, "{last}");
+    // The picture a few snapshots on, the long request still running
+    // (3000 tokens), then its end.
+    std::thread::sleep(Duration::from_millis(2500));
     let shot = page.call("Page.captureScreenshot", json!({"format": "png"}));
     let png = data_encoding::BASE64
         .decode(shot["data"].as_str().unwrap().as_bytes())
@@ -240,5 +244,6 @@ fn the_dashboard_draws_the_cache_live_in_chromium() {
     let out = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/dashboard");
     std::fs::create_dir_all(&out).unwrap();
     std::fs::write(out.join("dashboard.png"), png).unwrap();
+    assert_eq!(long.join().unwrap(), 200);
     let _ = std::fs::remove_dir_all(&dir);
 }

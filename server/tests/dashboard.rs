@@ -60,20 +60,28 @@ fn snapshots_carry_the_tiers_and_mark_a_demotion() {
     // A prompt longer than the hot window: its older blocks go cold.
     let r = s.post("/v1/chat/completions", &chat(&"word ".repeat(60), 4));
     assert_eq!(r.status, 200);
-    // Bounded: the marker comes with the next snapshot or two.
+    // Bounded: the marker, and the finished request's timings, come
+    // with the next snapshot or two (one taken while the request ran may
+    // still be on its way).
+    let mut marked = false;
     for _ in 0..5 {
         let snap = next();
+        assert!(snap["sequences"].is_array());
         let marks = snap["marks"].as_array().unwrap();
         if let Some(m) = marks.iter().find(|m| m["kind"] == "demotion") {
             assert!(m["count"].as_u64().unwrap() > 0);
-            assert!(
-                snap["cache"]["policies"]["demoted_blocks"]
-                    .as_u64()
-                    .unwrap()
-                    > 0
-            );
+            let demoted = &snap["cache"]["policies"]["demoted_blocks"];
+            assert!(demoted.as_u64().unwrap() > 0);
+            marked = true;
+        }
+        let recent = snap["recent"].as_array().unwrap();
+        if marked && !recent.is_empty() {
+            assert_eq!(recent.len(), 1, "{snap}");
+            assert_eq!(recent[0]["tokens"], 4);
+            let (ttft, all) = (recent[0]["ttft"].as_f64(), recent[0]["seconds"].as_f64());
+            assert!(ttft.unwrap() <= all.unwrap());
             return;
         }
     }
-    panic!("no demotion marker in five snapshots");
+    panic!("no demotion marker and finished request in five snapshots");
 }

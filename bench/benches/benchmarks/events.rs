@@ -41,7 +41,13 @@ fn register(c: &mut Criterion) {
     });
     g.bench_function(BenchmarkId::new("watched-json", "128 blocks"), |b| {
         b.iter_batched(
-            || Watched::new(HashChainIndex::with_seed(bs, 0).unwrap(), Box::new(Json(0)), 0),
+            || {
+                Watched::new(
+                    HashChainIndex::with_seed(bs, 0).unwrap(),
+                    Box::new(Json(0)),
+                    0,
+                )
+            },
             |mut m| register_and_forget(&mut m, &tokens, &blocks),
             BatchSize::SmallInput,
         )

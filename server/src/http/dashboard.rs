@@ -1,8 +1,9 @@
 //! `GET /dashboard`: one page that draws the cache live, and
 //! `GET /dashboard/stream`, the snapshots it draws (server-sent events,
 //! one a second). Like `/metrics`, both show the server's totals — bytes
-//! per tier, what the policies did, hit rates, latency — and no tenant's
-//! tokens or keys, so they ask for no API key.
+//! per tier, what the policies did, hit rates, latency, the running
+//! requests' block tables (entry kinds only) and the last requests'
+//! timings — and no tenant's tokens or keys, so they ask for no API key.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -42,6 +43,7 @@ const MARKED: [(&str, &str); 5] = [
 fn snapshot(app: &App, before: Option<&Value>) -> Value {
     let m = lock(&app.shared.metrics).clone();
     let cache = lock(&app.shared.cache).clone();
+    let sequences = lock(&app.shared.strips).clone();
     let t = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64());
@@ -58,6 +60,8 @@ fn snapshot(app: &App, before: Option<&Value>) -> Value {
             "ttft_count": m.ttft.count(),
         },
         "cache": cache,
+        "sequences": sequences,
+        "recent": m.recent,
     });
     let count = |v: &Value, field: &str| -> u64 {
         let c = &v["cache"]["policies"][field];
@@ -79,17 +83,36 @@ fn snapshot(app: &App, before: Option<&Value>) -> Value {
     v
 }
 
+/// A dashboard watching: counted while its stream lives, so that the
+/// engine loop publishes the block tables only then.
+struct Watching(Arc<App>);
+
+impl Watching {
+    fn new(app: Arc<App>) -> Watching {
+        app.shared.watchers.fetch_add(1, Ordering::SeqCst);
+        Watching(app)
+    }
+}
+
+impl Drop for Watching {
+    fn drop(&mut self) {
+        self.0.shared.watchers.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 pub(super) async fn stream(State(app): State<Arc<App>>) -> Response {
-    let s = stream::unfold((app, None::<Value>), |(app, before)| async move {
+    let watching = Watching::new(app);
+    let s = stream::unfold((watching, None::<Value>), |(w, before)| async move {
+        let app = &w.0;
         if before.is_some() {
             tokio::time::sleep(EVERY).await;
         }
         if app.shared.closing.load(Ordering::SeqCst) {
             return None;
         }
-        let now = snapshot(&app, before.as_ref());
+        let now = snapshot(app, before.as_ref());
         let e = Sse::default().event("snapshot").data(now.to_string());
-        Some((Ok::<_, Infallible>(e), (app, Some(now))))
+        Some((Ok::<_, Infallible>(e), (w, Some(now))))
     });
     SseBody::new(s).into_response()
 }

@@ -84,6 +84,24 @@ pub enum Ended {
     Failed,
 }
 
+/// One finished request, for the dashboard's table.
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub struct Finished {
+    /// Seconds from arrival to the first token.
+    pub ttft: f64,
+    /// Seconds from arrival to the last token.
+    pub seconds: f64,
+    /// Prompt tokens.
+    pub prompt: usize,
+    /// Of those, found in the prefix cache.
+    pub cached: usize,
+    /// Tokens generated.
+    pub tokens: usize,
+}
+
+/// Finished requests [`ServeMetrics::recent`] keeps.
+pub const RECENT: usize = 32;
+
 /// What the engine loop counts.
 #[derive(Clone, Debug)]
 pub struct ServeMetrics {
@@ -120,6 +138,8 @@ pub struct ServeMetrics {
     pub failed: u64,
     /// Engine steps run.
     pub steps: u64,
+    /// The last [`RECENT`] requests finished, oldest first.
+    pub recent: std::collections::VecDeque<Finished>,
 }
 
 impl Default for ServeMetrics {
@@ -141,11 +161,20 @@ impl Default for ServeMetrics {
             aborted: 0,
             failed: 0,
             steps: 0,
+            recent: std::collections::VecDeque::new(),
         }
     }
 }
 
 impl ServeMetrics {
+    /// Keeps a finished request for the dashboard (the last [`RECENT`]).
+    pub fn finished(&mut self, f: Finished) {
+        self.recent.push_back(f);
+        if self.recent.len() > RECENT {
+            self.recent.pop_front();
+        }
+    }
+
     /// Counts a request that ended.
     pub fn ended(&mut self, how: Ended) {
         match how {

@@ -35,23 +35,25 @@
 //! one request at a time, so that only the one at fault fails.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, mpsc};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
-use kvforge_engine::cache::{CacheStats, RemoteFetched};
+use kvforge_engine::cache::RemoteFetched;
 use kvforge_engine::{Engine, Sampler, Sequence, TokenLogprob};
 
 use crate::error::ApiError;
-use crate::metrics::{Ended, ServeMetrics};
+use crate::metrics::Ended;
 
 mod admit;
 mod fork;
 mod job;
+mod shared;
 mod step;
 #[cfg(test)]
 mod tests;
 mod text;
+mod watch;
 
 /// The scheduler's knobs.
 #[derive(Clone, Debug)]
@@ -76,36 +78,12 @@ impl Default for SchedConfig {
 }
 
 pub use job::{Alt, Event, Job, Outcome, Scored, Text};
+pub use shared::{Msg, Shared, lock};
+pub use watch::Strip;
 
 /// A test's hook, called before each token of a request is sampled, with
 /// the request's `user`; a panic there fails that request only.
 pub type Fault = Arc<dyn Fn(Option<&str>) + Send + Sync>;
-
-/// What the HTTP side and the loop share.
-#[derive(Default)]
-pub struct Shared {
-    /// Jobs submitted and not yet admitted (for the 429 check).
-    pub queued: AtomicUsize,
-    /// No new request is taken.
-    pub closing: AtomicBool,
-    /// The loop's counters.
-    pub metrics: Mutex<ServeMetrics>,
-    /// The cache's counters after the latest step.
-    pub cache: Mutex<Option<CacheStats>>,
-}
-
-/// Locks `m`, whatever a panicking holder left (plain counters).
-pub fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// Messages into the loop.
-pub enum Msg {
-    /// A new request.
-    Submit(Job),
-    /// Stop: finish what runs until the deadline, then cancel the rest.
-    Shutdown(Instant),
-}
 
 /// A request in the loop, waiting or running.
 struct Req {
@@ -126,6 +104,8 @@ struct Req {
     /// Its remote lookup while it waits: it is admitted once `Ready`.
     lookup: Lookup,
     last_token: Option<Instant>,
+    /// Seconds from arrival to its first token.
+    ttft: Option<f64>,
     /// Set when the request has ended in this step.
     end: Option<End>,
     /// With `echo` and `logprobs`: the prompt's scores by position, until
@@ -154,6 +134,7 @@ impl Req {
             admitted: 0,
             lookup: Lookup::New,
             last_token: None,
+            ttft: None,
             end: None,
             prompt_scores: Vec::new(),
             echoed: false,
@@ -381,6 +362,9 @@ impl Scheduler {
     fn publish(&self) {
         let stats = self.engine.cache().stats();
         *lock(&self.shared.cache) = Some(stats);
+        if self.shared.watchers.load(Ordering::Relaxed) > 0 {
+            *lock(&self.shared.strips) = self.strips();
+        }
         let mut m = lock(&self.shared.metrics);
         m.running = self.running.len();
         m.waiting = self.shared.queued.load(Ordering::SeqCst);

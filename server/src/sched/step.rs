@@ -16,7 +16,7 @@ use kvforge_prefix::ExtraKeys;
 
 use super::{End, Event, Fault, Outcome, Req, Scheduler, Scored, Shared, Text, lock};
 use crate::error::ApiError;
-use crate::metrics::Ended;
+use crate::metrics::{Ended, Finished};
 
 fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     format!("the generation failed inside the server: {}", panic_text(p))
@@ -210,7 +210,15 @@ impl Scheduler {
                     if r.counts() {
                         let mut m = lock(&self.shared.metrics);
                         m.ended(if stopped { Ended::Stop } else { Ended::Length });
-                        m.e2e.observe(r.job.arrived.elapsed().as_secs_f64());
+                        let seconds = r.job.arrived.elapsed().as_secs_f64();
+                        m.e2e.observe(seconds);
+                        m.finished(Finished {
+                            ttft: r.ttft.unwrap_or(seconds),
+                            seconds,
+                            prompt: r.job.prompt.len(),
+                            cached: r.cached.unwrap_or(0),
+                            tokens: r.generated.len(),
+                        });
                     }
                 }
                 End::Aborted => {
@@ -261,7 +269,11 @@ pub(super) fn sample(
     {
         let mut m = lock(&shared.metrics);
         match r.last_token {
-            None if r.counts() => m.ttft.observe((now - r.job.arrived).as_secs_f64()),
+            None if r.counts() => {
+                let ttft = (now - r.job.arrived).as_secs_f64();
+                m.ttft.observe(ttft);
+                r.ttft.get_or_insert(ttft);
+            }
             None => {}
             Some(t) => m.itl.observe((now - t).as_secs_f64()),
         }
