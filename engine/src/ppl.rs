@@ -22,6 +22,7 @@ use tch::{Kind, Tensor};
 use crate::cache::Sequence;
 use crate::engine::Engine;
 use crate::error::{EngineError, Result};
+use crate::kv::ContiguousCache;
 
 /// One perplexity measurement.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -143,6 +144,31 @@ impl Engine {
         })();
         self.cache.free(&mut seq)?;
         out
+    }
+
+    /// The perplexity [`streaming_ppl`](Self::streaming_ppl) would report
+    /// for the same tokens (every one after the first `prefix`) if nothing
+    /// touched the KV: one forward pass over all of `tokens` into a dense
+    /// cache of its own, so neither the paged cache's mechanisms nor its
+    /// budget take part. The reference a live probe is plotted against.
+    pub fn full_cache_ppl(&self, tokens: &[u32], prefix: usize) -> Result<PplReport> {
+        if prefix == 0 || prefix >= tokens.len() {
+            return Err(EngineError::Request(format!(
+                "full-cache perplexity needs 0 < prefix < {} tokens (prefix {prefix})",
+                tokens.len()
+            )));
+        }
+        let t0 = Instant::now();
+        let mut store = ContiguousCache::new(self.model.cfg.n_layers);
+        let logits = self.model.forward(tokens, &mut store, true)?;
+        let n = tokens.len() - prefix;
+        let rows = logits.f_narrow(0, prefix as i64 - 1, n as i64)?;
+        let r = PplReport {
+            nll_sum: nll(&rows, &tokens[prefix..])?,
+            scored: n,
+            ..PplReport::default()
+        };
+        Ok(finish(r, tokens.len(), t0.elapsed().as_secs_f64()))
     }
 
     /// Window perplexity: windows of `window` tokens from an empty cache,

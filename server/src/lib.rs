@@ -182,6 +182,10 @@ impl Server {
         // The cache's reading from the start, so that `/metrics` and the
         // dashboard never answer before the loop's first publish.
         *sched::lock(&shared.cache) = Some(engine.cache().stats());
+        if let Some(p) = &cfg.sched.probe {
+            p.check()?;
+            sched::lock(&shared.probe).full_cache = Some(p.full_cache(&engine)?);
+        }
         let (tx, rx) = mpsc::channel();
         let sched = sched::Scheduler::new(
             Arc::new(engine),

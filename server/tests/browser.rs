@@ -4,7 +4,7 @@
 //! requests run, and the page's own state (`window.kv`) must show the
 //! bytes curve risen, eviction and demotion markers, a running request's
 //! block table with hot, cold and dropped entries, the last requests'
-//! table, and the prefix hit rate moved. A screenshot of that state goes to
+//! table, a quality probe plotted, and the prefix hit rate moved. A screenshot of that state goes to
 //! `target/dashboard/dashboard.png` (the one in the server's README came
 //! from this test).
 //!
@@ -24,8 +24,9 @@ use std::time::{Duration, Instant};
 
 use common::{TestServer, chat, tiny_engine};
 use kvforge_engine::{Axis, EngineConfig, KvQuant, Registry};
-use kvforge_server::ServerConfig;
 use kvforge_server::client;
+use kvforge_server::sched::ProbeConfig;
+use kvforge_server::{SchedConfig, ServerConfig};
 use serde_json::{Value, json};
 use tungstenite::{Message, WebSocket};
 
@@ -108,7 +109,7 @@ fn open(bin: &PathBuf, url: &str, dir: &std::path::Path) -> (Browser, Page) {
             "--disable-background-networking",
             "--disable-component-update",
             "--disable-sync",
-            "--window-size=1280,1000",
+            "--window-size=1280,1120",
             "--remote-debugging-port=0",
         ])
         .arg(format!("--user-data-dir={}", dir.display()))
@@ -184,7 +185,22 @@ fn the_dashboard_draws_the_cache_live_in_chromium() {
     let Some(bin) = chromium() else {
         return;
     };
-    let s = TestServer::start(tiny_engine(&small_cache(), 4096), ServerConfig::default());
+    let engine = tiny_engine(&small_cache(), 4096);
+    let text = "The cache keeps the keys and values of every token it has read. ".repeat(20);
+    let mut tokens = engine.tokenizer().encode_text(&text).unwrap();
+    tokens.truncate(96);
+    let probe = ProbeConfig {
+        tokens,
+        every: Duration::from_secs(1),
+    };
+    let cfg = ServerConfig {
+        sched: SchedConfig {
+            probe: Some(probe),
+            ..SchedConfig::default()
+        },
+        ..ServerConfig::default()
+    };
+    let s = TestServer::start(engine, cfg);
     let dir = std::env::temp_dir().join(format!("kvforge-chromium-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let url = format!("http://{}/dashboard", s.addr);
@@ -211,6 +227,7 @@ fn the_dashboard_draws_the_cache_live_in_chromium() {
         hit: kv.series.hit.filter(p => p.v !== null && p.v > 0).length,
         entries: [...new Set(kv.snapshots.flatMap(s => (s.sequences || []).flatMap(q => [...q.entries])))],
         recent: document.querySelectorAll('#recent tr').length,
+        ppl: kv.series.ppl.length,
         status: document.getElementById('status').textContent,
         rows: document.querySelectorAll('#now tr').length })";
     let t = Instant::now();
@@ -224,7 +241,9 @@ fn the_dashboard_draws_the_cache_live_in_chromium() {
         let seen = |e: &str| entries.iter().any(|x| x == e);
         let strips = seen("h") && seen("c") && seen("d");
         let marks = has("eviction") && has("demotion");
-        if v["peak"].as_u64().unwrap() > 0 && marks && strips && v["hit"].as_u64().unwrap() > 0 {
+        let probed = v["ppl"].as_u64().unwrap() > 0;
+        let hit = v["hit"].as_u64().unwrap() > 0;
+        if v["peak"].as_u64().unwrap() > 0 && marks && strips && hit && probed {
             break v;
         }
         assert!(t.elapsed() < PATIENCE, "the page never showed it all: {v}");

@@ -99,6 +99,38 @@ fn bad_flags_and_files_are_one_line_and_a_nonzero_exit() {
         1,
         "--header-timeout-secs",
     );
+    fails(
+        &["--model", model, "--kv-events", "--kv-events-buffer", "0"],
+        1,
+        "--kv-events-buffer",
+    );
+    fails(
+        &["--model", model, "--probe", "/no/such/text"],
+        1,
+        "--probe /no/such/text",
+    );
+    let short = dir.join("short.txt");
+    std::fs::write(&short, "Too short.").unwrap();
+    let short = short.to_str().unwrap();
+    fails(
+        &["--model", model, "--probe", short],
+        1,
+        "the probe needs at least",
+    );
+    let long = dir.join("long.txt");
+    std::fs::write(&long, "A text long enough to probe. ".repeat(20)).unwrap();
+    fails(
+        &[
+            "--model",
+            model,
+            "--probe",
+            long.to_str().unwrap(),
+            "--probe-every",
+            "0",
+        ],
+        1,
+        "--probe-every",
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -19,6 +19,7 @@ use kvforge_engine::mechanisms::RemoteSpec;
 use kvforge_engine::{
     Attention, Engine, EngineConfig, Mechanisms, Registry, ReuseConfig, parse_device, parse_dtype,
 };
+use kvforge_server::sched::ProbeConfig;
 use kvforge_server::{SchedConfig, Server, ServerConfig};
 
 use kvforge_engine::DEFAULT_MODEL;
@@ -111,6 +112,37 @@ struct Args {
     /// that fall behind.
     #[arg(long, default_value_t = kvforge_server::events::DEFAULT_BUFFER)]
     kv_events_buffer: usize,
+    /// A held-out text whose slice the quality probe streams through the
+    /// live cache every --probe-every seconds; the dashboard plots its
+    /// perplexity against the slice's full-cache value.
+    #[arg(long)]
+    probe: Option<PathBuf>,
+    /// Tokens of the probe's slice (the text's first).
+    #[arg(long, default_value_t = 256)]
+    probe_tokens: usize,
+    /// Seconds between two probes.
+    #[arg(long, default_value_t = 30)]
+    probe_every: u64,
+}
+
+/// The quality probe `--probe` asks for: its text's first tokens.
+fn probe(a: &Args, engine: &Engine) -> Result<Option<ProbeConfig>, String> {
+    let Some(path) = &a.probe else {
+        return Ok(None);
+    };
+    let text =
+        std::fs::read_to_string(path).map_err(|e| format!("--probe {}: {e}", path.display()))?;
+    let mut tokens = engine
+        .tokenizer()
+        .encode_text(&text)
+        .map_err(|e| format!("--probe {}: {e}", path.display()))?;
+    tokens.truncate(a.probe_tokens);
+    let p = ProbeConfig {
+        tokens,
+        every: Duration::from_secs(a.probe_every),
+    };
+    p.check()?;
+    Ok(Some(p))
 }
 
 /// The engine, its reuse, and the remote tier the mechanisms file names.
@@ -186,6 +218,7 @@ fn run(a: Args) -> Result<(), String> {
             max_batch: a.max_batch,
             max_step_tokens: a.max_step_tokens,
             max_waiting: a.max_waiting,
+            probe: probe(&a, &engine)?,
         },
         reuse,
         api_keys: a.api_key.clone(),

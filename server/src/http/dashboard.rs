@@ -44,6 +44,7 @@ fn snapshot(app: &App, before: Option<&Value>) -> Value {
     let m = lock(&app.shared.metrics).clone();
     let cache = lock(&app.shared.cache).clone();
     let sequences = lock(&app.shared.strips).clone();
+    let probe = lock(&app.shared.probe).clone();
     let t = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64());
@@ -62,6 +63,7 @@ fn snapshot(app: &App, before: Option<&Value>) -> Value {
         "cache": cache,
         "sequences": sequences,
         "recent": m.recent,
+        "probe": probe,
     });
     let count = |v: &Value, field: &str| -> u64 {
         let c = &v["cache"]["policies"][field];

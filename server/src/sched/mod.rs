@@ -48,6 +48,7 @@ use crate::metrics::Ended;
 mod admit;
 mod fork;
 mod job;
+mod probe;
 mod shared;
 mod step;
 #[cfg(test)]
@@ -65,6 +66,8 @@ pub struct SchedConfig {
     pub max_step_tokens: usize,
     /// Requests waiting at most; more are refused with 429.
     pub max_waiting: usize,
+    /// The quality probe, if any.
+    pub probe: Option<ProbeConfig>,
 }
 
 impl Default for SchedConfig {
@@ -73,11 +76,13 @@ impl Default for SchedConfig {
             max_batch: 16,
             max_step_tokens: 256,
             max_waiting: 256,
+            probe: None,
         }
     }
 }
 
 pub use job::{Alt, Event, Job, Outcome, Scored, Text};
+pub use probe::{PROBE_CHUNK, PROBE_PREFIX, ProbeConfig, ProbePoint, ProbeReading};
 pub use shared::{Msg, Shared, lock};
 pub use watch::Strip;
 
@@ -205,6 +210,8 @@ pub struct Scheduler {
     fetched_tx: mpsc::Sender<(u64, Option<RemoteFetched>)>,
     fetched: mpsc::Receiver<(u64, Option<RemoteFetched>)>,
     tickets: u64,
+    /// When the next quality probe runs (`None`: no probe).
+    probe_next: Option<Instant>,
 }
 
 /// How often a loop with nothing to do but wait for remote lookups (of
@@ -221,7 +228,9 @@ impl Scheduler {
         fault: Option<Fault>,
     ) -> Self {
         let (fetched_tx, fetched) = mpsc::channel();
+        let probe_next = cfg.probe.as_ref().map(|_| Instant::now());
         Scheduler {
+            probe_next,
             fetched_tx,
             fetched,
             tickets: 0,
@@ -246,9 +255,15 @@ impl Scheduler {
                     break;
                 }
                 self.publish();
-                match rx.recv() {
+                // Idle, the loop still wakes for the quality probe.
+                let got = match self.probe_wait() {
+                    None => rx.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected),
+                    Some(wait) => rx.recv_timeout(wait),
+                };
+                match got {
                     Ok(m) => self.take(m),
-                    Err(_) => break,
+                    Err(mpsc::RecvTimeoutError::Timeout) => {}
+                    Err(mpsc::RecvTimeoutError::Disconnected) => break,
                 }
             } else if self.only_lookups() {
                 match rx.recv_timeout(LOOKUP_POLL) {
@@ -275,6 +290,7 @@ impl Scheduler {
                     "the engine step failed: {what}"
                 )));
             }
+            self.probe_if_due();
         }
         // Blocks queued for the remote tier get a short, bounded chance.
         if !self.engine.cache().remote_flush(REMOTE_FLUSH) {

@@ -9,6 +9,7 @@ use std::time::Instant;
 use kvforge_engine::cache::CacheStats;
 
 use super::job::Job;
+use super::probe::ProbeReading;
 use super::watch::Strip;
 use crate::metrics::ServeMetrics;
 
@@ -27,6 +28,8 @@ pub struct Shared {
     pub watchers: AtomicUsize,
     /// The running requests' block tables after the latest step.
     pub strips: Mutex<Vec<Strip>>,
+    /// The quality probe's readings.
+    pub probe: Mutex<ProbeReading>,
 }
 
 /// Locks `m`, whatever a panicking holder left (plain counters).
