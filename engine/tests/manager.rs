@@ -787,6 +787,8 @@ fn every_counter_reaches_the_json_and_the_prometheus_text() {
                 compacted_blocks,
                 evicted_idle_entries,
                 steps,
+                reused_hot_blocks,
+                reused_cold_blocks,
             }),
         ),
         (

@@ -96,6 +96,14 @@ pub trait EvictionPolicy: Send {
     /// A short name for reports (`sink-window`, `h2o` …).
     fn name(&self) -> String;
 
+    /// For a policy that evicts by watermark: the fractions of the byte
+    /// budget at which it starts (`high`) and to which it brings the bytes
+    /// back (`low`), for a monitor to draw. `None` (the default): it
+    /// evicts by another rule.
+    fn watermark(&self) -> Option<(f64, f64)> {
+        None
+    }
+
     /// Whether [`observe`](Self::observe) wants the attention mass of each
     /// entry (the attention backend computes it only when asked).
     fn wants_attention(&self) -> bool {

@@ -152,3 +152,20 @@ fn a_probe_too_short_or_never_due_is_refused_at_start() {
         assert!(e.contains(want), "{e}");
     }
 }
+
+#[test]
+fn a_watermark_policy_s_fractions_reach_the_page() {
+    let mut cfg = EngineConfig::default();
+    let params = serde_json::json!({"sink": 4, "window": 16, "high": 0.9, "low": 0.7});
+    cfg.evict_with(&kvforge_engine::Registry::builtin(), "h2o", params)
+        .unwrap();
+    for (engine, want) in [
+        (tiny_engine(&cfg, 1024), serde_json::json!([0.9, 0.7])),
+        (tiny_engine(&EngineConfig::default(), 1024), Value::Null),
+    ] {
+        let s = TestServer::start(engine, ServerConfig::default());
+        let r = client::request(&s.addr, "GET", "/dashboard/stream", &[], b"", TIMEOUT).unwrap();
+        let first: Value = serde_json::from_str(&r.events().next().unwrap().unwrap()).unwrap();
+        assert_eq!(first["cache"]["watermark"], want);
+    }
+}

@@ -1,5 +1,6 @@
 //! `Coordinator::watch_index`: refused without an index or on a full one;
-//! once watched, a registered sequence's blocks are reported stored.
+//! once watched, a registered sequence's blocks are reported stored; the
+//! blocks a sequence reopens on are counted by tier.
 
 use std::sync::{Arc, Mutex};
 
@@ -56,4 +57,10 @@ fn a_watched_index_reports_what_a_register_stores() {
         .unwrap_err();
     assert!(e.to_string().contains("empty"), "{e}");
     c.close(o.seq).unwrap();
+    // The same prompt again opens on its two full blocks, both hot.
+    let again = c.open(&prompt, &ns).unwrap();
+    assert_eq!(again.reused, 8);
+    let n = c.counters();
+    assert_eq!((n.reused_hot_blocks, n.reused_cold_blocks), (2, 0));
+    c.close(again.seq).unwrap();
 }

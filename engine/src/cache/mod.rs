@@ -54,6 +54,9 @@ pub struct CacheStats {
     pub policies: kvforge_coordinator::Counters,
     /// The remote tier's counters, when there is one.
     pub remote: Option<kvforge_remote::RemoteStats>,
+    /// The eviction policy's watermark (`high`, `low` fractions of the
+    /// budget), when it evicts by one.
+    pub watermark: Option<(f64, f64)>,
 }
 #[cfg(test)]
 mod tests;
@@ -268,6 +271,7 @@ impl PagedKvCache {
             sharing: c.share_stats(),
             policies: c.counters(),
             remote: self.remote_stats(),
+            watermark: c.eviction_watermark(),
         }
     }
 

@@ -29,6 +29,13 @@ impl EvictionPolicy for Scored {
         format!("{score}-{trigger}-sink{}-window{}", self.sink, self.window)
     }
 
+    fn watermark(&self) -> Option<(f64, f64)> {
+        match self.trigger {
+            Trigger::Watermark { high, low } => Some((high, low)),
+            Trigger::Tokens(_) => None,
+        }
+    }
+
     fn wants_attention(&self) -> bool {
         self.score != Score::KeyDiff
     }

@@ -8,6 +8,7 @@
 use kvforge_engine::cache::CacheStats;
 use kvforge_engine::metrics::{Exposition, MetricKind, Rows, label};
 
+mod cache;
 mod remote;
 #[cfg(test)]
 mod tests;
@@ -200,14 +201,6 @@ fn n(v: u64) -> Rows {
     one(v as f64)
 }
 
-fn per_tier(cache: &CacheStats, f: impl Fn(&kvforge_pool::PoolStats) -> u64) -> Rows {
-    cache
-        .tiers
-        .iter()
-        .map(|t| (label("tier", t.name), f(&t.pool) as f64))
-        .collect()
-}
-
 /// The text `/metrics` answers: the server's series, then the cache's
 /// (bytes and blocks per tier, what the policies did), the remote tier's,
 /// and the latency histograms; every row labelled with `model_name` (as
@@ -215,7 +208,7 @@ fn per_tier(cache: &CacheStats, f: impl Fn(&kvforge_pool::PoolStats) -> u64) -> 
 pub fn render(m: &ServeMetrics, cache: &CacheStats, model_name: &str) -> String {
     let mut out = Exposition::with_labels(&[("model_name", model_name)]);
     write(&mut out, SERVER, m);
-    write(&mut out, CACHE, cache);
+    write(&mut out, cache::SERIES, cache);
     if let Some(r) = &cache.remote {
         write(&mut out, remote::SERIES, r);
         remote::histogram(
@@ -320,75 +313,5 @@ const SERVER: &[Series<ServeMetrics>] = &[
         "engine_steps_total",
         "Engine loop steps that ran the model.",
         |m| n(m.steps),
-    ),
-];
-
-/// The cache's series, from the coordinator's counters.
-const CACHE: &[Series<CacheStats>] = &[
-    (
-        "kv_cache_usage_perc",
-        "KV bytes in use over the byte budget (1 = full).",
-        |c| {
-            let used = c.bytes_in_use as f64 / c.budget_bytes as f64;
-            one(if c.budget_bytes > 0 { used } else { 0.0 })
-        },
-    ),
-    (
-        "kv_budget_bytes",
-        "Bytes all KV tiers may hold in use.",
-        |c| n(c.budget_bytes),
-    ),
-    (
-        "kv_bytes_in_use",
-        "Bytes of KV blocks in use, per tier.",
-        |c| per_tier(c, |t| t.in_use_bytes),
-    ),
-    ("kv_blocks_in_use", "KV blocks in use, per tier.", |c| {
-        per_tier(c, |t| t.in_use as u64)
-    }),
-    (
-        "kv_blocks_cached_free",
-        "Free KV blocks still holding cached prefixes, per tier.",
-        |c| per_tier(c, |t| t.cached_free as u64),
-    ),
-    (
-        "evicted_entries_total",
-        "KV entries dropped by the eviction policy.",
-        |c| n(c.policies.evicted_entries),
-    ),
-    (
-        "evicted_idle_entries_total",
-        "Of those, entries taken from idle sequences for another's step.",
-        |c| n(c.policies.evicted_idle_entries),
-    ),
-    (
-        "evicted_tokens_total",
-        "Tokens dropped by token-level eviction.",
-        |c| n(c.policies.evicted_tokens),
-    ),
-    (
-        "demoted_blocks_total",
-        "Hot blocks moved to the quantized cold tier.",
-        |c| n(c.policies.demoted_blocks),
-    ),
-    (
-        "lifecycle_dropped_entries_total",
-        "KV entries the context lifecycle dropped.",
-        |c| n(c.policies.lifecycle_dropped_entries),
-    ),
-    (
-        "shared_blocks_total",
-        "Cold blocks stored once for several holders.",
-        |c| n(c.sharing.map_or(0, |s| s.shared)),
-    ),
-    (
-        "prefix_index_hit_blocks_total",
-        "Blocks the prefix index returned.",
-        |c| n(c.index.unwrap_or_default().hit_blocks),
-    ),
-    (
-        "prefix_index_inserted_blocks_total",
-        "Blocks registered in the prefix index.",
-        |c| n(c.index.unwrap_or_default().inserted_blocks),
     ),
 ];

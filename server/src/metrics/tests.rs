@@ -79,6 +79,7 @@ fn sample() -> (ServeMetrics, CacheStats) {
             },
             ..RemoteStats::default()
         }),
+        watermark: None,
     };
     (m, cache)
 }

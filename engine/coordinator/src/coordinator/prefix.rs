@@ -59,6 +59,13 @@ impl Coordinator {
             self.release_all(&[last.block])?;
             m.truncate(m.blocks.len() - 1);
         }
+        let hot = m
+            .blocks
+            .iter()
+            .filter(|b| TieredPool::tier_of(b.block) == HOT)
+            .count();
+        self.counters.reused_hot_blocks += hot as u64;
+        self.counters.reused_cold_blocks += (m.blocks.len() - hot) as u64;
         let seq = self.open_empty();
         let s = self.seqs.get_mut(&seq).ok_or(CoordError::UnknownSeq(seq))?;
         for b in &m.blocks {

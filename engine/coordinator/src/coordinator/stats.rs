@@ -57,6 +57,12 @@ pub struct Counters {
     pub evicted_idle_entries: u64,
     /// Steps committed.
     pub steps: u64,
+    /// Cached blocks a sequence opened on, from the hot tier (prefix hits
+    /// served at full precision).
+    pub reused_hot_blocks: u64,
+    /// Cached blocks a sequence opened on, from the cold tier (prefix hits
+    /// served quantized).
+    pub reused_cold_blocks: u64,
 }
 
 impl Coordinator {
@@ -152,5 +158,11 @@ impl Coordinator {
     /// (every policy a mechanisms file names).
     pub fn evicts(&self) -> bool {
         self.evict.is_some()
+    }
+
+    /// The eviction policy's watermark (`high`, `low` fractions of the
+    /// budget), when it evicts by one.
+    pub fn eviction_watermark(&self) -> Option<(f64, f64)> {
+        self.evict.as_ref().and_then(|p| p.watermark())
     }
 }
