@@ -32,6 +32,8 @@ import time
 SERVE = "target/release/kvforge-serve"
 MODEL = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_ID = "SmolLM2-135M-Instruct.Q4_1"
+KEY = "overhead"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def free_port():
@@ -53,7 +55,9 @@ def rss_kib(pid):
 def start(port, events):
     args = [SERVE, "--model", MODEL, "--host", "127.0.0.1", "--port", str(port)]
     if events:
+        # Events need keys; both arms take the same one.
         args.append("--kv-events")
+    args += ["--api-key", KEY]
     p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(600):
         try:
@@ -72,7 +76,7 @@ def reader(port, path, stop):
     """A subscriber that reads everything until stopped or the server goes
     (blocking reads: a socket that timed out once cannot be read again)."""
     c = http.client.HTTPConnection("127.0.0.1", port)
-    c.request("GET", path)
+    c.request("GET", path, headers=AUTH)
     r = c.getresponse()
     try:
         while not stop.is_set() and r.read1(65536):
@@ -87,7 +91,7 @@ def never_reads(port):
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.connect(("127.0.0.1", port))
-    s.sendall(b"GET /v1/kv_events HTTP/1.1\r\nHost: x\r\n\r\n")
+    s.sendall(f"GET /v1/kv_events HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n\r\n".encode())
     return s
 
 
@@ -104,7 +108,7 @@ def client(port, cid, requests, max_tokens, out):
             "temperature": 0,
             "ignore_eos": True,
         }
-        c.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        c.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json", **AUTH})
         r = c.getresponse()
         v = json.loads(r.read())
         if r.status != 200:

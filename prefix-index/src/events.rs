@@ -313,6 +313,17 @@ impl<M: PrefixMatcher> PrefixMatcher for Watched<M> {
         forgotten
     }
 
+    /// Every block's removal in one batch (a pool reclaims many at once).
+    fn forget_all(&mut self, blocks: &[BlockId]) -> usize {
+        let mut forgotten = 0;
+        for &b in blocks {
+            forgotten += usize::from(self.inner.forget(b));
+            self.remove(b);
+        }
+        self.flush();
+        forgotten
+    }
+
     fn relocate(&mut self, old: BlockId, new: BlockId) -> bool {
         let moved = self.inner.relocate(old, new);
         // The index's rule: an older epoch of `new`'s slot is forgotten

@@ -237,7 +237,13 @@ fn random_walk<M: PrefixMatcher>(inner: M, seed: u64) {
             }
         } else if op < 8 {
             let b = used[rng.below(used.len() as u64) as usize];
-            ix.forget(b);
+            if rng.below(2) == 0 {
+                ix.forget(b);
+            } else {
+                // A pool's reclaimed list: several at once, one batch.
+                let c = used[rng.below(used.len() as u64) as usize];
+                ix.forget_all(&[b, c]);
+            }
         } else {
             let old = used[rng.below(used.len() as u64) as usize];
             let new = handle(&mut rng, &mut epochs);

@@ -105,6 +105,30 @@ impl Default for ServerConfig {
     }
 }
 
+/// The KV events' log, its sink on the engine's prefix index, when
+/// `--kv-events` asks for them.
+fn watch_index(
+    engine: &Engine,
+    cfg: &ServerConfig,
+) -> Result<Option<Arc<events::EventLog>>, String> {
+    let Some(cap) = cfg.kv_events else {
+        return Ok(None);
+    };
+    if cap == 0 {
+        return Err("--kv-events-buffer must be at least 1".into());
+    }
+    if cfg.api_keys.is_empty() {
+        return Err("--kv-events needs --api-key: the events carry the token ids of the prompts they store, and a server without keys serves every caller as one tenant".into());
+    }
+    let log = events::EventLog::new(cap);
+    let sink = Box::new(events::LogSink(log.clone()));
+    engine
+        .cache()
+        .with_coordinator(|c| c.watch_index(sink, 0))
+        .map_err(|e| format!("--kv-events: {e}"))?;
+    Ok(Some(log))
+}
+
 /// A running engine loop and the routes in front of it.
 pub struct Server {
     app: Arc<http::App>,
@@ -129,9 +153,6 @@ impl Server {
                     .into(),
             );
         }
-        if cfg.kv_events == Some(0) {
-            return Err("--kv-events-buffer must be at least 1".into());
-        }
         if cfg.header_timeout.is_zero() || cfg.body_timeout.is_zero() {
             return Err("--header-timeout-secs and --body-timeout-secs must be positive".into());
         }
@@ -143,14 +164,7 @@ impl Server {
             .set_remote(cfg.remote.clone())
             .map_err(|e| e.to_string())?;
         engine.cache().check_every_call(cfg.check_invariants);
-        let kv_events = cfg.kv_events.map(events::EventLog::new);
-        if let Some(log) = &kv_events {
-            let sink = Box::new(events::LogSink(log.clone()));
-            engine
-                .cache()
-                .with_coordinator(|c| c.watch_index(sink, 0))
-                .map_err(|e| format!("--kv-events: {e}"))?;
-        }
+        let kv_events = watch_index(&engine, &cfg)?;
         let stats = engine.cache().stats();
         let hot = stats.tiers.first().map(|t| t.pool);
         let max_kv_tokens = (engine.cache().grows_only_hot())
@@ -178,7 +192,10 @@ impl Server {
             .map_or_else(kvforge_remote::Secret::random, |r| r.secret.clone());
         let auth = http::Auth::new(&cfg.api_keys, secret)?;
         let remote = engine.cache().remote_stats_source();
-        let shared = Arc::new(sched::Shared::default());
+        let shared = Arc::new(sched::Shared {
+            kv_events,
+            ..sched::Shared::default()
+        });
         // The cache's reading from the start, so that `/metrics` and the
         // dashboard never answer before the loop's first publish.
         *sched::lock(&shared.cache) = Some(engine.cache().stats());
@@ -207,7 +224,6 @@ impl Server {
             cfg.sched.max_waiting,
             tx.clone(),
             shared,
-            kv_events,
         ));
         Ok(Server {
             app,

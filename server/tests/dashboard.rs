@@ -64,10 +64,11 @@ fn snapshots_carry_the_tiers_and_mark_a_demotion() {
     let r = s.post("/v1/chat/completions", &chat(&"word ".repeat(60), 4));
     assert_eq!(r.status, 200);
     // Bounded: the marker, and the finished request's timings, come
-    // with the next snapshot or two (one taken while the request ran may
-    // still be on its way).
+    // with the next snapshots (those taken while the request ran come
+    // first); bounded by time, not by a count a slow machine could exceed.
     let mut marked = false;
-    for _ in 0..5 {
+    let t = std::time::Instant::now();
+    while t.elapsed() < Duration::from_secs(60) {
         let snap = next();
         assert!(snap["sequences"].is_array());
         let marks = snap["marks"].as_array().unwrap();
@@ -86,7 +87,7 @@ fn snapshots_carry_the_tiers_and_mark_a_demotion() {
             return;
         }
     }
-    panic!("no demotion marker and finished request in five snapshots");
+    panic!("no demotion marker and finished request in a minute of snapshots");
 }
 
 /// A slice of the real tokenizer's ids (the tiny model reads them).
@@ -117,7 +118,8 @@ fn the_probe_through_a_plain_cache_matches_the_full_cache() {
     let s = TestServer::tiny(cfg);
     let r = client::request(&s.addr, "GET", "/dashboard/stream", &[], b"", TIMEOUT).unwrap();
     let mut ev = r.events();
-    for _ in 0..5 {
+    let t = std::time::Instant::now();
+    while t.elapsed() < Duration::from_secs(60) {
         let snap: Value = serde_json::from_str(&ev.next().unwrap().unwrap()).unwrap();
         let p = &snap["probe"];
         let full = p["full_cache"].as_f64().unwrap();
@@ -131,7 +133,7 @@ fn the_probe_through_a_plain_cache_matches_the_full_cache() {
             return;
         }
     }
-    panic!("no probe in five snapshots");
+    panic!("no probe in a minute of snapshots");
 }
 
 #[test]

@@ -106,21 +106,23 @@ fn each_tenant_sees_its_own_blocks_stored_and_no_one_elses() {
     }
 }
 
+const AUTH: [(&str, &str); 1] = [("Authorization", "Bearer k")];
+
 #[test]
 fn blocks_the_pool_reclaims_are_removed() {
     let cfg = EngineConfig {
         kv_tokens: 128,
         ..EngineConfig::default()
     };
-    let s = TestServer::start(tiny_engine(&cfg, 4096), keyed(&[]));
-    let mut ev = subscribe(&s, &[]);
+    let s = TestServer::start(tiny_engine(&cfg, 4096), keyed(&["k"]));
+    let mut ev = subscribe(&s, &AUTH);
     assert_eq!(next(&mut ev)["seq"], 1);
     let mut stored = Vec::new();
     // Distinct prompts fill the pool's 8 blocks; the next ones reclaim
     // cached blocks, which leave the index.
     for i in 0..12 {
         let prompt = format!("{i} {i} {i} {PROMPT}");
-        assert_eq!(s.post(CHAT, &chat(&prompt, 2)).status, 200);
+        assert_eq!(s.post_with(CHAT, &AUTH, &chat(&prompt, 2)).status, 200);
         let b = next(&mut ev);
         stored.extend(hashes(&b, "BlockStored"));
         let removed = hashes(&b, "BlockRemoved");
@@ -135,54 +137,111 @@ fn blocks_the_pool_reclaims_are_removed() {
     panic!("12 prompts through 8 blocks removed nothing");
 }
 
+fn salted(prompt: &str, salt: &str) -> Value {
+    let mut b = chat(prompt, 2);
+    b["cache_salt"] = salt.into();
+    b
+}
+
+fn subscribe_at(s: &TestServer, path: &str) -> Events {
+    let r = client::request(&s.addr, "GET", path, &AUTH, b"", TIMEOUT).unwrap();
+    assert_eq!(r.status, 200);
+    r.events()
+}
+
 #[test]
-fn a_subscriber_behind_the_buffer_is_told_what_it_missed() {
+fn a_salt_reads_its_own_batches_only() {
+    let s = TestServer::tiny(keyed(&["k"]));
+    let mut u1 = subscribe_at(&s, "/v1/kv_events?cache_salt=u1");
+    let mut plain = subscribe_at(&s, "/v1/kv_events");
+    assert_eq!(next(&mut u1)["seq"], 1);
+    assert_eq!(next(&mut plain)["seq"], 1);
+    for (prompt, salt) in [("one", "u1"), ("two", "u2"), ("three", ""), ("four", "u1")] {
+        let body = if salt.is_empty() {
+            chat(&format!("{prompt} {PROMPT}"), 2)
+        } else {
+            salted(&format!("{prompt} {PROMPT}"), salt)
+        };
+        assert_eq!(s.post_with(CHAT, &AUTH, &body).status, 200);
+    }
+    // Batches 2 (u1), 3 (u2), 4 (no salt), 5 (u1): each reader its own.
+    assert_eq!(next(&mut u1)["seq"], 2);
+    assert_eq!(next(&mut u1)["seq"], 5);
+    assert_eq!(next(&mut plain)["seq"], 4);
+    let r = client::request(&s.addr, "GET", "/v1/kv_events?salt=u1", &AUTH, b"", TIMEOUT).unwrap();
+    let (msg, _, _) = error_of(r, 400);
+    assert!(msg.contains("cache_salt"), "{msg}");
+}
+
+/// The id of a batch, from its data.
+fn id_of(batch: &Value) -> String {
+    format!("{}-{}", batch["epoch"].as_str().unwrap(), batch["seq"])
+}
+
+#[test]
+fn a_subscriber_behind_the_buffer_is_told_what_it_missed_and_resumes() {
     let s = TestServer::tiny(ServerConfig {
         kv_events: Some(2),
-        ..ServerConfig::default()
+        ..keyed(&["k"])
     });
     for i in 0..4 {
         let prompt = format!("{i} {PROMPT}");
-        assert_eq!(s.post(CHAT, &chat(&prompt, 2)).status, 200);
+        assert_eq!(s.post_with(CHAT, &AUTH, &chat(&prompt, 2)).status, 200);
     }
     // Batches 1 (the start) to 5; the buffer keeps the last two.
-    let mut ev = subscribe(&s, &[]);
+    let mut ev = subscribe(&s, &AUTH);
     let m = next(&mut ev);
     assert_eq!(
         (m["missed"].as_u64(), m["from"].as_u64(), m["to"].as_u64()),
         (Some(3), Some(1), Some(3))
     );
-    assert_eq!(next(&mut ev)["seq"], 4);
+    let four = next(&mut ev);
+    assert_eq!(four["seq"], 4);
     assert_eq!(next(&mut ev)["seq"], 5);
     // Resuming after batch 4 replays batch 5 only.
-    let mut again = subscribe(&s, &[("Last-Event-ID", "4")]);
+    let id = id_of(&four);
+    let mut again = subscribe(&s, &[AUTH[0], ("Last-Event-ID", &id)]);
     assert_eq!(next(&mut again)["seq"], 5);
-    let r = client::request(
-        &s.addr,
-        "GET",
-        "/v1/kv_events",
-        &[("Last-Event-ID", "four")],
-        b"",
-        TIMEOUT,
-    )
-    .unwrap();
-    let (msg, _, _) = error_of(r, 400);
-    assert!(msg.contains("Last-Event-ID"), "{msg}");
+    // Another epoch's id (the server restarted) or one past the last batch
+    // starts again from the oldest kept, saying what is missing.
+    let epoch = four["epoch"].as_str().unwrap();
+    let beyond = format!("{epoch}-{}", u64::MAX);
+    for id in ["0000000000000000-4", beyond.as_str()] {
+        let mut from_start = subscribe(&s, &[AUTH[0], ("Last-Event-ID", id)]);
+        assert_eq!(next(&mut from_start)["missed"], 3, "{id}");
+        assert_eq!(next(&mut from_start)["seq"], 4, "{id}");
+    }
+    for bad in ["four", "4"] {
+        let h = [AUTH[0], ("Last-Event-ID", bad)];
+        let r = client::request(&s.addr, "GET", "/v1/kv_events", &h, b"", TIMEOUT).unwrap();
+        let (msg, _, _) = error_of(r, 400);
+        assert!(msg.contains("Last-Event-ID"), "{msg}");
+    }
 }
 
 #[test]
-fn events_are_off_unless_asked_for() {
+fn events_are_off_unless_asked_for_and_need_api_keys() {
     let s = TestServer::tiny(ServerConfig::default());
     let (msg, _, _) = error_of(s.get("/v1/kv_events"), 404);
     assert!(msg.contains("--kv-events"), "{msg}");
-    let e = kvforge_server::Server::start(
-        tiny_engine(&EngineConfig::default(), 256),
-        ServerConfig {
-            kv_events: Some(0),
-            ..ServerConfig::default()
-        },
-    )
-    .err()
-    .unwrap();
-    assert!(e.contains("--kv-events-buffer"), "{e}");
+    for (cfg, want) in [
+        (
+            ServerConfig {
+                kv_events: Some(0),
+                ..keyed(&["k"])
+            },
+            "--kv-events-buffer",
+        ),
+        (
+            ServerConfig {
+                kv_events: Some(8),
+                ..ServerConfig::default()
+            },
+            "--api-key",
+        ),
+    ] {
+        let engine = tiny_engine(&EngineConfig::default(), 256);
+        let e = kvforge_server::Server::start(engine, cfg).err().unwrap();
+        assert!(e.contains(want), "{e}");
+    }
 }

@@ -51,11 +51,22 @@ fn a_watched_index_reports_what_a_register_stores() {
         })
         .collect();
     assert_eq!(stored[..2], [vec![0, 1, 2, 3], vec![4, 5, 6, 7]]);
-    // A second watch, on an index that holds blocks, is refused.
+    // A second watch is refused, and so is a first on an index that
+    // holds blocks (their events were never sent).
     let e = c
         .watch_index(Box::new(Collect(log.clone())), 0)
         .unwrap_err();
+    assert!(e.to_string().contains("watched already"), "{e}");
+    let mut full = checked(config(true));
+    let o2 = full.open(&prompt, &ns).unwrap();
+    full.plan(o2.seq, prompt.len()).fits();
+    full.commit(o2.seq).unwrap();
+    full.register(o2.seq, &prompt, &ns).unwrap();
+    let e = full
+        .watch_index(Box::new(Collect(log.clone())), 0)
+        .unwrap_err();
     assert!(e.to_string().contains("empty"), "{e}");
+    full.close(o2.seq).unwrap();
     c.close(o.seq).unwrap();
     // The same prompt again opens on its two full blocks, both hot.
     let again = c.open(&prompt, &ns).unwrap();

@@ -1,9 +1,11 @@
 //! `GET /dashboard`: one page that draws the cache live, and
 //! `GET /dashboard/stream`, the snapshots it draws (server-sent events,
-//! one a second). Like `/metrics`, both show the server's totals — bytes
-//! per tier, what the policies did, hit rates, latency, the running
+//! one a second). Like `/metrics`, both ask for no API key (a browser's
+//! EventSource sends no headers) and show what an operator sees: the
+//! server's totals — bytes per tier, what the policies did, hit rates,
+//! latency — and, across tenants, per-request shapes: the running
 //! requests' block tables (entry kinds only) and the last requests'
-//! timings — and no tenant's tokens or keys, so they ask for no API key.
+//! lengths and timings; never tokens or keys.
 
 use std::convert::Infallible;
 use std::sync::Arc;

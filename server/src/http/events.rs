@@ -1,13 +1,13 @@
 //! `GET /v1/kv_events`: a tenant's KV events as server-sent events (the
 //! log and its rules: `crate::events`).
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use axum::extract::State;
+use axum::extract::{Query, State};
 use axum::http::HeaderMap;
 use axum::response::sse::{Event as Sse, KeepAlive, Sse as SseBody};
 use axum::response::{IntoResponse, Response};
@@ -25,6 +25,7 @@ struct Sub {
     log: Arc<EventLog>,
     app: Arc<App>,
     tenant: String,
+    salt: Option<String>,
     cursor: u64,
     ready: VecDeque<Sse>,
 }
@@ -39,15 +40,17 @@ impl Sub {
             let notified = self.log.notify.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            let r = self.log.read(&self.tenant, self.cursor);
+            let r = self
+                .log
+                .read(&self.tenant, self.salt.as_deref(), self.cursor);
             if let Some((from, to)) = r.missed {
                 let data = json!({"missed": to - from + 1, "from": from, "to": to});
                 self.ready
                     .push_back(Sse::default().event("missed").data(data.to_string()));
             }
+            self.cursor = r.upto;
             for b in r.batches {
-                self.cursor = b.seq;
-                let e = Sse::default().id(b.seq.to_string()).event("kv");
+                let e = Sse::default().id(self.log.id(b.seq)).event("kv");
                 self.ready.push_back(e.data(&*b.json));
             }
             if !self.ready.is_empty() {
@@ -58,37 +61,45 @@ impl Sub {
     }
 }
 
-/// `GET /v1/kv_events`: the caller's tenant's batches, as SSE.
-pub(super) async fn subscribe(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
+/// `GET /v1/kv_events[?cache_salt=S]`: the caller's batches of one
+/// namespace (its API key's, with that `cache_salt` or none), as SSE.
+pub(super) async fn subscribe(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
     let tenant = match app.auth.authorize(&headers) {
         Ok(ns) => ns,
         Err(e) => return e.into_response(),
     };
-    let Some(log) = app.kv_events.clone() else {
+    let Some(log) = app.shared.kv_events.clone() else {
         let mut e =
             ApiError::invalid("KV events are off on this server: start it with --kv-events");
         e.status = 404;
         return e.into_response();
     };
+    if let Some(k) = q.keys().find(|k| *k != "cache_salt") {
+        return ApiError::invalid(format!(
+            "unknown query parameter {k:?}; /v1/kv_events takes cache_salt"
+        ))
+        .into_response();
+    }
     let cursor = match headers.get("last-event-id").map(|v| v.to_str()) {
         None => 0,
-        Some(Ok(s)) => match s.trim().parse::<u64>() {
+        Some(Ok(s)) => match log.cursor(s) {
             Ok(n) => n,
-            Err(_) => {
-                return ApiError::invalid(format!(
-                    "Last-Event-ID must be a batch number (a non-negative integer), not {s:?}"
-                ))
-                .into_response();
-            }
+            Err(e) => return ApiError::invalid(e).into_response(),
         },
         Some(Err(_)) => {
-            return ApiError::invalid("Last-Event-ID must be a batch number").into_response();
+            return ApiError::invalid("Last-Event-ID must be an id this stream sent")
+                .into_response();
         }
     };
     let sub = Sub {
         log,
         app,
         tenant,
+        salt: q.get("cache_salt").cloned(),
         cursor,
         ready: VecDeque::new(),
     };

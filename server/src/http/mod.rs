@@ -53,8 +53,6 @@ pub struct App {
     pub tx: mpsc::Sender<Msg>,
     /// Shared with the loop.
     pub shared: Arc<Shared>,
-    /// The KV events' log, when they are on (`--kv-events`).
-    pub kv_events: Option<Arc<crate::events::EventLog>>,
     next_id: AtomicU64,
 }
 
@@ -71,7 +69,6 @@ impl App {
         max_waiting: usize,
         tx: mpsc::Sender<Msg>,
         shared: Arc<Shared>,
-        kv_events: Option<Arc<crate::events::EventLog>>,
     ) -> Self {
         App {
             limits,
@@ -83,7 +80,6 @@ impl App {
             max_waiting,
             tx,
             shared,
-            kv_events,
             next_id: AtomicU64::new(1),
         }
     }

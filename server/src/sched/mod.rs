@@ -82,7 +82,7 @@ impl Default for SchedConfig {
 }
 
 pub use job::{Alt, Event, Job, Outcome, Scored, Text};
-pub use probe::{PROBE_CHUNK, PROBE_PREFIX, ProbeConfig, ProbePoint, ProbeReading};
+pub use probe::{MAX_EVERY, PROBE_CHUNK, PROBE_PREFIX, ProbeConfig, ProbePoint, ProbeReading};
 pub use shared::{Msg, Shared, lock};
 pub use watch::Strip;
 
@@ -372,18 +372,6 @@ impl Scheduler {
 
     fn cancel_all(&mut self) {
         self.fail_all(ApiError::shutting_down());
-    }
-
-    /// Publishes the gauges and the cache's counters.
-    fn publish(&self) {
-        let stats = self.engine.cache().stats();
-        *lock(&self.shared.cache) = Some(stats);
-        if self.shared.watchers.load(Ordering::Relaxed) > 0 {
-            *lock(&self.shared.strips) = self.strips();
-        }
-        let mut m = lock(&self.shared.metrics);
-        m.running = self.running.len();
-        m.waiting = self.shared.queued.load(Ordering::SeqCst);
     }
 }
 

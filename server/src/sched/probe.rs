@@ -19,6 +19,9 @@ pub const PROBE_PREFIX: usize = 32;
 /// Tokens per streamed chunk (the mechanisms act between chunks).
 pub const PROBE_CHUNK: usize = 16;
 
+/// The longest period between two probes (a day).
+pub const MAX_EVERY: Duration = Duration::from_secs(86_400);
+
 /// What to probe and how often.
 #[derive(Clone, Debug)]
 pub struct ProbeConfig {
@@ -38,8 +41,11 @@ impl ProbeConfig {
                 PROBE_PREFIX + PROBE_CHUNK
             ));
         }
-        if self.every.is_zero() {
-            return Err("--probe-every must be positive".into());
+        if self.every.is_zero() || self.every > MAX_EVERY {
+            return Err(format!(
+                "--probe-every must be between 1 and {} seconds",
+                MAX_EVERY.as_secs()
+            ));
         }
         Ok(())
     }
@@ -86,20 +92,27 @@ impl Scheduler {
             .map(|at| at.saturating_duration_since(Instant::now()))
     }
 
-    /// Runs the probe when it is due.
+    /// Runs the probe when it is due (never while stopping). A probe that
+    /// fails or panics records why; the loop goes on.
     pub(super) fn probe_if_due(&mut self) {
         let (Some(cfg), Some(at)) = (&self.cfg.probe, self.probe_next) else {
             return;
         };
-        if Instant::now() < at {
+        if Instant::now() < at || self.deadline.is_some() {
             return;
         }
         let t0 = Instant::now();
-        let r = self
-            .engine
-            .streaming_ppl(&cfg.tokens, PROBE_PREFIX, PROBE_CHUNK, 0);
+        let run = std::panic::AssertUnwindSafe(|| {
+            self.engine
+                .streaming_ppl(&cfg.tokens, PROBE_PREFIX, PROBE_CHUNK, 0)
+                .map_err(|e| e.to_string())
+        });
+        let r = std::panic::catch_unwind(run).unwrap_or_else(|p| {
+            let what = super::step::panic_text(&*p);
+            Err(format!("the probe panicked: {what}"))
+        });
         let seconds = t0.elapsed().as_secs_f64();
-        self.probe_next = Some(Instant::now() + cfg.every);
+        self.probe_next = Instant::now().checked_add(cfg.every);
         let t = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64());
@@ -115,7 +128,7 @@ impl Scheduler {
                 });
                 p.error = None;
             }
-            Err(e) => p.error = Some(e.to_string()),
+            Err(e) => p.error = Some(e),
         }
     }
 }

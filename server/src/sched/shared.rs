@@ -30,6 +30,9 @@ pub struct Shared {
     pub strips: Mutex<Vec<Strip>>,
     /// The quality probe's readings.
     pub probe: Mutex<ProbeReading>,
+    /// The KV events' log, when they are on (`--kv-events`): each step's
+    /// events are committed as its batches.
+    pub kv_events: Option<std::sync::Arc<crate::events::EventLog>>,
 }
 
 /// Locks `m`, whatever a panicking holder left (plain counters).

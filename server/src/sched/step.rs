@@ -165,6 +165,11 @@ impl Scheduler {
             tracing::error!("freeing a request's sequence failed: {e}");
         }
         r.seq = Sequence::default();
+        // What the index took goes out before the reply ends: a router
+        // that routes the next turn at once knows where its prefix is.
+        if let Some(log) = &self.shared.kv_events {
+            log.commit();
+        }
     }
 
     /// Ends, preempts or keeps each running request, as its step decided.

@@ -1,9 +1,12 @@
-//! What the dashboard shows of the running requests: each one's block
-//! table as a strip of entries, read while a dashboard watches.
+//! What the loop publishes after each step for the HTTP side: the cache's
+//! reading, the gauges, the KV events' batch, and — while a dashboard
+//! watches — each running request's block table as a strip of entries.
+
+use std::sync::atomic::Ordering;
 
 use kvforge_pool::Slot;
 
-use super::Scheduler;
+use super::{Scheduler, lock};
 
 /// One running request's block table.
 #[derive(Clone, Debug, serde::Serialize)]
@@ -29,6 +32,25 @@ fn letter(e: &kvforge_pool::Entry) -> char {
 }
 
 impl Scheduler {
+    /// Publishes the gauges and the cache's counters.
+    pub(super) fn publish(&self) {
+        let stats = self.engine.cache().stats();
+        *lock(&self.shared.cache) = Some(stats);
+        if self.shared.watchers.load(Ordering::Relaxed) > 0 {
+            *lock(&self.shared.strips) = self.strips();
+        } else {
+            // Unwatched, none kept: a dashboard opening later reads no
+            // stale tables.
+            lock(&self.shared.strips).clear();
+        }
+        if let Some(log) = &self.shared.kv_events {
+            log.commit();
+        }
+        let mut m = lock(&self.shared.metrics);
+        m.running = self.running.len();
+        m.waiting = self.shared.queued.load(Ordering::SeqCst);
+    }
+
     /// The running requests' strips, under one lock of the coordinator.
     pub(super) fn strips(&self) -> Vec<Strip> {
         self.engine.cache().with_coordinator(|c| {

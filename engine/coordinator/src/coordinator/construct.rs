@@ -88,6 +88,7 @@ impl Coordinator {
                 .as_ref()
                 .map(|p| index_from(p, hot.block_size()))
                 .transpose()?,
+            index_watched: false,
             tier_policy,
             evict: eviction_from(&cfg)?,
             dedup: dedup_from(&cfg)?,

@@ -149,6 +149,8 @@ pub struct Coordinator {
     budget: u64,
     tiers: TieredPool,
     index: Option<Box<dyn PrefixMatcher>>,
+    /// The index reports its events ([`Coordinator::watch_index`]).
+    index_watched: bool,
     tier_policy: Option<Box<dyn TierPolicy>>,
     evict: Option<Box<dyn EvictionPolicy>>,
     dedup: Option<Box<dyn Deduplicator>>,

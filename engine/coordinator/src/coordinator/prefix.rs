@@ -59,13 +59,6 @@ impl Coordinator {
             self.release_all(&[last.block])?;
             m.truncate(m.blocks.len() - 1);
         }
-        let hot = m
-            .blocks
-            .iter()
-            .filter(|b| TieredPool::tier_of(b.block) == HOT)
-            .count();
-        self.counters.reused_hot_blocks += hot as u64;
-        self.counters.reused_cold_blocks += (m.blocks.len() - hot) as u64;
         let seq = self.open_empty();
         let s = self.seqs.get_mut(&seq).ok_or(CoordError::UnknownSeq(seq))?;
         for b in &m.blocks {
@@ -77,6 +70,13 @@ impl Coordinator {
             s.table.push(slot, b.len, false)?;
         }
         s.copy_tail = copy && m.blocks.last().is_some_and(|b| b.len < bs);
+        let hot = m
+            .blocks
+            .iter()
+            .filter(|b| TieredPool::tier_of(b.block) == HOT)
+            .count();
+        self.counters.reused_hot_blocks += hot as u64;
+        self.counters.reused_cold_blocks += (m.blocks.len() - hot) as u64;
         Ok(Opened {
             seq,
             reused: m.tokens,
@@ -213,6 +213,11 @@ impl Coordinator {
     /// prefix reuse is off or the index holds blocks already. A
     /// reconfigured cache builds a new coordinator, unwatched.
     pub fn watch_index(&mut self, sink: Box<dyn EventSink>, seed: u64) -> Result<()> {
+        if self.index_watched {
+            return Err(CoordError::Config(
+                "the prefix index is watched already".into(),
+            ));
+        }
         let Some(index) = self.index.take_if(|i| i.stats().cached_blocks == 0) else {
             return Err(CoordError::Config(match self.index {
                 None => "KV events need prefix reuse on".into(),
@@ -220,6 +225,7 @@ impl Coordinator {
             }));
         };
         self.index = Some(Box::new(Watched::new(index, sink, seed)));
+        self.index_watched = true;
         Ok(())
     }
 
